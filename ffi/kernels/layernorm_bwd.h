@@ -1,0 +1,54 @@
+// The launcher API of the layernorm backward kernels: plain pointers, sizes and a stream.
+// This header is shared by the kernels (compiled by nvcc) and the XLA FFI glue (compiled by the
+// host compiler). It never includes an XLA header and every launcher returns a cudaError_t.
+//
+// The math, for one row of C elements, with mean and rstd saved by the forward pass:
+//   xhat_i = (x_i - mean) * rstd                 (centered: never E[x^2] - E[x]^2)
+//   g_i    = weight_i * dy_i
+//   a      = (1/C) * sum_i g_i
+//   b      = (1/C) * sum_i g_i * xhat_i
+//   dx_i   = (g_i - a - xhat_i * b) * rstd
+// and, summed over all rows,
+//   dweight_i = sum_rows dy_i * xhat_i,   dbias_i = sum_rows dy_i.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+namespace lnbwd {
+
+enum class Dtype { kF32, kBF16, kF16, kF64 };
+
+// Every kernel writes its outputs (never accumulates into them: XLA's buffers are uninitialized).
+struct LayernormBwdParams {
+  void* dx;             // [rows, C] dtype
+  void* dweight;        // [C] dtype
+  void* dbias;          // [C] dtype
+  const void* dy;       // [rows, C] dtype
+  const void* x;        // [rows, C] dtype
+  const void* weight;   // [C] dtype
+  const void* mean;     // [rows] float32 (float64 when dtype is kF64)
+  const void* rstd;     // [rows] float32 (float64 when dtype is kF64)
+  int64_t rows;
+  int64_t C;
+  Dtype dtype;
+  int block_size;       // threads per block; 0 picks the kernel's best
+  void* workspace;      // scratch from XLA: a header (flags) then per-block partial sums
+  size_t workspace_bytes;
+};
+
+// The workspace starts with a header of this many bytes (completion flags, zeroed by the
+// launcher with cudaMemsetAsync on the caller's stream); per-block fp32 (fp64 for kF64)
+// partial sums of dbias and dweight follow, 2 * C accumulators per partial slot.
+// jax_lnbwd/_ffi.py mirrors this layout when it sizes the workspace at trace time.
+constexpr size_t kWorkspaceHeaderBytes = 256;
+
+// Default kernel: the seed's kernel 10, repaired (see kernel10_vector_smem.cu).
+cudaError_t layernorm_bwd_kernel10(const LayernormBwdParams& p, cudaStream_t stream);
+// Dynamic shared memory kernel 10 needs (the larger of its vector and scalar paths), so the
+// caller can refuse a C that does not fit before launching.
+size_t layernorm_bwd_kernel10_smem_bytes(Dtype dtype, int64_t C, int block_size);
+
+}  // namespace lnbwd

@@ -1,0 +1,92 @@
+// Small device helpers shared by the kernels: packed vector loads and stores, dtype <-> accumulator
+// conversions and warp reductions.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace lnbwd {
+
+// Accumulate in fp32, or in fp64 when the data itself is fp64.
+template <typename T> struct AccOf { using type = float; };
+template <> struct AccOf<double> { using type = double; };
+template <typename T> using acc_t = typename AccOf<T>::type;
+
+// mean and rstd are saved in fp32 by the forward pass (fp64 for fp64 data).
+template <typename T> using stat_t = acc_t<T>;
+
+template <typename T> __device__ __forceinline__ acc_t<T> to_acc(T v) { return static_cast<acc_t<T>>(v); }
+template <> __device__ __forceinline__ float to_acc(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <> __device__ __forceinline__ float to_acc(__half v) { return __half2float(v); }
+
+template <typename T> __device__ __forceinline__ T from_acc(acc_t<T> v) { return static_cast<T>(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_acc(float v) { return __float2bfloat16_rn(v); }
+template <> __device__ __forceinline__ __half from_acc(float v) { return __float2half_rn(v); }
+
+// N elements of T moved as one access of N * sizeof(T) bytes. With N * sizeof(T) == 16 the
+// compiler emits LDG.128/STG.128 (one instruction moves 16 bytes, the widest per-thread access),
+// which is what keeps enough bytes in flight to saturate HBM. The caller guarantees alignment.
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Packed {
+  static constexpr int size = N;
+  T v[N];
+  __device__ __forceinline__ T& operator[](int i) { return v[i]; }
+  __device__ __forceinline__ const T& operator[](int i) const { return v[i]; }
+};
+
+// The raw bits of an N * sizeof(T)-byte access, so the cache-hinted intrinsics (which exist only
+// for built-in types) can be used for any packed type.
+template <int BYTES> struct BitsOf;
+template <> struct BitsOf<2> { using type = unsigned short; };
+template <> struct BitsOf<4> { using type = unsigned int; };
+template <> struct BitsOf<8> { using type = uint2; };
+template <> struct BitsOf<16> { using type = uint4; };
+
+template <typename V> __device__ __forceinline__ V load(const V* p) { return *p; }
+
+// Streaming load (ld.global.cs, "evict first"): the data is touched once more at most, so it
+// should not push data that is reused (weight, partial sums) out of the caches.
+template <typename V>
+__device__ __forceinline__ V load_cs(const V* p) {
+  using B = typename BitsOf<sizeof(V)>::type;
+  B bits = __ldcs(reinterpret_cast<const B*>(p));
+  V out;
+  memcpy(&out, &bits, sizeof(V));
+  return out;
+}
+
+// Store that caches in L2 but not L1 (st.global.cg): dx is read by the next kernel, not by us.
+template <typename V>
+__device__ __forceinline__ void store_cg(V* p, const V& v) {
+  using B = typename BitsOf<sizeof(V)>::type;
+  B bits;
+  memcpy(&bits, &v, sizeof(V));
+  __stcg(reinterpret_cast<B*>(p), bits);
+}
+
+// Streaming store (st.global.cs): written once, never read again by this kernel.
+template <typename V>
+__device__ __forceinline__ void store_cs(V* p, const V& v) {
+  using B = typename BitsOf<sizeof(V)>::type;
+  B bits;
+  memcpy(&bits, &v, sizeof(V));
+  __stcs(reinterpret_cast<B*>(p), bits);
+}
+
+// Butterfly reduction: after log2(32) xor-shuffles every lane holds the sum of all 32 lanes.
+// The order of additions is fixed, so the result is bit-identical run to run.
+template <typename A>
+__device__ __forceinline__ A warp_sum(A v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+template <typename T>
+__host__ __device__ constexpr T ceil_div(T a, T b) { return (a + b - 1) / b; }
+
+}  // namespace lnbwd

@@ -1,0 +1,108 @@
+// CPU handler of the layernorm backward FFI target: a clear two-pass reference in C++.
+// It runs for every kernel id (the CUDA kernels exist only on the GPU), so the whole API works
+// and is tested on machines without a GPU. Accumulation is fp32 (fp64 for float64 data).
+#include <cstdint>
+#include <vector>
+
+#include "checks.h"
+#include "cpu_floats.h"
+#include "layernorm_bwd_cpu.h"
+
+namespace lnbwd {
+namespace {
+
+// Storage <-> accumulator conversion for each dtype XLA can hand us.
+struct F32 { using S = float; using A = float;
+  static A Load(S v) { return v; } static S Store(A v) { return v; } };
+struct F64 { using S = double; using A = double;
+  static A Load(S v) { return v; } static S Store(A v) { return v; } };
+struct BF16 { using S = uint16_t; using A = float;
+  static A Load(S v) { return Bf16ToFloat(v); } static S Store(A v) { return FloatToBf16(v); } };
+struct F16 { using S = uint16_t; using A = float;
+  static A Load(S v) { return HalfToFloat(v); } static S Store(A v) { return FloatToHalf(v); } };
+
+template <typename D>
+void Impl(const ffi::AnyBuffer& dy_b, const ffi::AnyBuffer& x_b, const ffi::AnyBuffer& w_b,
+          const ffi::AnyBuffer& mean_b, const ffi::AnyBuffer& rstd_b, ffi::AnyBuffer dx_b,
+          ffi::AnyBuffer dw_b, ffi::AnyBuffer db_b, int64_t rows, int64_t C) {
+  using S = typename D::S;
+  using A = typename D::A;
+  const S* dy = static_cast<const S*>(dy_b.untyped_data());
+  const S* x = static_cast<const S*>(x_b.untyped_data());
+  const S* w = static_cast<const S*>(w_b.untyped_data());
+  const A* mean = static_cast<const A*>(mean_b.untyped_data());   // fp32, or fp64 for fp64 data
+  const A* rstd = static_cast<const A*>(rstd_b.untyped_data());
+  S* dx = static_cast<S*>(dx_b.untyped_data());
+
+  std::vector<A> dweight(C, A(0)), dbias(C, A(0));
+  for (int64_t r = 0; r < rows; ++r) {
+    const S* dy_r = dy + r * C;
+    const S* x_r = x + r * C;
+    S* dx_r = dx + r * C;
+    const A m = mean[r], s = rstd[r];
+    // Pass 1: a = mean(g), b = mean(g * xhat), with g = weight * dy and xhat = (x - mean) * rstd.
+    A sum_g = 0, sum_g_xhat = 0;
+    for (int64_t i = 0; i < C; ++i) {
+      const A g = D::Load(w[i]) * D::Load(dy_r[i]);
+      sum_g += g;
+      sum_g_xhat += g * ((D::Load(x_r[i]) - m) * s);
+    }
+    const A a = sum_g / A(C), b = sum_g_xhat / A(C);
+    // Pass 2: dx = (g - a - xhat * b) * rstd; dweight += dy * xhat; dbias += dy.
+    for (int64_t i = 0; i < C; ++i) {
+      const A d = D::Load(dy_r[i]);
+      const A xhat = (D::Load(x_r[i]) - m) * s;
+      dx_r[i] = D::Store((D::Load(w[i]) * d - a - xhat * b) * s);
+      dweight[i] += d * xhat;
+      dbias[i] += d;
+    }
+  }
+  S* dw_out = static_cast<S*>(dw_b.untyped_data());
+  S* db_out = static_cast<S*>(db_b.untyped_data());
+  for (int64_t i = 0; i < C; ++i) {
+    dw_out[i] = D::Store(dweight[i]);
+    db_out[i] = D::Store(dbias[i]);
+  }
+}
+
+ffi::Error LayernormBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer weight, ffi::AnyBuffer mean,
+                           ffi::AnyBuffer rstd, ffi::Result<ffi::AnyBuffer> dx,
+                           ffi::Result<ffi::AnyBuffer> dweight, ffi::Result<ffi::AnyBuffer> dbias,
+                           ffi::Result<ffi::AnyBuffer> workspace, int32_t kernel, int32_t block_size) {
+  (void)workspace;   // only the CUDA kernels need scratch
+  (void)block_size;
+  if (kernel < 0) return ArgError("'kernel' is " + std::to_string(kernel) + " but expected a kernel id >= 0");
+  LayernormBwdShape shape;
+  if (auto e = CheckLayernormBwdArgs(dy, x, weight, mean, rstd, *dx, *dweight, *dbias, &shape); e.failure()) {
+    return e;
+  }
+  const int64_t rows = shape.rows, C = shape.C;
+  switch (x.element_type()) {
+    case ffi::DataType::F32: Impl<F32>(dy, x, weight, mean, rstd, *dx, *dweight, *dbias, rows, C); break;
+    case ffi::DataType::F64: Impl<F64>(dy, x, weight, mean, rstd, *dx, *dweight, *dbias, rows, C); break;
+    case ffi::DataType::BF16: Impl<BF16>(dy, x, weight, mean, rstd, *dx, *dweight, *dbias, rows, C); break;
+    case ffi::DataType::F16: Impl<F16>(dy, x, weight, mean, rstd, *dx, *dweight, *dbias, rows, C); break;
+    default:
+      return ArgError(std::string("'x' has dtype ") + DtypeName(x.element_type()) + ", which has no CPU implementation");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace lnbwd
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxLnbwdLayernormBwdCpu, lnbwd::LayernormBwdCpu,
+    xla::ffi::Ffi::Bind()
+        .Arg<xla::ffi::AnyBuffer>()   // dy [rows, C] dtype
+        .Arg<xla::ffi::AnyBuffer>()   // x [rows, C] dtype
+        .Arg<xla::ffi::AnyBuffer>()   // weight [C] dtype
+        .Arg<xla::ffi::AnyBuffer>()   // mean [rows] float32 (float64 for float64 x)
+        .Arg<xla::ffi::AnyBuffer>()   // rstd [rows] float32 (float64 for float64 x)
+        .Ret<xla::ffi::AnyBuffer>()   // dx [rows, C] dtype
+        .Ret<xla::ffi::AnyBuffer>()   // dweight [C] dtype
+        .Ret<xla::ffi::AnyBuffer>()   // dbias [C] dtype
+        .Ret<xla::ffi::AnyBuffer>()   // workspace [bytes] uint8 (unused on CPU)
+        .Attr<int32_t>("kernel")      // CUDA kernel id (the CPU runs this reference for all)
+        .Attr<int32_t>("block_size")  // CUDA threads per block, 0 = kernel default
+);

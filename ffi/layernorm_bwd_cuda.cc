@@ -1,0 +1,110 @@
+// CUDA handler of the layernorm backward FFI target: checks the buffers, maps the dtype, handles
+// zero rows, and hands plain pointers to the kernel launcher that `kernel` selects. No math here.
+#include <cstdint>
+#include <string>
+
+#include <cuda_runtime_api.h>
+
+#include "checks.h"
+#include "kernels/layernorm_bwd.h"
+#include "layernorm_bwd_cuda.h"
+
+namespace lnbwd {
+namespace {
+
+Dtype ToKernelDtype(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::BF16: return Dtype::kBF16;
+    case ffi::DataType::F16: return Dtype::kF16;
+    case ffi::DataType::F64: return Dtype::kF64;
+    default: return Dtype::kF32;   // CheckLayernormBwdArgs admitted only these four
+  }
+}
+
+ffi::Error CheckKernel10(const LayernormBwdParams& p) {
+  const int bs = p.block_size ? p.block_size : 512;
+  if (bs < 32 || bs > 512 || bs % 32 != 0) {
+    return ArgError("kernel 10 got block_size " + std::to_string(p.block_size) + " but expected 32..512");
+  }
+  int dev = 0, max_smem = 0;
+  LNBWD_FFI_RETURN_IF_CUDA_ERROR(cudaGetDevice(&dev));
+  LNBWD_FFI_RETURN_IF_CUDA_ERROR(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  const size_t need = layernorm_bwd_kernel10_smem_bytes(p.dtype, p.C, bs);
+  if (need > static_cast<size_t>(max_smem)) {
+    return ArgError("kernel 10 keeps dweight/dbias for C=" + std::to_string(p.C) + " in " + std::to_string(need) +
+                    " bytes of shared memory but this GPU allows " + std::to_string(max_smem) + " per block");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error LayernormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer weight,
+                            ffi::AnyBuffer mean, ffi::AnyBuffer rstd, ffi::Result<ffi::AnyBuffer> dx,
+                            ffi::Result<ffi::AnyBuffer> dweight, ffi::Result<ffi::AnyBuffer> dbias,
+                            ffi::Result<ffi::AnyBuffer> workspace, int32_t kernel, int32_t block_size) {
+  LayernormBwdShape shape;
+  if (auto e = CheckLayernormBwdArgs(dy, x, weight, mean, rstd, *dx, *dweight, *dbias, &shape); e.failure()) {
+    return e;
+  }
+  if (block_size < 0) return ArgError("'block_size' is " + std::to_string(block_size) + " but expected >= 0");
+
+  // Zero rows: the sums over rows are exactly zero and there is no dx to write. No launch.
+  if (shape.rows == 0) {
+    LNBWD_FFI_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(dweight->untyped_data(), 0, dweight->size_bytes(), stream));
+    LNBWD_FFI_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(dbias->untyped_data(), 0, dbias->size_bytes(), stream));
+    return ffi::Error::Success();
+  }
+
+  LayernormBwdParams p;
+  p.dx = dx->untyped_data();
+  p.dweight = dweight->untyped_data();
+  p.dbias = dbias->untyped_data();
+  p.dy = dy.untyped_data();
+  p.x = x.untyped_data();
+  p.weight = weight.untyped_data();
+  p.mean = mean.untyped_data();
+  p.rstd = rstd.untyped_data();
+  p.rows = shape.rows;
+  p.C = shape.C;
+  p.dtype = ToKernelDtype(x.element_type());
+  p.block_size = block_size;
+  p.workspace = workspace->untyped_data();
+  p.workspace_bytes = workspace->size_bytes();
+  if (p.workspace_bytes < kWorkspaceHeaderBytes + 2 * static_cast<size_t>(p.C) * (p.dtype == Dtype::kF64 ? 8 : 4)) {
+    return ArgError("'workspace' has shape " + ShapeStr(workspace->dimensions()) +
+                    " but expected room for at least one partial slot of 2*C accumulators");
+  }
+
+  switch (kernel) {
+    case 10: {
+      if (auto e = CheckKernel10(p); e.failure()) return e;
+      LNBWD_FFI_RETURN_IF_CUDA_ERROR(layernorm_bwd_kernel10(p, stream));
+      break;
+    }
+    default:
+      return ArgError("'kernel' is " + std::to_string(kernel) + " but this build has no such CUDA kernel");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace lnbwd
+
+// Command-buffer compatible: the handler only enqueues work on XLA's stream (a memset and a
+// kernel, both capturable into a CUDA graph), never synchronizes, never allocates, and keeps no
+// state between calls; its only scratch is the workspace buffer that XLA owns.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxLnbwdLayernormBwdCuda, lnbwd::LayernormBwdCuda,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()   // XLA's stream
+        .Arg<xla::ffi::AnyBuffer>()   // dy [rows, C] dtype
+        .Arg<xla::ffi::AnyBuffer>()   // x [rows, C] dtype
+        .Arg<xla::ffi::AnyBuffer>()   // weight [C] dtype
+        .Arg<xla::ffi::AnyBuffer>()   // mean [rows] float32 (float64 for float64 x)
+        .Arg<xla::ffi::AnyBuffer>()   // rstd [rows] float32 (float64 for float64 x)
+        .Ret<xla::ffi::AnyBuffer>()   // dx [rows, C] dtype
+        .Ret<xla::ffi::AnyBuffer>()   // dweight [C] dtype
+        .Ret<xla::ffi::AnyBuffer>()   // dbias [C] dtype
+        .Ret<xla::ffi::AnyBuffer>()   // workspace [bytes] uint8: flags, then per-block partial sums
+        .Attr<int32_t>("kernel")      // which CUDA kernel (ids as in jax_lnbwd.KERNELS)
+        .Attr<int32_t>("block_size"), // threads per block, 0 = the kernel's best
+    {xla::ffi::Traits::kCmdBufferCompatible});

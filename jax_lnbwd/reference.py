@@ -1,0 +1,53 @@
+"""Pure-jnp layernorm, forward and backward: the test oracle and the XLA baseline.
+
+Statistics and sums are computed in float32 (float64 for float64 inputs), and x̂ is centered:
+x̂ = (x - mean) * rstd, never through E[x²] - E[x]².
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def acc_dtype(dtype) -> jnp.dtype:
+    """The accumulation (and mean/rstd) dtype for data of `dtype`."""
+    return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
+
+
+def layernorm_fwd(x, weight, bias, eps: float = 1e-5):
+    """Returns (y, mean, rstd); mean and rstd have shape x.shape[:-1] in the accumulation dtype."""
+    acc = acc_dtype(x.dtype)
+    xf = x.astype(acc)
+    mean = jnp.mean(xf, axis=-1)
+    xc = xf - mean[..., None]
+    rstd = 1.0 / jnp.sqrt(jnp.mean(xc * xc, axis=-1) + jnp.asarray(eps, acc))
+    y = xc * rstd[..., None]
+    if weight is not None:
+        y = y * weight.astype(acc)
+    if bias is not None:
+        y = y + bias.astype(acc)
+    return y.astype(x.dtype), mean, rstd
+
+
+def layernorm(x, weight, bias, eps: float = 1e-5):
+    """y = (x - mean) * rstd * weight + bias over the last axis."""
+    return layernorm_fwd(x, weight, bias, eps)[0]
+
+
+def layernorm_bwd(dy, x, weight, mean, rstd):
+    """(dx, dweight, dbias) of layernorm given the saved mean and rstd.
+
+    With g = weight * dy and x̂ = (x - mean) * rstd, over the last axis (C elements):
+      dx = (g - mean(g) - x̂ * mean(g * x̂)) * rstd,
+    and summed over every leading axis: dweight = Σ dy * x̂, dbias = Σ dy.
+    """
+    acc = acc_dtype(x.dtype)
+    dyf = dy.astype(acc)
+    xhat = (x.astype(acc) - mean.astype(acc)[..., None]) * rstd.astype(acc)[..., None]
+    g = dyf * weight.astype(acc)
+    a = jnp.mean(g, axis=-1, keepdims=True)
+    b = jnp.mean(g * xhat, axis=-1, keepdims=True)
+    dx = (g - a - xhat * b) * rstd.astype(acc)[..., None]
+    lead = tuple(range(x.ndim - 1))
+    dweight = jnp.sum(dyf * xhat, axis=lead)
+    dbias = jnp.sum(dyf, axis=lead)
+    return dx.astype(x.dtype), dweight.astype(weight.dtype), dbias.astype(weight.dtype)
