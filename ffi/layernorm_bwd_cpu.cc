@@ -21,24 +21,17 @@ struct BF16 { using S = uint16_t; using A = float;
 struct F16 { using S = uint16_t; using A = float;
   static A Load(S v) { return HalfToFloat(v); } static S Store(A v) { return FloatToHalf(v); } };
 
+// One segment of rows [r0, r1): dx for its rows, and its sums written to dweight/dbias rows.
 template <typename D>
-void Impl(const ffi::AnyBuffer& dy_b, const ffi::AnyBuffer& x_b, const ffi::AnyBuffer& w_b,
-          const ffi::AnyBuffer& mean_b, const ffi::AnyBuffer& rstd_b, ffi::AnyBuffer dx_b,
-          ffi::AnyBuffer dw_b, ffi::AnyBuffer db_b, int64_t rows, int64_t C) {
-  using S = typename D::S;
+void Segment(const typename D::S* dy, const typename D::S* x, const typename D::S* w, const typename D::A* mean,
+             const typename D::A* rstd, typename D::S* dx, typename D::S* dw_out, typename D::S* db_out,
+             int64_t r0, int64_t r1, int64_t C) {
   using A = typename D::A;
-  const S* dy = static_cast<const S*>(dy_b.untyped_data());
-  const S* x = static_cast<const S*>(x_b.untyped_data());
-  const S* w = static_cast<const S*>(w_b.untyped_data());
-  const A* mean = static_cast<const A*>(mean_b.untyped_data());   // fp32, or fp64 for fp64 data
-  const A* rstd = static_cast<const A*>(rstd_b.untyped_data());
-  S* dx = static_cast<S*>(dx_b.untyped_data());
-
   std::vector<A> dweight(C, A(0)), dbias(C, A(0));
-  for (int64_t r = 0; r < rows; ++r) {
-    const S* dy_r = dy + r * C;
-    const S* x_r = x + r * C;
-    S* dx_r = dx + r * C;
+  for (int64_t r = r0; r < r1; ++r) {
+    const auto* dy_r = dy + r * C;
+    const auto* x_r = x + r * C;
+    auto* dx_r = dx + r * C;
     const A m = mean[r], s = rstd[r];
     // Pass 1: a = mean(g), b = mean(g * xhat), with g = weight * dy and xhat = (x - mean) * rstd.
     A sum_g = 0, sum_g_xhat = 0;
@@ -57,11 +50,27 @@ void Impl(const ffi::AnyBuffer& dy_b, const ffi::AnyBuffer& x_b, const ffi::AnyB
       dbias[i] += d;
     }
   }
-  S* dw_out = static_cast<S*>(dw_b.untyped_data());
-  S* db_out = static_cast<S*>(db_b.untyped_data());
   for (int64_t i = 0; i < C; ++i) {
     dw_out[i] = D::Store(dweight[i]);
     db_out[i] = D::Store(dbias[i]);
+  }
+}
+
+template <typename D>
+void Impl(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x, const ffi::AnyBuffer& w, const ffi::AnyBuffer& mean,
+          const ffi::AnyBuffer& rstd, ffi::AnyBuffer dx, ffi::AnyBuffer dw, ffi::AnyBuffer db,
+          const LayernormBwdShape& shape) {
+  using S = typename D::S;
+  using A = typename D::A;   // mean/rstd are fp32, or fp64 for fp64 data: the accumulator type
+  const int64_t C = shape.C;
+  const int64_t per_segment = shape.rows / shape.segments;
+  for (int64_t seg = 0; seg < shape.segments; ++seg) {
+    const int64_t w_row = shape.weight_rows == 1 ? 0 : seg;
+    Segment<D>(static_cast<const S*>(dy.untyped_data()), static_cast<const S*>(x.untyped_data()),
+               static_cast<const S*>(w.untyped_data()) + w_row * C, static_cast<const A*>(mean.untyped_data()),
+               static_cast<const A*>(rstd.untyped_data()), static_cast<S*>(dx.untyped_data()),
+               static_cast<S*>(dw.untyped_data()) + seg * C, static_cast<S*>(db.untyped_data()) + seg * C,
+               seg * per_segment, (seg + 1) * per_segment, C);
   }
 }
 
@@ -76,12 +85,11 @@ ffi::Error LayernormBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer w
   if (auto e = CheckLayernormBwdArgs(dy, x, weight, mean, rstd, *dx, *dweight, *dbias, &shape); e.failure()) {
     return e;
   }
-  const int64_t rows = shape.rows, C = shape.C;
   switch (x.element_type()) {
-    case ffi::DataType::F32: Impl<F32>(dy, x, weight, mean, rstd, *dx, *dweight, *dbias, rows, C); break;
-    case ffi::DataType::F64: Impl<F64>(dy, x, weight, mean, rstd, *dx, *dweight, *dbias, rows, C); break;
-    case ffi::DataType::BF16: Impl<BF16>(dy, x, weight, mean, rstd, *dx, *dweight, *dbias, rows, C); break;
-    case ffi::DataType::F16: Impl<F16>(dy, x, weight, mean, rstd, *dx, *dweight, *dbias, rows, C); break;
+    case ffi::DataType::F32: Impl<F32>(dy, x, weight, mean, rstd, *dx, *dweight, *dbias, shape); break;
+    case ffi::DataType::F64: Impl<F64>(dy, x, weight, mean, rstd, *dx, *dweight, *dbias, shape); break;
+    case ffi::DataType::BF16: Impl<BF16>(dy, x, weight, mean, rstd, *dx, *dweight, *dbias, shape); break;
+    case ffi::DataType::F16: Impl<F16>(dy, x, weight, mean, rstd, *dx, *dweight, *dbias, shape); break;
     default:
       return ArgError(std::string("'x' has dtype ") + DtypeName(x.element_type()) + ", which has no CPU implementation");
   }
@@ -96,12 +104,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     xla::ffi::Ffi::Bind()
         .Arg<xla::ffi::AnyBuffer>()   // dy [rows, C] dtype
         .Arg<xla::ffi::AnyBuffer>()   // x [rows, C] dtype
-        .Arg<xla::ffi::AnyBuffer>()   // weight [C] dtype
+        .Arg<xla::ffi::AnyBuffer>()   // weight [1 or segments, C] dtype
         .Arg<xla::ffi::AnyBuffer>()   // mean [rows] float32 (float64 for float64 x)
         .Arg<xla::ffi::AnyBuffer>()   // rstd [rows] float32 (float64 for float64 x)
         .Ret<xla::ffi::AnyBuffer>()   // dx [rows, C] dtype
-        .Ret<xla::ffi::AnyBuffer>()   // dweight [C] dtype
-        .Ret<xla::ffi::AnyBuffer>()   // dbias [C] dtype
+        .Ret<xla::ffi::AnyBuffer>()   // dweight [segments, C] dtype: sums over each segment's rows
+        .Ret<xla::ffi::AnyBuffer>()   // dbias [segments, C] dtype
         .Ret<xla::ffi::AnyBuffer>()   // workspace [bytes] uint8 (unused on CPU)
         .Attr<int32_t>("kernel")      // CUDA kernel id (the CPU runs this reference for all)
         .Attr<int32_t>("block_size")  // CUDA threads per block, 0 = kernel default

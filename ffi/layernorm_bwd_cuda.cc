@@ -65,6 +65,8 @@ ffi::Error LayernormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
   p.rstd = rstd.untyped_data();
   p.rows = shape.rows;
   p.C = shape.C;
+  p.segments = shape.segments;
+  p.weight_stride = shape.weight_rows == 1 ? 0 : shape.C;
   p.dtype = ToKernelDtype(x.element_type());
   p.block_size = block_size;
   p.workspace = workspace->untyped_data();
@@ -76,10 +78,17 @@ ffi::Error LayernormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
 
   switch (kernel) {
     case 10: {
+      if (p.segments != 1 || p.weight_stride != 0) {
+        return ArgError("kernel 10 sums over all rows: 'dweight' must have shape (1, C) and 'weight' (1, C), got " +
+                        ShapeStr(dweight->dimensions()) + " and " + ShapeStr(weight.dimensions()));
+      }
       if (auto e = CheckKernel10(p); e.failure()) return e;
       LNBWD_FFI_RETURN_IF_CUDA_ERROR(layernorm_bwd_kernel10(p, stream));
       break;
     }
+    case 11:
+      LNBWD_FFI_RETURN_IF_CUDA_ERROR(layernorm_bwd_kernel11(p, stream));
+      break;
     default:
       return ArgError("'kernel' is " + std::to_string(kernel) + " but this build has no such CUDA kernel");
   }
@@ -98,12 +107,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()   // XLA's stream
         .Arg<xla::ffi::AnyBuffer>()   // dy [rows, C] dtype
         .Arg<xla::ffi::AnyBuffer>()   // x [rows, C] dtype
-        .Arg<xla::ffi::AnyBuffer>()   // weight [C] dtype
+        .Arg<xla::ffi::AnyBuffer>()   // weight [1 or segments, C] dtype
         .Arg<xla::ffi::AnyBuffer>()   // mean [rows] float32 (float64 for float64 x)
         .Arg<xla::ffi::AnyBuffer>()   // rstd [rows] float32 (float64 for float64 x)
         .Ret<xla::ffi::AnyBuffer>()   // dx [rows, C] dtype
-        .Ret<xla::ffi::AnyBuffer>()   // dweight [C] dtype
-        .Ret<xla::ffi::AnyBuffer>()   // dbias [C] dtype
+        .Ret<xla::ffi::AnyBuffer>()   // dweight [segments, C] dtype: sums over each segment's rows
+        .Ret<xla::ffi::AnyBuffer>()   // dbias [segments, C] dtype
         .Ret<xla::ffi::AnyBuffer>()   // workspace [bytes] uint8: flags, then per-block partial sums
         .Attr<int32_t>("kernel")      // which CUDA kernel (ids as in jax_lnbwd.KERNELS)
         .Attr<int32_t>("block_size"), // threads per block, 0 = the kernel's best

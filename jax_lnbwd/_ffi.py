@@ -17,13 +17,19 @@ for _name, _capsule, _platform in _jax_lnbwd.registrations():
     jax.ffi.register_ffi_target(_name, _capsule, platform=_platform)
 
 
-def layernorm_bwd_call(dy, x, weight, mean, rstd, *, kernel: int, block_size: int, workspace_bytes: int):
-    """The FFI op on 2-D (rows, C) inputs, already validated. Returns (dx, dweight, dbias)."""
+def layernorm_bwd_segments(dy, x, weight, mean, rstd, *, segments: int, kernel: int, block_size: int,
+                           workspace_bytes: int):
+    """The FFI op on validated inputs: (dx, dweight, dbias).
+
+    dy, x: (rows, C); mean, rstd: (rows,); weight: (1, C) shared by all rows, or (segments, C).
+    The rows form `segments` equal contiguous segments and dweight, dbias have shape
+    (segments, C): the sums over each segment's rows (per-example gradients under vmap).
+    """
     rows, C = x.shape
     out_types = (
-        jax.ShapeDtypeStruct((rows, C), x.dtype),          # dx
-        jax.ShapeDtypeStruct((C,), x.dtype),               # dweight
-        jax.ShapeDtypeStruct((C,), x.dtype),               # dbias
+        jax.ShapeDtypeStruct((rows, C), x.dtype),            # dx
+        jax.ShapeDtypeStruct((segments, C), x.dtype),        # dweight
+        jax.ShapeDtypeStruct((segments, C), x.dtype),        # dbias
         jax.ShapeDtypeStruct((workspace_bytes,), np.uint8),  # workspace (flags, partial sums)
     )
     dx, dweight, dbias, _ = jax.ffi.ffi_call(TARGET, out_types, vmap_method="sequential")(

@@ -72,6 +72,13 @@ def _kernel10_slots(rows: int, block_size: int, sms: int) -> int:
     return max(1, min((1024 // block_size) * sms, math.ceil(rows / (block_size // 32))))
 
 
+def _kernel11_slots(rows: int, block_size: int, sms: int) -> int:
+    # Persistent grid: at most a few blocks per SM (the launcher asks the occupancy API and
+    # never uses more slots than the workspace has), and never more blocks than rows.
+    del block_size
+    return max(1, min(rows, 4 * sms))
+
+
 KERNELS: Mapping[int, KernelInfo] = {
     10: KernelInfo(
         id=10,
@@ -87,9 +94,24 @@ KERNELS: Mapping[int, KernelInfo] = {
         refuse=_kernel10_refuse,
         partial_slots=_kernel10_slots,
     ),
+    11: KernelInfo(
+        id=11,
+        name="rows_in_registers",
+        description=("default: each row read once and kept in registers for both passes, 16-byte "
+                     "streaming loads, persistent grid, per-block fp32 partials + finalize kernel"),
+        dtypes=ALL_DTYPES,
+        block_sizes=(0,),
+        default_block_size=0,
+        deterministic=True,
+        precise=True,
+        constraints=("any C >= 1; block shape chosen from C (block_size 0 = auto); rows up to "
+                     "about 25000 columns stay in registers, wider rows take two streaming passes"),
+        refuse=lambda C, dtype, block_size: None,
+        partial_slots=_kernel11_slots,
+    ),
 }
 
-DEFAULT_KERNEL = 10
+DEFAULT_KERNEL = 11
 
 
 @functools.cache
@@ -103,8 +125,12 @@ def sm_count() -> int:
         return 132
 
 
-def workspace_bytes(kernel: int, rows: int, C: int, dtype: str, block_size: int) -> int:
-    """Scratch the kernel needs: a flag header, then 2*C accumulators per partial slot."""
+def workspace_bytes(kernel: int, rows: int, C: int, dtype: str, block_size: int, segments: int = 1) -> int:
+    """Scratch the kernel needs: a flag header, then 2*C accumulators per partial slot.
+
+    With segments (per-example sums under vmap) every segment gets its own slots; the launcher
+    never uses more slots than it finds, so this only has to be an upper bound of what helps.
+    """
     info = KERNELS[kernel]
-    slots = info.partial_slots(rows, block_size, sm_count())
-    return WORKSPACE_HEADER_BYTES + slots * 2 * C * _acc_bytes(dtype)
+    per_segment = info.partial_slots(max(rows // segments, 1), block_size, max(sm_count() // segments, 1))
+    return WORKSPACE_HEADER_BYTES + segments * per_segment * 2 * C * _acc_bytes(dtype)

@@ -35,7 +35,7 @@ def _check_eps(eps) -> float:
         value = float(eps)
     except (TypeError, ValueError):
         raise ValueError(f"layernorm: eps must be a positive float, got {eps!r}") from None
-    if isinstance(eps, bool) or not math.isfinite(value) or value <= 0.0:
+    if isinstance(eps, (bool, str, bytes)) or not math.isfinite(value) or value <= 0.0:
         raise ValueError(f"layernorm: eps must be a positive finite float, got {eps!r}")
     return value
 
@@ -116,10 +116,10 @@ def layernorm_bwd(dy, x, weight, mean, rstd, *, kernel: int | None = None, block
     kernel, block_size = _resolve_kernel(kernel, block_size, _dtype_name(x), C)
     rows = math.prod(x.shape[:-1])
     ws = workspace_bytes(kernel, rows, C, _dtype_name(x), block_size)
-    dx, dweight, dbias = _ffi.layernorm_bwd_call(
-        dy.reshape(rows, C), x.reshape(rows, C), weight, mean.reshape(rows), rstd.reshape(rows),
-        kernel=kernel, block_size=block_size, workspace_bytes=ws)
-    return dx.reshape(x.shape), dweight, dbias
+    dx, dweight, dbias = _ffi.layernorm_bwd_segments(
+        dy.reshape(rows, C), x.reshape(rows, C), weight.reshape(1, C), mean.reshape(rows), rstd.reshape(rows),
+        segments=1, kernel=kernel, block_size=block_size, workspace_bytes=ws)
+    return dx.reshape(x.shape), dweight.reshape(C), dbias.reshape(C)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))

@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <type_traits>
 
@@ -41,6 +42,20 @@ template <typename T>
 int64_t partial_slots(const LayernormBwdParams& p) {
   if (p.workspace_bytes < kWorkspaceHeaderBytes) return 0;
   return static_cast<int64_t>((p.workspace_bytes - kWorkspaceHeaderBytes) / (2 * p.C * sizeof(acc_t<T>)));
+}
+
+// Blocks per segment for a persistent grid of about `want` blocks that each take `rows_per_block`
+// rows per step: the grid is split evenly over the segments (at least one block each), and
+// never uses more blocks than a segment has rows for, or than the workspace has slots.
+template <typename T>
+cudaError_t blocks_per_segment(const LayernormBwdParams& p, int64_t want, int rows_per_block, int64_t* out) {
+  if (p.segments < 1 || p.rows % p.segments != 0) return cudaErrorInvalidValue;
+  int64_t bps = std::max<int64_t>(1, want / p.segments);
+  bps = std::min<int64_t>(bps, ceil_div<int64_t>(p.rows / p.segments, rows_per_block));
+  bps = std::min<int64_t>(bps, partial_slots<T>(p) / p.segments);
+  if (bps < 1 || bps * p.segments > INT32_MAX) return cudaErrorInvalidValue;
+  *out = bps;
+  return cudaSuccess;
 }
 
 template <typename T>

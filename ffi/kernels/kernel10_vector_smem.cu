@@ -83,7 +83,7 @@ kernel10(T* __restrict__ dx, T* __restrict__ dweight, T* __restrict__ dbias,
         const V wv = load(reinterpret_cast<const V*>(weight + col));
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
-          const A g = to_acc(wv[k]) * to_acc(dyv[k]);
+          const A g = mul_rn(to_acc(wv[k]), to_acc(dyv[k]));
           sum_g += g;
           sum_g_xc += g * (to_acc(xv[k]) - mean_r);   // centered; rstd is applied once below
         }
@@ -113,7 +113,7 @@ kernel10(T* __restrict__ dx, T* __restrict__ dweight, T* __restrict__ dbias,
         const A xhat = (to_acc(xv[k]) - mean_r) * rstd_r;
         db[k] = d;
         dw[k] = d * xhat;
-        dxv[k] = from_acc<T>((to_acc(wv[k]) * d - a - xhat * b) * rstd_r);
+        dxv[k] = from_acc<T>((mul_rn(to_acc(wv[k]), d) - a - xhat * b) * rstd_r);
       }
 
       // Cross-warp reduction through shared memory, in a fixed order (warp 1, 2, ...).

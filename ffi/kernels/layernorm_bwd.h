@@ -10,6 +10,10 @@
 //   dx_i   = (g_i - a - xhat_i * b) * rstd
 // and, summed over all rows,
 //   dweight_i = sum_rows dy_i * xhat_i,   dbias_i = sum_rows dy_i.
+//
+// Segments (for per-example gradients under vmap): the rows may be split into S equal,
+// contiguous segments, each with its own dweight/dbias row (and optionally its own weight row).
+// S = 1 is the plain op.
 #pragma once
 
 #include <cstddef>
@@ -24,15 +28,17 @@ enum class Dtype { kF32, kBF16, kF16, kF64 };
 // Every kernel writes its outputs (never accumulates into them: XLA's buffers are uninitialized).
 struct LayernormBwdParams {
   void* dx;             // [rows, C] dtype
-  void* dweight;        // [C] dtype
-  void* dbias;          // [C] dtype
+  void* dweight;        // [segments, C] dtype
+  void* dbias;          // [segments, C] dtype
   const void* dy;       // [rows, C] dtype
   const void* x;        // [rows, C] dtype
-  const void* weight;   // [C] dtype
+  const void* weight;   // [C] dtype, or [segments, C] when weight_stride == C
   const void* mean;     // [rows] float32 (float64 when dtype is kF64)
   const void* rstd;     // [rows] float32 (float64 when dtype is kF64)
   int64_t rows;
   int64_t C;
+  int64_t segments;       // >= 1, divides rows
+  int64_t weight_stride;  // 0: one weight row shared by all segments; C: one weight row per segment
   Dtype dtype;
   int block_size;       // threads per block; 0 picks the kernel's best
   void* workspace;      // scratch from XLA: a header (flags) then per-block partial sums
@@ -45,10 +51,15 @@ struct LayernormBwdParams {
 // jax_lnbwd/_ffi.py mirrors this layout when it sizes the workspace at trace time.
 constexpr size_t kWorkspaceHeaderBytes = 256;
 
-// Default kernel: the seed's kernel 10, repaired (see kernel10_vector_smem.cu).
+// The seed's kernel 10, repaired (see kernel10_vector_smem.cu). segments must be 1.
 cudaError_t layernorm_bwd_kernel10(const LayernormBwdParams& p, cudaStream_t stream);
 // Dynamic shared memory kernel 10 needs (the larger of its vector and scalar paths), so the
 // caller can refuse a C that does not fit before launching.
 size_t layernorm_bwd_kernel10_smem_bytes(Dtype dtype, int64_t C, int block_size);
+
+// Kernel 11, the default: rows kept in registers between the two passes, per-block fp32
+// partial sums of dweight/dbias and a finalize kernel (see kernel11_rows_in_registers.cu).
+// Any C >= 1, any number of segments; block shape is chosen from C (p.block_size is ignored).
+cudaError_t layernorm_bwd_kernel11(const LayernormBwdParams& p, cudaStream_t stream);
 
 }  // namespace lnbwd

@@ -27,6 +27,12 @@ template <typename T> __device__ __forceinline__ T from_acc(acc_t<T> v) { return
 template <> __device__ __forceinline__ __nv_bfloat16 from_acc(float v) { return __float2bfloat16_rn(v); }
 template <> __device__ __forceinline__ __half from_acc(float v) { return __float2half_rn(v); }
 
+// g = weight * dy rounded once, in a form the compiler may not fuse into a neighbouring add
+// (an FMA would keep the product unrounded in one pass and rounded in the other). With g
+// bit-identical in both passes, C = 1 gives dx = g - mean(g) = 0 exactly.
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+
 // N elements of T moved as one access of N * sizeof(T) bytes. With N * sizeof(T) == 16 the
 // compiler emits LDG.128/STG.128 (one instruction moves 16 bytes, the widest per-thread access),
 // which is what keeps enough bytes in flight to saturate HBM. The caller guarantees alignment.

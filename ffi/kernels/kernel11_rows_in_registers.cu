@@ -1,0 +1,324 @@
+// Kernel 11, our default: each row is read from DRAM exactly once and kept in registers between
+// the two passes; dx is written once; dweight/dbias go through per-block fp32 partial sums and
+// a finalize pass. Deterministic: no float atomics anywhere.
+//
+// Work split. A block holds `groups` row groups of `tpr` threads (tpr a multiple of 32). A group
+// owns one row at a time; thread t of a group owns NV vectors of VEC elements, at columns
+//   col(j) = (j * tpr + t) * VEC,  j = 0..NV-1,
+// so for every j the group's loads cover one contiguous, fully coalesced span of the row.
+// Groups walk rows blockIdx.x * groups + g, then + gridDim.x * groups, ... (a persistent grid
+// sized from the SM count), so each thread keeps owning the same columns for every row.
+//
+// Per row, with g_i = weight_i * dy_i and xhat_i = (x_i - mean) * rstd (centered):
+//   pass 1 (registers only): s1 = sum g_i, s2 = sum g_i * (x_i - mean), reduced over the group:
+//          warp shuffles, then across the group's warps through shared memory;
+//   pass 2 (same registers):  dx_i = (g_i - s1/C - xhat_i * s2*rstd/C) * rstd,
+//          dbias_i += dy_i and dweight_i += dy_i * xhat_i in the group's shared-memory sums.
+// Because a thread owns its columns, its shared-memory sums need no atomics and no barriers.
+// At the end the block adds its groups' sums (in group order) and writes them to its partial
+// slot; finalize_partials adds the slots (in slot order).
+//
+// Bytes in flight. Memory-bound code is fast only if enough loads are outstanding: each thread
+// issues all 2*NV of its 16-byte loads for a row before using any. With PREFETCH, the loads of
+// the group's next row are issued before the current row is reduced, so DRAM stays busy across
+// the reduction's barrier; that doubles the data registers, so it is used for small NV only.
+#include "dispatch.cuh"
+#include "kernel11.h"
+#include "partials_finalize.h"
+
+namespace lnbwd {
+namespace {
+
+// Shared-memory budget per block for the groups' dweight/dbias sums (Hopper allows 227 KB).
+constexpr size_t kSmemBudget = 200 * 1024;
+constexpr int kMaxThreads = 1024;
+// Threads per block for a variant. A block of 1024 threads can have 64 registers per thread at
+// most; variants with more row data per thread (NV >= 2) are capped at 512 threads, which lets
+// the compiler use up to 128 registers instead of spilling to local memory.
+constexpr int max_threads(int nv) { return nv >= 2 ? 512 : kMaxThreads; }
+constexpr int kMaxNamedBarrierGroups = 15;   // barrier ids 1..15; id 0 is __syncthreads()
+
+// Synchronizes the `count` threads of one row group on hardware barrier `id`, without stopping
+// the other groups of the block (which __syncthreads would).
+__device__ __forceinline__ void group_barrier(int id, int count) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+
+template <typename T, int VEC, int NV>
+__device__ __forceinline__ void load_row(Packed<T, VEC> (&dyv)[NV], Packed<T, VEC> (&xv)[NV], const T* dy,
+                                         const T* x, int64_t row, int C, int tpr, int t) {
+  using V = Packed<T, VEC>;
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int col = (j * tpr + t) * VEC;
+    if (col < C) {
+      // Streaming loads: each element is used by this thread only, for this row only.
+      dyv[j] = load_cs(reinterpret_cast<const V*>(dy + row * C + col));
+      xv[j] = load_cs(reinterpret_cast<const V*>(x + row * C + col));
+    }
+  }
+}
+
+template <typename T, int VEC, int NV, bool PREFETCH>
+__global__ void __launch_bounds__(max_threads(NV), 1)
+kernel11_rows(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __restrict__ dy,
+              const T* __restrict__ x, const T* __restrict__ weight, const stat_t<T>* __restrict__ mean,
+              const stat_t<T>* __restrict__ rstd, int64_t rows_per_segment, int blocks_per_segment,
+              int64_t weight_stride, int C, int tpr, int groups) {
+  using A = acc_t<T>;
+  using V = Packed<T, VEC>;
+  using AV = Packed<A, VEC>;
+  const int g = threadIdx.x / tpr;
+  const int t = threadIdx.x % tpr;
+  const int lane = threadIdx.x % 32;
+  const int warps_per_row = tpr / 32;
+  const int warp_in_row = t / 32;
+
+  // Shared memory: per group [dbias sums | dweight sums] (C each), then the row-reduction
+  // exchange: per group two buffers (alternating rows) of warps_per_row (s1, s2) pairs.
+  extern __shared__ __align__(32) unsigned char smem[];
+  A* db_sum = reinterpret_cast<A*>(smem) + static_cast<size_t>(g) * 2 * C;
+  A* dw_sum = db_sum + C;
+  A* exchange = reinterpret_cast<A*>(smem) + static_cast<size_t>(groups) * 2 * C + g * 2 * warps_per_row * 2;
+
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int col = (j * tpr + t) * VEC;
+    if (col < C) {
+      AV zero;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) zero[k] = A(0);
+      *reinterpret_cast<AV*>(db_sum + col) = zero;
+      *reinterpret_cast<AV*>(dw_sum + col) = zero;
+    }
+  }
+
+  // Segments (per-example sums under vmap): blocks [s * bps, (s + 1) * bps) work on the rows of
+  // segment s only, so each partial slot holds sums of a single segment.
+  const int bps = blocks_per_segment;
+  const int64_t segment = blockIdx.x / bps;
+  const int64_t rows = (segment + 1) * rows_per_segment;   // end of this block's segment
+  weight += segment * weight_stride;
+  const int64_t stride = static_cast<int64_t>(bps) * groups;
+  int64_t row = segment * rows_per_segment + static_cast<int64_t>(blockIdx.x % bps) * groups + g;
+  V dyv[NV], xv[NV];
+  if (PREFETCH && row < rows) load_row<T, VEC, NV>(dyv, xv, dy, x, row, C, tpr, t);
+  int parity = 0;
+  for (; row < rows; row += stride) {
+    if (!PREFETCH) load_row<T, VEC, NV>(dyv, xv, dy, x, row, C, tpr, t);
+    V next_dy[NV], next_x[NV];
+    if (PREFETCH && row + stride < rows) load_row<T, VEC, NV>(next_dy, next_x, dy, x, row + stride, C, tpr, t);
+
+    const A m = A(mean[row]);
+    const A s = A(rstd[row]);
+    // Pass 1: s1 = sum g_i and s2 = sum g_i * (x_i - mean). weight is re-read per row: it is
+    // C elements shared by every row, so it stays in L1 and costs no registers.
+    A s1 = A(0), s2 = A(0);
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int col = (j * tpr + t) * VEC;
+      if (col < C) {
+        const V wv = load(reinterpret_cast<const V*>(weight + col));
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          const A gi = mul_rn(to_acc(wv[k]), to_acc(dyv[j][k]));
+          s1 += gi;
+          s2 += gi * (to_acc(xv[j][k]) - m);
+        }
+      }
+    }
+    s1 = warp_sum(s1);
+    s2 = warp_sum(s2);
+    if (warps_per_row > 1) {
+      // Across the group's warps: lane 0 of each warp posts its pair, then every thread adds
+      // the pairs in warp order (the same order everywhere, so all threads agree bit for bit).
+      // Two buffers alternate between rows: a warp can only overwrite a buffer after passing
+      // the next row's barrier, by which time every warp has read it.
+      A* ex = exchange + parity * warps_per_row * 2;
+      if (lane == 0) {
+        ex[warp_in_row * 2] = s1;
+        ex[warp_in_row * 2 + 1] = s2;
+      }
+      group_barrier(1 + g, tpr);
+      s1 = A(0);
+      s2 = A(0);
+      for (int w = 0; w < warps_per_row; ++w) {
+        s1 += ex[w * 2];
+        s2 += ex[w * 2 + 1];
+      }
+      parity ^= 1;
+    }
+    const A a = s1 / A(C);
+    const A b = s2 * s / A(C);
+
+    // Pass 2: dx, and this row's contribution to the group's dbias/dweight sums.
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int col = (j * tpr + t) * VEC;
+      if (col < C) {
+        const V wv = load(reinterpret_cast<const V*>(weight + col));
+        AV db = *reinterpret_cast<AV*>(db_sum + col);
+        AV dw = *reinterpret_cast<AV*>(dw_sum + col);
+        V dxv;
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          const A d = to_acc(dyv[j][k]);
+          const A xhat = (to_acc(xv[j][k]) - m) * s;
+          dxv[k] = from_acc<T>((mul_rn(to_acc(wv[k]), d) - a - xhat * b) * s);
+          db[k] += d;
+          dw[k] += d * xhat;
+        }
+        *reinterpret_cast<AV*>(db_sum + col) = db;
+        *reinterpret_cast<AV*>(dw_sum + col) = dw;
+        store_cs(reinterpret_cast<V*>(dx + row * C + col), dxv);   // written once, read by the next op
+      }
+    }
+    if (PREFETCH) {
+#pragma unroll
+      for (int j = 0; j < NV; ++j) { dyv[j] = next_dy[j]; xv[j] = next_x[j]; }
+    }
+  }
+
+  // Add the groups' sums in group order and write this block's partial slot. The barrier makes
+  // every group's shared-memory sums visible to every thread.
+  __syncthreads();
+  A* slot = partials + static_cast<size_t>(blockIdx.x) * 2 * C;
+  const A* sums = reinterpret_cast<const A*>(smem);
+  for (int c = threadIdx.x; c < C; c += blockDim.x) {
+    A sb = A(0), sw = A(0);
+    for (int q = 0; q < groups; ++q) {
+      sb += sums[static_cast<size_t>(q) * 2 * C + c];
+      sw += sums[static_cast<size_t>(q) * 2 * C + C + c];
+    }
+    __stcg(slot + c, sb);       // .cg: keep in L2 for the finalize kernel that reads it next
+    __stcg(slot + C + c, sw);
+  }
+}
+
+size_t smem_bytes(const Kernel11Config& cfg, int64_t C, size_t acc_bytes) {
+  return (static_cast<size_t>(cfg.groups) * 2 * C + static_cast<size_t>(cfg.groups) * 2 * (cfg.tpr / 32) * 2) * acc_bytes;
+}
+
+template <typename T, int VEC, int NV, bool PREFETCH>
+cudaError_t launch(const LayernormBwdParams& p, const Kernel11Config& cfg, cudaStream_t stream) {
+  auto kernel = kernel11_rows<T, VEC, NV, PREFETCH>;
+  const int threads = cfg.tpr * cfg.groups;
+  const size_t smem = smem_bytes(cfg, p.C, sizeof(acc_t<T>));
+  LNBWD_RETURN_IF_CUDA_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  int sms = 0, per_sm = 0;
+  LNBWD_RETURN_IF_CUDA_ERROR(sm_count(&sms));
+  LNBWD_RETURN_IF_CUDA_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+  if (per_sm < 1) return cudaErrorInvalidConfiguration;
+  // Persistent grid: as many blocks as fit on the GPU at once, but no more than there are row
+  // groups of work, and no more than the workspace has partial slots.
+  int64_t bps = 0;
+  LNBWD_RETURN_IF_CUDA_ERROR(blocks_per_segment<T>(p, static_cast<int64_t>(per_sm) * sms, cfg.groups, &bps));
+  const int64_t grid = bps * p.segments;
+  kernel<<<static_cast<unsigned int>(grid), threads, smem, stream>>>(
+      static_cast<T*>(p.dx), partials_of<T>(p), static_cast<const T*>(p.dy), static_cast<const T*>(p.x),
+      static_cast<const T*>(p.weight), static_cast<const stat_t<T>*>(p.mean),
+      static_cast<const stat_t<T>*>(p.rstd), p.rows / p.segments, static_cast<int>(bps), p.weight_stride,
+      static_cast<int>(p.C), cfg.tpr, cfg.groups);
+  LNBWD_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+  return finalize_partials_launch(p, static_cast<int>(bps), stream);
+}
+
+// The (NV, PREFETCH) variants compiled for each vector width. Registers per thread for the row
+// data are 2 tensors * NV * 16 bytes (twice that with PREFETCH); the lists keep that at or
+// below 32 registers, so a 1024-thread block fits (64 registers per thread at most).
+template <typename T, int VEC>
+cudaError_t launch_variant(const LayernormBwdParams& p, const Kernel11Config& cfg, cudaStream_t stream) {
+  if constexpr (VEC == 1) {
+    switch (cfg.nv) {
+      case 2: return launch<T, VEC, 2, false>(p, cfg, stream);
+      case 4: return launch<T, VEC, 4, false>(p, cfg, stream);
+      case 8: return launch<T, VEC, 8, false>(p, cfg, stream);
+    }
+    return cudaErrorInvalidValue;
+  } else {
+  if (cfg.prefetch) {
+    switch (cfg.nv) {
+      case 1: return launch<T, VEC, 1, true>(p, cfg, stream);
+      case 2: return launch<T, VEC, 2, true>(p, cfg, stream);
+    }
+    return cudaErrorInvalidValue;
+  }
+  switch (cfg.nv) {
+    case 3: if constexpr (sizeof(T) <= 4) return launch<T, VEC, 3, false>(p, cfg, stream); break;
+    case 4: return launch<T, VEC, 4, false>(p, cfg, stream);
+  }
+  return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+std::vector<Kernel11Config> kernel11_candidates(Dtype dtype, int64_t C, bool vectorized) {
+  const int item = dtype == Dtype::kF64 ? 8 : (dtype == Dtype::kF32 ? 4 : 2);
+  const int vec = vectorized ? 16 / item : 1;
+  const size_t acc = dtype == Dtype::kF64 ? 8 : 4;
+  std::vector<std::pair<int, bool>> variants;
+  if (vec == 1) {
+    variants = {{2, false}, {4, false}, {8, false}};
+  } else {
+    variants = {{1, true}, {2, true}, {4, false}};
+    if (item <= 4) variants.push_back({3, false});
+  }
+  std::vector<Kernel11Config> out;
+  const int64_t nvec = ceil_div<int64_t>(C, vec);
+  for (auto [nv, prefetch] : variants) {
+    Kernel11Config cfg;
+    cfg.vec = vec;
+    cfg.nv = nv;
+    cfg.prefetch = prefetch;
+    const int64_t tpr = 32 * ceil_div<int64_t>(nvec, 32 * nv);
+    const int block_max = max_threads(nv);
+    if (tpr > block_max) continue;
+    cfg.tpr = static_cast<int>(tpr);
+    cfg.groups = cfg.tpr == 32 ? block_max / 32 : std::min(block_max / cfg.tpr, kMaxNamedBarrierGroups);
+    while (cfg.groups > 0 && smem_bytes(cfg, C, acc) > kSmemBudget) --cfg.groups;
+    if (cfg.groups == 0) continue;
+    out.push_back(cfg);
+  }
+  return out;
+}
+
+bool kernel11_pick(Dtype dtype, int64_t C, bool vectorized, Kernel11Config* cfg) {
+  const std::vector<Kernel11Config> all = kernel11_candidates(dtype, C, vectorized);
+  if (all.empty()) return false;
+  // Prefer: at least 70% of the threads' vector slots used; then prefetching; then more
+  // vectors per thread (more bytes in flight per thread, fewer threads per row to reduce over).
+  const int64_t nvec = ceil_div<int64_t>(C, all[0].vec);
+  auto score = [&](const Kernel11Config& c) {
+    const double util = static_cast<double>(nvec) / (static_cast<double>(c.tpr) * c.nv);
+    return (util >= 0.7 ? 1000.0 : 0.0) + (c.prefetch ? 100.0 : 0.0) + 10.0 * c.nv + util;
+  };
+  *cfg = all[0];
+  for (const Kernel11Config& c : all) {
+    if (score(c) > score(*cfg)) *cfg = c;
+  }
+  return true;
+}
+
+cudaError_t layernorm_bwd_kernel11_config(const LayernormBwdParams& p, const Kernel11Config& cfg, cudaStream_t stream) {
+  return dispatch_dtype(p.dtype, [&](auto t) -> cudaError_t {
+    using T = decltype(t);
+    constexpr int vec = 16 / sizeof(T);
+    if (cfg.vec == vec && can_vectorize<T>(p)) return launch_variant<T, vec>(p, cfg, stream);
+    if (cfg.vec == 1) return launch_variant<T, 1>(p, cfg, stream);
+    return cudaErrorInvalidValue;
+  });
+}
+
+cudaError_t layernorm_bwd_kernel11(const LayernormBwdParams& p, cudaStream_t stream) {
+  bool vectorized = false;
+  dispatch_dtype(p.dtype, [&](auto t) {
+    vectorized = can_vectorize<decltype(t)>(p);
+    return cudaSuccess;
+  });
+  Kernel11Config cfg;
+  if (kernel11_pick(p.dtype, p.C, vectorized, &cfg)) return layernorm_bwd_kernel11_config(p, cfg, stream);
+  return layernorm_bwd_kernel11_wide(p, stream);
+}
+
+}  // namespace lnbwd

@@ -1,0 +1,136 @@
+// Kernel 11's path for rows too wide to keep in registers (C beyond about 25000; see
+// kernel11_candidates): one block of 1024 threads per row at a time, two passes over the row.
+//
+//   pass 1: s1 = sum g_i and s2 = sum g_i * (x_i - mean), g_i = weight_i * dy_i, reduced over
+//           the block (warp shuffles, then the 32 warp sums in warp order through shared memory);
+//   pass 2: reads the row again, writes dx_i = (g_i - s1/C - xhat_i * s2*rstd/C) * rstd, and adds
+//           dy_i and dy_i * xhat_i into the block's partial slot in the workspace.
+//
+// The second read usually hits L2: the rows in flight (one per block) are a few MB in all, far
+// below the 50-60 MB L2, and pass 1 uses ordinary loads so the lines stay; pass 2 uses streaming
+// loads because nothing reads them again. DRAM traffic stays close to one read of dy and x, at
+// the price of twice the L2 reads. The partial slot is owned by the block and each of its
+// columns by one thread, so the read-modify-write needs no atomics and is deterministic.
+#include "dispatch.cuh"
+#include "kernel11.h"
+#include "partials_finalize.h"
+
+namespace lnbwd {
+namespace {
+
+constexpr int kThreads = 1024;
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kThreads)
+kernel11_wide(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __restrict__ dy,
+              const T* __restrict__ x, const T* __restrict__ weight, const stat_t<T>* __restrict__ mean,
+              const stat_t<T>* __restrict__ rstd, int64_t rows_per_segment, int blocks_per_segment,
+              int64_t weight_stride, int C) {
+  using A = acc_t<T>;
+  using V = Packed<T, VEC>;
+  using AV = Packed<A, VEC>;
+  __shared__ A exchange[2][kThreads / 32][2];   // two buffers, alternating rows
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  A* db_slot = partials + static_cast<size_t>(blockIdx.x) * 2 * C;
+  A* dw_slot = db_slot + C;
+
+  for (int col = threadIdx.x * VEC; col < C; col += kThreads * VEC) {
+    AV zero;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) zero[k] = A(0);
+    *reinterpret_cast<AV*>(db_slot + col) = zero;
+    *reinterpret_cast<AV*>(dw_slot + col) = zero;
+  }
+
+  // Blocks [s * bps, (s + 1) * bps) work on segment s only (see kernel11_rows_in_registers.cu).
+  const int64_t segment = blockIdx.x / blocks_per_segment;
+  const int64_t rows = (segment + 1) * rows_per_segment;
+  weight += segment * weight_stride;
+  int parity = 0;
+  for (int64_t row = segment * rows_per_segment + blockIdx.x % blocks_per_segment; row < rows;
+       row += blocks_per_segment) {
+    const T* dy_r = dy + row * C;
+    const T* x_r = x + row * C;
+    const A m = A(mean[row]);
+    const A s = A(rstd[row]);
+
+    A s1 = A(0), s2 = A(0);
+    for (int col = threadIdx.x * VEC; col < C; col += kThreads * VEC) {
+      const V dyv = load(reinterpret_cast<const V*>(dy_r + col));
+      const V xv = load(reinterpret_cast<const V*>(x_r + col));
+      const V wv = load(reinterpret_cast<const V*>(weight + col));
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const A gi = mul_rn(to_acc(wv[k]), to_acc(dyv[k]));
+        s1 += gi;
+        s2 += gi * (to_acc(xv[k]) - m);
+      }
+    }
+    s1 = warp_sum(s1);
+    s2 = warp_sum(s2);
+    if (lane == 0) {
+      exchange[parity][warp][0] = s1;
+      exchange[parity][warp][1] = s2;
+    }
+    __syncthreads();   // all warp sums posted; the other buffer is free for the next row
+    s1 = A(0);
+    s2 = A(0);
+    for (int w = 0; w < kThreads / 32; ++w) {
+      s1 += exchange[parity][w][0];
+      s2 += exchange[parity][w][1];
+    }
+    parity ^= 1;
+    const A a = s1 / A(C);
+    const A b = s2 * s / A(C);
+
+    for (int col = threadIdx.x * VEC; col < C; col += kThreads * VEC) {
+      const V dyv = load_cs(reinterpret_cast<const V*>(dy_r + col));
+      const V xv = load_cs(reinterpret_cast<const V*>(x_r + col));
+      const V wv = load(reinterpret_cast<const V*>(weight + col));
+      AV db = *reinterpret_cast<AV*>(db_slot + col);
+      AV dw = *reinterpret_cast<AV*>(dw_slot + col);
+      V dxv;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const A d = to_acc(dyv[k]);
+        const A xhat = (to_acc(xv[k]) - m) * s;
+        dxv[k] = from_acc<T>((mul_rn(to_acc(wv[k]), d) - a - xhat * b) * s);
+        db[k] += d;
+        dw[k] += d * xhat;
+      }
+      *reinterpret_cast<AV*>(db_slot + col) = db;
+      *reinterpret_cast<AV*>(dw_slot + col) = dw;
+      store_cs(reinterpret_cast<V*>(dx + row * C + col), dxv);
+    }
+  }
+}
+
+template <typename T, int VEC>
+cudaError_t launch(const LayernormBwdParams& p, cudaStream_t stream) {
+  auto kernel = kernel11_wide<T, VEC>;
+  int sms = 0, per_sm = 0;
+  LNBWD_RETURN_IF_CUDA_ERROR(sm_count(&sms));
+  LNBWD_RETURN_IF_CUDA_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
+  int64_t bps = 0;
+  LNBWD_RETURN_IF_CUDA_ERROR(blocks_per_segment<T>(p, static_cast<int64_t>(std::max(per_sm, 1)) * sms, 1, &bps));
+  kernel<<<static_cast<unsigned int>(bps * p.segments), kThreads, 0, stream>>>(
+      static_cast<T*>(p.dx), partials_of<T>(p), static_cast<const T*>(p.dy), static_cast<const T*>(p.x),
+      static_cast<const T*>(p.weight), static_cast<const stat_t<T>*>(p.mean),
+      static_cast<const stat_t<T>*>(p.rstd), p.rows / p.segments, static_cast<int>(bps), p.weight_stride,
+      static_cast<int>(p.C));
+  LNBWD_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+  return finalize_partials_launch(p, static_cast<int>(bps), stream);
+}
+
+}  // namespace
+
+cudaError_t layernorm_bwd_kernel11_wide(const LayernormBwdParams& p, cudaStream_t stream) {
+  return dispatch_dtype(p.dtype, [&](auto t) -> cudaError_t {
+    using T = decltype(t);
+    constexpr int vec = 16 / sizeof(T);
+    return can_vectorize<T>(p) ? launch<T, vec>(p, stream) : launch<T, 1>(p, stream);
+  });
+}
+
+}  // namespace lnbwd

@@ -1,0 +1,294 @@
+// Standalone CUDA harness for the kernels in ffi/kernels/, without JAX or XLA.
+//
+// Why it exists: XLA's pooled allocator hands kernels slices of one big allocation, so
+// compute-sanitizer's memcheck cannot see a kernel write one element past its buffer. Here every
+// buffer is its own cudaMalloc of exactly the size the kernel may touch, so the sanitizers
+// (memcheck, racecheck, synccheck, initcheck) see every stray access. It also times kernel 11's
+// configurations directly (CUDA events), which is how its launch heuristic was tuned.
+//
+//   harness check [kernel ...]        validate kernels over shapes x dtypes vs a CPU reference
+//   harness sweep ROWS C DTYPE        time every kernel 11 configuration and a same-bytes copy
+//
+// Build (see tests/cuda/run_sanitizers.sh):
+//   nvcc -O3 -std=c++17 -arch=sm_90 -Iffi/kernels tests/cuda/harness.cu ffi/kernels/*.cu
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernel11.h"
+#include "layernorm_bwd.h"
+
+using namespace lnbwd;
+
+#define CHECK_CUDA(expr)                                                                       \
+  do {                                                                                         \
+    cudaError_t e_ = (expr);                                                                   \
+    if (e_ != cudaSuccess) {                                                                   \
+      std::fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
+      std::exit(2);                                                                            \
+    }                                                                                          \
+  } while (0)
+
+static size_t item_bytes(Dtype d) { return d == Dtype::kF64 ? 8 : d == Dtype::kF32 ? 4 : 2; }
+static size_t acc_bytes(Dtype d) { return d == Dtype::kF64 ? 8 : 4; }
+static const char* dtype_name(Dtype d) {
+  return d == Dtype::kF64 ? "float64" : d == Dtype::kF32 ? "float32" : d == Dtype::kBF16 ? "bfloat16" : "float16";
+}
+static Dtype parse_dtype(const std::string& s) {
+  if (s == "float64") return Dtype::kF64;
+  if (s == "float32") return Dtype::kF32;
+  if (s == "bfloat16") return Dtype::kBF16;
+  return Dtype::kF16;
+}
+
+// Host values are doubles; these store them in the device dtype and read them back.
+static void encode(Dtype d, const std::vector<double>& v, std::vector<unsigned char>& out) {
+  out.resize(v.size() * item_bytes(d));
+  for (size_t i = 0; i < v.size(); ++i) {
+    switch (d) {
+      case Dtype::kF64: reinterpret_cast<double*>(out.data())[i] = v[i]; break;
+      case Dtype::kF32: reinterpret_cast<float*>(out.data())[i] = float(v[i]); break;
+      case Dtype::kBF16: reinterpret_cast<__nv_bfloat16*>(out.data())[i] = __float2bfloat16(float(v[i])); break;
+      case Dtype::kF16: reinterpret_cast<__half*>(out.data())[i] = __float2half(float(v[i])); break;
+    }
+  }
+}
+static double decode(Dtype d, const unsigned char* p, size_t i) {
+  switch (d) {
+    case Dtype::kF64: return reinterpret_cast<const double*>(p)[i];
+    case Dtype::kF32: return reinterpret_cast<const float*>(p)[i];
+    case Dtype::kBF16: return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(p)[i]);
+    case Dtype::kF16: return __half2float(reinterpret_cast<const __half*>(p)[i]);
+  }
+  return 0;
+}
+
+struct DeviceBuf {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  explicit DeviceBuf(size_t n) : bytes(n) { CHECK_CUDA(cudaMalloc(&ptr, std::max<size_t>(n, 1))); }
+  ~DeviceBuf() { cudaFree(ptr); }
+};
+
+// One problem on the device with exact-size buffers, and its float64 CPU reference.
+struct Problem {
+  Dtype dtype;
+  int64_t rows, C;
+  std::vector<double> dy, x, w, mean, rstd, ref_dx, ref_dw, ref_db;
+  Problem(Dtype d, int64_t r, int64_t c, unsigned seed) : dtype(d), rows(r), C(c) {
+    std::mt19937 gen(seed);
+    std::normal_distribution<double> n(0.0, 1.0);
+    auto round_trip = [&](std::vector<double>& v) {   // the values the device will really see
+      std::vector<unsigned char> b;
+      encode(dtype, v, b);
+      for (size_t i = 0; i < v.size(); ++i) v[i] = decode(dtype, b.data(), i);
+    };
+    dy.resize(rows * C); x.resize(rows * C); w.resize(C);
+    for (auto& v : dy) v = n(gen);
+    for (auto& v : x) v = 0.5 + 2.0 * n(gen);
+    for (auto& v : w) v = 1.0 + 0.1 * n(gen);
+    round_trip(dy); round_trip(x); round_trip(w);
+    mean.assign(rows, 0); rstd.assign(rows, 0);
+    for (int64_t r = 0; r < rows; ++r) {
+      double m = 0, var = 0;
+      for (int64_t i = 0; i < C; ++i) m += x[r * C + i];
+      m /= C;
+      for (int64_t i = 0; i < C; ++i) var += (x[r * C + i] - m) * (x[r * C + i] - m);
+      var /= C;
+      mean[r] = d == Dtype::kF64 ? m : double(float(m));
+      rstd[r] = d == Dtype::kF64 ? 1.0 / std::sqrt(var + 1e-5) : double(float(1.0 / std::sqrt(var + 1e-5)));
+    }
+    ref_dx.assign(rows * C, 0); ref_dw.assign(C, 0); ref_db.assign(C, 0);
+    for (int64_t r = 0; r < rows; ++r) {
+      double a = 0, b = 0;
+      for (int64_t i = 0; i < C; ++i) {
+        const double xh = (x[r * C + i] - mean[r]) * rstd[r];
+        a += w[i] * dy[r * C + i];
+        b += w[i] * dy[r * C + i] * xh;
+      }
+      a /= C; b /= C;
+      for (int64_t i = 0; i < C; ++i) {
+        const double xh = (x[r * C + i] - mean[r]) * rstd[r];
+        ref_dx[r * C + i] = (w[i] * dy[r * C + i] - a - xh * b) * rstd[r];
+        ref_dw[i] += dy[r * C + i] * xh;
+        ref_db[i] += dy[r * C + i];
+      }
+    }
+  }
+};
+
+struct Outputs { std::vector<unsigned char> dx, dw, db; };
+
+// Runs `kernel` (10 or 11; cfg forces a kernel 11 configuration) with exact-size buffers.
+static cudaError_t run(const Problem& pb, int kernel, int block_size, const Kernel11Config* cfg, Outputs* out,
+                       int sms, int repeats = 1) {
+  const Dtype d = pb.dtype;
+  const size_t it = item_bytes(d), st = acc_bytes(d);
+  std::vector<unsigned char> h_dy, h_x, h_w, h_mean, h_rstd;
+  encode(d, pb.dy, h_dy); encode(d, pb.x, h_x); encode(d, pb.w, h_w);
+  const Dtype stat = d == Dtype::kF64 ? Dtype::kF64 : Dtype::kF32;
+  encode(stat, pb.mean, h_mean); encode(stat, pb.rstd, h_rstd);
+  DeviceBuf dy(h_dy.size()), x(h_x.size()), w(h_w.size()), mean(h_mean.size()), rstd(h_rstd.size());
+  DeviceBuf dx(pb.rows * pb.C * it), dw(pb.C * it), db(pb.C * it);
+  // Same workspace size rule as jax_lnbwd/kernels.py.
+  int64_t slots = kernel == 10 ? std::min<int64_t>((1024 / block_size) * sms, (pb.rows + block_size / 32 - 1) / (block_size / 32))
+                               : std::min<int64_t>(pb.rows, 4 * sms);
+  slots = std::max<int64_t>(slots, 1);
+  DeviceBuf ws(kWorkspaceHeaderBytes + slots * 2 * pb.C * st);
+  CHECK_CUDA(cudaMemcpy(dy.ptr, h_dy.data(), h_dy.size(), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(x.ptr, h_x.data(), h_x.size(), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(w.ptr, h_w.data(), h_w.size(), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(mean.ptr, h_mean.data(), h_mean.size(), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(rstd.ptr, h_rstd.data(), h_rstd.size(), cudaMemcpyHostToDevice));
+  // Poison outputs and workspace (0xFF bytes are NaN in every float dtype): unwritten = wrong.
+  CHECK_CUDA(cudaMemset(dx.ptr, 0xFF, dx.bytes)); CHECK_CUDA(cudaMemset(dw.ptr, 0xFF, dw.bytes));
+  CHECK_CUDA(cudaMemset(db.ptr, 0xFF, db.bytes)); CHECK_CUDA(cudaMemset(ws.ptr, 0xFF, ws.bytes));
+  LayernormBwdParams p{dx.ptr, dw.ptr, db.ptr, dy.ptr, x.ptr, w.ptr, mean.ptr, rstd.ptr, pb.rows, pb.C, 1, 0, d,
+                       block_size, ws.ptr, ws.bytes};
+  cudaError_t err = cudaSuccess;
+  for (int i = 0; i < repeats && err == cudaSuccess; ++i) {
+    if (kernel == 10) err = layernorm_bwd_kernel10(p, 0);
+    else if (cfg) err = layernorm_bwd_kernel11_config(p, *cfg, 0);
+    else err = layernorm_bwd_kernel11(p, 0);
+  }
+  if (err != cudaSuccess) return err;
+  CHECK_CUDA(cudaDeviceSynchronize());
+  out->dx.resize(dx.bytes); out->dw.resize(dw.bytes); out->db.resize(db.bytes);
+  CHECK_CUDA(cudaMemcpy(out->dx.data(), dx.ptr, dx.bytes, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(out->dw.data(), dw.ptr, dw.bytes, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(out->db.data(), db.ptr, db.bytes, cudaMemcpyDeviceToHost));
+  return cudaSuccess;
+}
+
+static double rel_err(Dtype d, const std::vector<unsigned char>& got, const std::vector<double>& ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double g = decode(d, got.data(), i);
+    if (!std::isfinite(g)) return INFINITY;
+    num += (g - ref[i]) * (g - ref[i]);
+    den += ref[i] * ref[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+static int check(const std::vector<int>& kernels) {
+  int sms = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const int64_t cs[] = {1, 3, 8, 40, 768, 1600, 1601, 4096, 8192, 30000};
+  const int64_t rs[] = {1, 7, 4225};
+  const Dtype ds[] = {Dtype::kF32, Dtype::kBF16, Dtype::kF16, Dtype::kF64};
+  int failures = 0, checked = 0;
+  for (int kernel : kernels) {
+    for (Dtype d : ds) {
+      const double tol = d == Dtype::kF64 ? 1e-12 : d == Dtype::kF32 ? 1e-5 : d == Dtype::kBF16 ? 2e-2 : 3e-3;
+      for (int64_t C : cs) {
+        for (int64_t rows : rs) {
+          if (rows * C > 20'000'000) continue;   // keep the CPU reference quick
+          if (kernel == 10 && layernorm_bwd_kernel10_smem_bytes(d, C, 512) > 232448) continue;
+          Problem pb(d, rows, C, unsigned(rows * 131 + C));
+          Outputs a, b;
+          cudaError_t err = run(pb, kernel, kernel == 10 ? 512 : 0, nullptr, &a, sms);
+          if (err == cudaSuccess) err = run(pb, kernel, kernel == 10 ? 512 : 0, nullptr, &b, sms);
+          const bool same = err == cudaSuccess && a.dx == b.dx && a.dw == b.dw && a.db == b.db;
+          const double ex = err ? INFINITY : rel_err(d, a.dx, pb.ref_dx);
+          const double ew = err ? INFINITY : rel_err(d, a.dw, pb.ref_dw);
+          const double eb = err ? INFINITY : rel_err(d, a.db, pb.ref_db);
+          const bool ok = err == cudaSuccess && same && ex <= tol && ew <= tol && eb <= tol;
+          ++checked;
+          if (!ok) {
+            ++failures;
+            std::printf("FAIL kernel %d %s rows=%lld C=%lld: %s dx %.2e dw %.2e db %.2e deterministic=%d\n", kernel,
+                        dtype_name(d), (long long)rows, (long long)C, cudaGetErrorString(err), ex, ew, eb, same);
+          }
+        }
+      }
+    }
+  }
+  std::printf("harness check: %d cases, %d failures\n", checked, failures);
+  return failures ? 1 : 0;
+}
+
+static int sweep(int64_t rows, int64_t C, Dtype d) {
+  int sms = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const size_t it = item_bytes(d);
+  const double bytes = double(3 * rows * C + 3 * C) * it + 2.0 * rows * acc_bytes(d);
+  // Ceiling: a device-to-device copy moving the same bytes (half read, half written).
+  DeviceBuf a(size_t(bytes / 2)), b(size_t(bytes / 2));
+  cudaEvent_t e0, e1;
+  CHECK_CUDA(cudaEventCreate(&e0)); CHECK_CUDA(cudaEventCreate(&e1));
+  auto time_it = [&](auto&& fn) {
+    fn();
+    std::vector<float> ms;
+    for (int i = 0; i < 15; ++i) {
+      CHECK_CUDA(cudaEventRecord(e0));
+      fn();
+      CHECK_CUDA(cudaEventRecord(e1));
+      CHECK_CUDA(cudaEventSynchronize(e1));
+      float t = 0;
+      CHECK_CUDA(cudaEventElapsedTime(&t, e0, e1));
+      ms.push_back(t);
+    }
+    std::sort(ms.begin(), ms.end());
+    return ms[ms.size() / 2] * 1e3;   // median, microseconds
+  };
+  const double copy_us = time_it([&] { CHECK_CUDA(cudaMemcpyAsync(b.ptr, a.ptr, a.bytes, cudaMemcpyDeviceToDevice)); });
+  std::printf("%s %lldx%lld: copy %.1f us (%.0f GB/s)\n", dtype_name(d), (long long)rows, (long long)C, copy_us,
+              bytes / copy_us / 1e3);
+
+  // Device buffers for the kernel, filled with random data (values do not matter for timing).
+  Problem pb(d, std::min<int64_t>(rows, 64), C, 1);   // small reference problem, for a correctness spot check
+  std::vector<unsigned char> h;
+  std::vector<double> big(rows * C);
+  std::mt19937 gen(3);
+  std::normal_distribution<double> n(0, 1);
+  for (auto& v : big) v = n(gen);
+  encode(d, big, h);
+  DeviceBuf dy(h.size()), x(h.size()), dx(h.size()), w(C * it), dw(C * it), db(C * it), mean(rows * acc_bytes(d)), rstd(rows * acc_bytes(d));
+  CHECK_CUDA(cudaMemcpy(dy.ptr, h.data(), h.size(), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(x.ptr, h.data(), h.size(), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemset(w.ptr, 0, w.bytes)); CHECK_CUDA(cudaMemset(mean.ptr, 0, mean.bytes));
+  CHECK_CUDA(cudaMemset(rstd.ptr, 0, rstd.bytes));
+  DeviceBuf ws(kWorkspaceHeaderBytes + std::min<int64_t>(rows, 4 * sms) * 2 * C * acc_bytes(d));
+  LayernormBwdParams p{dx.ptr, dw.ptr, db.ptr, dy.ptr, x.ptr, w.ptr, mean.ptr, rstd.ptr, rows, C, 1, 0, d, 0, ws.ptr, ws.bytes};
+  Kernel11Config picked;
+  const bool has_pick = kernel11_pick(d, C, C % (16 / it) == 0, &picked);
+  std::vector<Kernel11Config> cfgs = kernel11_candidates(d, C, C % (16 / it) == 0);
+  for (const Kernel11Config& c : cfgs) {
+    Outputs o;
+    const cudaError_t err = run(pb, 11, 0, &c, &o, sms);
+    const double e = err ? INFINITY : rel_err(d, o.dx, pb.ref_dx);
+    const double us = time_it([&] { CHECK_CUDA(layernorm_bwd_kernel11_config(p, c, 0)); });
+    const bool is_pick = has_pick && c.nv == picked.nv && c.prefetch == picked.prefetch && c.tpr == picked.tpr;
+    std::printf("  vec=%d nv=%d prefetch=%d tpr=%4d groups=%2d: %8.1f us %6.0f GB/s %5.1f%% of copy  dx err %.1e%s\n",
+                c.vec, c.nv, int(c.prefetch), c.tpr, c.groups, us, bytes / us / 1e3, 100 * copy_us / us, e,
+                is_pick ? "  <- default" : "");
+  }
+  if (!has_pick) {
+    const double us = time_it([&] { CHECK_CUDA(layernorm_bwd_kernel11(p, 0)); });
+    std::printf("  wide path: %8.1f us %6.0f GB/s %5.1f%% of copy\n", us, bytes / us / 1e3, 100 * copy_us / us);
+  }
+  return 0;
+}
+
+int main(int argc, char** argv) {
+  const std::string mode = argc > 1 ? argv[1] : "check";
+  if (mode == "sweep" && argc >= 5) return sweep(std::atoll(argv[2]), std::atoll(argv[3]), parse_dtype(argv[4]));
+  if (mode == "check") {
+    std::vector<int> kernels;
+    for (int i = 2; i < argc; ++i) kernels.push_back(std::atoi(argv[i]));
+    if (kernels.empty()) kernels = {10, 11};
+    return check(kernels);
+  }
+  std::fprintf(stderr, "usage: harness check [kernel ...] | harness sweep ROWS C DTYPE\n");
+  return 2;
+}
