@@ -4,7 +4,6 @@
 #pragma once
 
 #include <cstdint>
-#include <sstream>
 #include <string>
 
 #include "xla/ffi/api/ffi.h"
@@ -13,12 +12,14 @@ namespace lnbwd {
 
 namespace ffi = xla::ffi;
 
+// Formats dims as "(4, 8)" or "(8,)". Only called on the error path. Built with std::to_string,
+// not iostreams: the extension may carry its own static libstdc++, whose stream/locale state
+// is not set up inside a host process that loaded another libstdc++ first (a crash seen with
+// jax 0.11 on the GPU machine).
 inline std::string ShapeStr(ffi::AnyBuffer::Dimensions dims) {
-  std::ostringstream out;
-  out << "(";
-  for (size_t i = 0; i < dims.size(); ++i) out << (i ? ", " : "") << dims[i];
-  out << (dims.size() == 1 ? ",)" : ")");
-  return out.str();
+  std::string out = "(";
+  for (size_t i = 0; i < dims.size(); ++i) out += (i ? ", " : "") + std::to_string(dims[i]);
+  return out + (dims.size() == 1 ? ",)" : ")");
 }
 
 inline const char* DtypeName(ffi::DataType t) {

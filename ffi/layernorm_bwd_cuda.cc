@@ -89,6 +89,9 @@ ffi::Error LayernormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
     case 11:
       LNBWD_FFI_RETURN_IF_CUDA_ERROR(layernorm_bwd_kernel11(p, stream));
       break;
+    case 12:
+      LNBWD_FFI_RETURN_IF_CUDA_ERROR(layernorm_bwd_kernel12(p, stream));
+      break;
     default:
       return ArgError("'kernel' is " + std::to_string(kernel) + " but this build has no such CUDA kernel");
   }

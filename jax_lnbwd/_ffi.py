@@ -24,6 +24,10 @@ def layernorm_bwd_segments(dy, x, weight, mean, rstd, *, segments: int, kernel: 
     dy, x: (rows, C); mean, rstd: (rows,); weight: (1, C) shared by all rows, or (segments, C).
     The rows form `segments` equal contiguous segments and dweight, dbias have shape
     (segments, C): the sums over each segment's rows (per-example gradients under vmap).
+
+    This is the bare primitive: it has no batching rule (no `vmap_method`, which newer JAX
+    may not accept) and no derivative. layernorm.py wraps it in a jax.custom_batching.custom_vmap
+    (vmap becomes one call with more segments) and a jax.custom_vjp (its derivative in jnp).
     """
     rows, C = x.shape
     out_types = (
@@ -32,6 +36,6 @@ def layernorm_bwd_segments(dy, x, weight, mean, rstd, *, segments: int, kernel: 
         jax.ShapeDtypeStruct((segments, C), x.dtype),        # dbias
         jax.ShapeDtypeStruct((workspace_bytes,), np.uint8),  # workspace (flags, partial sums)
     )
-    dx, dweight, dbias, _ = jax.ffi.ffi_call(TARGET, out_types, vmap_method="sequential")(
+    dx, dweight, dbias, _ = jax.ffi.ffi_call(TARGET, out_types)(
         dy, x, weight, mean, rstd, kernel=np.int32(kernel), block_size=np.int32(block_size))
     return dx, dweight, dbias

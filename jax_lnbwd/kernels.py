@@ -109,9 +109,25 @@ KERNELS: Mapping[int, KernelInfo] = {
         refuse=lambda C, dtype, block_size: None,
         partial_slots=_kernel11_slots,
     ),
+    12: KernelInfo(
+        id=12,
+        name="bulk_copy_ring",
+        description=("default on Hopper: rows streamed into a shared-memory ring by the bulk copy "
+                     "engine (cp.async.bulk), several rows ahead; sums in registers; per-block "
+                     "fp32 partials + finalize"),
+        dtypes=ALL_DTYPES,
+        block_sizes=(0,),
+        default_block_size=0,
+        deterministic=True,
+        precise=True,
+        constraints=("any C >= 1; the ring needs sm_90 and C*itemsize % 16 == 0 with two rows "
+                     "of dy and x per buffer in ~200 KB of shared memory; otherwise it runs kernel 11"),
+        refuse=lambda C, dtype, block_size: None,
+        partial_slots=_kernel11_slots,
+    ),
 }
 
-DEFAULT_KERNEL = 11
+DEFAULT_KERNEL = 12
 
 
 @functools.cache

@@ -2,6 +2,14 @@
 
 All argument checks happen here, at trace time, so a bad input raises TypeError/ValueError
 before any kernel can see it.
+
+The FFI op is wrapped twice (see _segmented_op), from the inside out:
+  * jax.custom_batching.custom_vmap: under vmap the batch axis is folded into the rows and
+    becomes more segments, so a vmapped backward is still ONE FFI call, with per-example
+    dweight/dbias (the sums over each example's rows, not over the whole batch);
+  * jax.custom_jvp: the op's own derivative is the JVP of the same math in pure jnp, so the
+    backward is differentiable again, in both modes: grad of grad, and jax.jvp of jax.grad
+    (the usual Hessian-vector product). layernorm itself stays a custom_vjp.
 """
 from __future__ import annotations
 
@@ -16,6 +24,10 @@ from . import _ffi, reference
 from .kernels import DEFAULT_KERNEL, KERNELS, workspace_bytes
 
 _SUPPORTED = {"float32", "bfloat16", "float16", "float64"}
+
+# Kernels that can split the rows into segments with their own dweight/dbias sums: the ones
+# that run under vmap. Others sum over all rows only (the C++ refuses segments > 1 for them).
+_SEGMENT_KERNELS = frozenset({11, 12})
 
 
 def _dtype_name(a) -> str:
@@ -41,6 +53,9 @@ def _check_eps(eps) -> float:
 
 
 def _check_param(name: str, p, x) -> None:
+    """weight or bias: None (absent: scale 1, shift 0) or a (C,) array of x's dtype."""
+    if p is None:
+        return
     _check_float(name, p)
     C = x.shape[-1]
     if tuple(p.shape) != (C,):
@@ -73,7 +88,9 @@ def _resolve_kernel(kernel, block_size, dtype: str, C: int) -> tuple[int, int]:
 
 
 def layernorm_fwd(x, weight, bias, *, eps: float = 1e-5):
-    """(y, mean, rstd) of layernorm over the last axis; mean/rstd are float32 (float64 for float64)."""
+    """(y, mean, rstd) of layernorm over the last axis; mean/rstd are float32 (float64 for float64).
+
+    weight and/or bias may be None (no scale, no shift)."""
     eps = _check_eps(eps)
     _check_float("x", x)
     if x.ndim < 1:
@@ -83,13 +100,111 @@ def layernorm_fwd(x, weight, bias, *, eps: float = 1e-5):
     return reference.layernorm_fwd(x, weight, bias, eps)
 
 
+# --- the FFI op made batchable and differentiable ---------------------------------------------
+
+def _reference_segments(dy, x, weight, mean, rstd, *, segments: int):
+    """What the FFI op computes, in jnp: reference.layernorm_bwd on each segment of rows."""
+    rows, C = x.shape
+
+    def split(a):  # (rows, ...) -> (segments, rows // segments, ...)
+        return a.reshape(segments, rows // segments, *a.shape[1:])
+
+    per_segment_weight = jnp.broadcast_to(weight, (segments, C))
+    dx, dweight, dbias = jax.vmap(reference.layernorm_bwd)(
+        split(dy), split(x), per_segment_weight, split(mean), split(rstd))
+    return dx.reshape(rows, C), dweight, dbias
+
+
+def _vmap_rule(segments, kernel, block_size, axis_size, in_batched, dy, x, weight, mean, rstd):
+    """custom_vmap rule: a batch of B problems is one problem with B times the rows and segments.
+
+    custom_vmap has moved every batched argument's batch axis to the front. Example b's rows
+    become rows [b*rows, (b+1)*rows) and its segments become segments [b*S, (b+1)*S), so
+    dweight/dbias come out per example: (B*S, C) -> (B, S, C). An unbatched argument is the
+    same for every example and is broadcast. The call goes through _segmented_op again, so a
+    further (outer) vmap applies this rule once more: nested vmaps still make one FFI call.
+    """
+    B, S = axis_size, segments
+    rows, C = x.shape[-2:]
+    if B == 0:  # an empty batch: nothing to compute, and the op needs at least one segment
+        return tuple(jnp.zeros((0, *shape), x.dtype) for shape in ((rows, C), (S, C), (S, C))), (True,) * 3
+
+    def fold(a, batched):  # (B, rows, ...) -> (B*rows, ...)
+        if not batched:
+            a = jnp.broadcast_to(a, (B, *a.shape))
+        return a.reshape(B * a.shape[1], *a.shape[2:])
+
+    dy_b, x_b, weight_b, mean_b, rstd_b = in_batched
+    if weight_b or weight.shape[-2] != 1:
+        # Weights differ between segments: one row per new segment, (B, 1 or S, C) -> (B*S, C).
+        weight = jnp.broadcast_to(weight, (B, S, C)).reshape(B * S, C)
+    dx, dweight, dbias = _segmented_op(B * S, kernel, block_size)(
+        fold(dy, dy_b), fold(x, x_b), weight, fold(mean, mean_b), fold(rstd, rstd_b))
+    out = dx.reshape(B, rows, C), dweight.reshape(B, S, C), dbias.reshape(B, S, C)
+    return out, (True, True, True)
+
+
+@functools.cache
+def _segmented_op(segments: int, kernel: int, block_size: int):
+    """The FFI op for these static settings: op(dy, x, weight, mean, rstd) -> (dx, dweight, dbias).
+
+    Shapes as in _ffi.layernorm_bwd_segments. Two wrappers around the FFI call `run`:
+      * custom_vmap (inner): vmap of the op is _vmap_rule, one FFI call with more segments;
+      * custom_jvp (outer, so that it, not custom_vmap's generic rule, defines derivatives):
+        the op's tangents are the JVP of _reference_segments (pure jnp), its value the FFI's.
+        JAX derives reverse mode from it (linearize + transpose of jnp), so grad of grad and
+        jvp of grad both work. Under vmap, JAX batches the JVP rule too; its primal call
+        goes through `op`, so it reaches _vmap_rule (and higher orders reach this rule again).
+    Only this function makes the FFI call differentiable: a first-order grad of layernorm
+    calls the op plainly (the FFI alone); the jnp here runs only at second order. Cached, so
+    equal settings give the same function (and jit caches hit).
+    """
+    if segments > 1 and kernel not in _SEGMENT_KERNELS:
+        raise ValueError(
+            f"layernorm: kernel {kernel} sums dweight/dbias over all rows and cannot keep one sum "
+            f"per example: per-example (vmapped) dweight/dbias need kernel "
+            f"{' or '.join(map(str, sorted(_SEGMENT_KERNELS)))} or kernel=None")
+
+    @jax.custom_batching.custom_vmap
+    def run(dy, x, weight, mean, rstd):
+        rows, C = x.shape
+        ws = workspace_bytes(kernel, rows, C, _dtype_name(x), block_size, segments)
+        return _ffi.layernorm_bwd_segments(dy, x, weight, mean, rstd, segments=segments, kernel=kernel,
+                                           block_size=block_size, workspace_bytes=ws)
+
+    run.def_vmap(functools.partial(_vmap_rule, segments, kernel, block_size))
+    op = jax.custom_jvp(run)
+
+    @op.defjvp
+    def op_jvp(primals, tangents):
+        _, tangents_out = jax.jvp(functools.partial(_reference_segments, segments=segments), primals, tangents)
+        return op(*primals), tangents_out
+
+    return op
+
+
+def _backward(dy, x, weight, mean, rstd, kernel: int, block_size: int):
+    """(dx, dweight, dbias) for checked inputs of shape (..., C): one call, all rows one segment.
+
+    weight None means a scale of ones (its dweight is then computed and ignored by the caller).
+    """
+    C = x.shape[-1]
+    rows = math.prod(x.shape[:-1])
+    weight = jnp.ones((1, C), x.dtype) if weight is None else weight.reshape(1, C)
+    dx, dweight, dbias = _segmented_op(1, kernel, block_size)(
+        dy.reshape(rows, C), x.reshape(rows, C), weight, mean.reshape(rows), rstd.reshape(rows))
+    return dx.reshape(x.shape), dweight.reshape(C), dbias.reshape(C)
+
+
+# --- the public ops -----------------------------------------------------------------------------
+
 def layernorm_bwd(dy, x, weight, mean, rstd, *, kernel: int | None = None, block_size: int | None = None):
     """The raw backward op: (dx, dweight, dbias) given the forward's saved mean and rstd.
 
     dy and x have any shape (..., C); weight has shape (C,); mean and rstd have shape x.shape[:-1]
     and dtype float32 (float64 when x is float64). dweight and dbias are summed over all
-    leading axes. `kernel` picks a CUDA kernel from KERNELS (None: the default); the CPU runs
-    a C++ reference for every kernel.
+    leading axes (under vmap: per example). `kernel` picks a CUDA kernel from KERNELS (None: the
+    default); the CPU runs a C++ reference for every kernel. Differentiable, and batchable.
     """
     _check_float("x", x)
     _check_float("dy", dy)
@@ -99,6 +214,8 @@ def layernorm_bwd(dy, x, weight, mean, rstd, *, kernel: int | None = None, block
         raise ValueError(f"layernorm_bwd: 'dy' has shape {tuple(dy.shape)} but x has shape {tuple(x.shape)}")
     if dy.dtype != x.dtype:
         raise TypeError(f"layernorm_bwd: 'dy' has dtype {_dtype_name(dy)} but x has dtype {_dtype_name(x)}")
+    if weight is None:
+        raise TypeError("layernorm_bwd: 'weight' must be an array (for no scale pass ones)")
     _check_param("weight", weight, x)
     stat = reference.acc_dtype(x.dtype)
     for name, s in (("mean", mean), ("rstd", rstd)):
@@ -114,12 +231,7 @@ def layernorm_bwd(dy, x, weight, mean, rstd, *, kernel: int | None = None, block
     if C < 1:
         raise ValueError(f"layernorm_bwd: 'x' has shape {tuple(x.shape)} but the last axis must be >= 1")
     kernel, block_size = _resolve_kernel(kernel, block_size, _dtype_name(x), C)
-    rows = math.prod(x.shape[:-1])
-    ws = workspace_bytes(kernel, rows, C, _dtype_name(x), block_size)
-    dx, dweight, dbias = _ffi.layernorm_bwd_segments(
-        dy.reshape(rows, C), x.reshape(rows, C), weight.reshape(1, C), mean.reshape(rows), rstd.reshape(rows),
-        segments=1, kernel=kernel, block_size=block_size, workspace_bytes=ws)
-    return dx.reshape(x.shape), dweight.reshape(C), dbias.reshape(C)
+    return _backward(dy, x, weight, mean, rstd, kernel, block_size)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
@@ -129,13 +241,14 @@ def _layernorm(x, weight, bias, eps, kernel, block_size):
 
 def _layernorm_fwd_rule(x, weight, bias, eps, kernel, block_size):
     y, mean, rstd = reference.layernorm_fwd(x, weight, bias, eps)
-    return y, (x, weight, mean, rstd)
+    return y, (x, weight, bias is not None, mean, rstd)
 
 
 def _layernorm_bwd_rule(eps, kernel, block_size, res, dy):
-    x, weight, mean, rstd = res
-    dx, dweight, dbias = layernorm_bwd(dy, x, weight, mean, rstd, kernel=kernel, block_size=block_size)
-    return dx, dweight, dbias
+    x, weight, has_bias, mean, rstd = res
+    dx, dweight, dbias = _backward(dy, x, weight, mean, rstd, kernel, block_size)
+    # An absent parameter (None) gets no gradient: None, matching its (empty) pytree.
+    return dx, None if weight is None else dweight, dbias if has_bias else None
 
 
 _layernorm.defvjp(_layernorm_fwd_rule, _layernorm_bwd_rule)
@@ -145,8 +258,10 @@ def layernorm(x, weight, bias, *, eps: float = 1e-5, kernel: int | None = None, 
     """LayerNorm over the last axis: (x - mean) / sqrt(var + eps) * weight + bias.
 
     x has any rank >= 1 and dtype float32, bfloat16, float16 or float64; weight and bias have
-    shape (C,) and x's dtype. The forward runs in jnp (statistics in float32, float64 for
-    float64); the backward runs our FFI op with `kernel` (None: the default kernel).
+    shape (C,) and x's dtype, or are None (no scale / no shift, like Flax's use_scale=False /
+    use_bias=False; no gradient is returned for them). The forward runs in jnp (statistics in
+    float32, float64 for float64); the backward runs our FFI op with `kernel` (None: the default
+    kernel). Works under jit, grad (to any order), vmap, scan, checkpoint and jax.export.
     """
     eps = _check_eps(eps)
     _check_float("x", x)

@@ -62,4 +62,9 @@ size_t layernorm_bwd_kernel10_smem_bytes(Dtype dtype, int64_t C, int block_size)
 // Any C >= 1, any number of segments; block shape is chosen from C (p.block_size is ignored).
 cudaError_t layernorm_bwd_kernel11(const LayernormBwdParams& p, cudaStream_t stream);
 
+// Kernel 12: rows streamed into a shared-memory ring by the bulk copy engine (sm_90), sums in
+// registers, per-block partials + finalize (see kernel12_bulk_copy_ring.cu). Falls back to
+// kernel 11 for misaligned rows, rows too wide for the ring, and GPUs before sm_90.
+cudaError_t layernorm_bwd_kernel12(const LayernormBwdParams& p, cudaStream_t stream);
+
 }  // namespace lnbwd

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "kernel11.h"
+#include "kernel12.h"
 #include "layernorm_bwd.h"
 
 using namespace lnbwd;
@@ -130,7 +131,7 @@ struct Outputs { std::vector<unsigned char> dx, dw, db; };
 
 // Runs `kernel` (10 or 11; cfg forces a kernel 11 configuration) with exact-size buffers.
 static cudaError_t run(const Problem& pb, int kernel, int block_size, const Kernel11Config* cfg, Outputs* out,
-                       int sms, int repeats = 1) {
+                       int sms, int repeats = 1, const Kernel12Config* cfg12 = nullptr) {
   const Dtype d = pb.dtype;
   const size_t it = item_bytes(d), st = acc_bytes(d);
   std::vector<unsigned char> h_dy, h_x, h_w, h_mean, h_rstd;
@@ -158,6 +159,8 @@ static cudaError_t run(const Problem& pb, int kernel, int block_size, const Kern
   for (int i = 0; i < repeats && err == cudaSuccess; ++i) {
     if (kernel == 10) err = layernorm_bwd_kernel10(p, 0);
     else if (cfg) err = layernorm_bwd_kernel11_config(p, *cfg, 0);
+    else if (cfg12) err = layernorm_bwd_kernel12_config(p, *cfg12, 0);
+    else if (kernel == 12) err = layernorm_bwd_kernel12(p, 0);
     else err = layernorm_bwd_kernel11(p, 0);
   }
   if (err != cudaSuccess) return err;
@@ -277,6 +280,17 @@ static int sweep(int64_t rows, int64_t C, Dtype d) {
     const double us = time_it([&] { CHECK_CUDA(layernorm_bwd_kernel11(p, 0)); });
     std::printf("  wide path: %8.1f us %6.0f GB/s %5.1f%% of copy\n", us, bytes / us / 1e3, 100 * copy_us / us);
   }
+  Kernel12Config pick12;
+  const bool has12 = kernel12_pick(d, C, &pick12);
+  for (const Kernel12Config& c : kernel12_candidates(d, C)) {
+    Outputs o;
+    const cudaError_t err = run(pb, 12, 0, nullptr, &o, sms, 1, &c);
+    const double e = err ? INFINITY : rel_err(d, o.dx, pb.ref_dx);
+    const double us = time_it([&] { CHECK_CUDA(layernorm_bwd_kernel12_config(p, c, 0)); });
+    const bool is_pick = has12 && c.nv == pick12.nv && c.nb == pick12.nb && c.tpr == pick12.tpr && c.groups == pick12.groups;
+    std::printf("  k12 nv=%d nb=%d tpr=%4d groups=%2d: %8.1f us %6.0f GB/s %5.1f%% of copy  dx err %.1e%s\n", c.nv,
+                c.nb, c.tpr, c.groups, us, bytes / us / 1e3, 100 * copy_us / us, e, is_pick ? "  <- default" : "");
+  }
   return 0;
 }
 
@@ -286,7 +300,7 @@ int main(int argc, char** argv) {
   if (mode == "check") {
     std::vector<int> kernels;
     for (int i = 2; i < argc; ++i) kernels.push_back(std::atoi(argv[i]));
-    if (kernels.empty()) kernels = {10, 11};
+    if (kernels.empty()) kernels = {10, 11, 12};
     return check(kernels);
   }
   std::fprintf(stderr, "usage: harness check [kernel ...] | harness sweep ROWS C DTYPE\n");

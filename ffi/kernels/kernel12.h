@@ -1,0 +1,23 @@
+// Kernel 12 internals shared with the standalone CUDA harness (tests/cuda/), which sweeps
+// configurations directly. The FFI glue uses layernorm_bwd.h only.
+#pragma once
+
+#include <vector>
+
+#include "layernorm_bwd.h"
+
+namespace lnbwd {
+
+struct Kernel12Config {
+  int nv = 1;       // 16-byte vectors per thread per row
+  int nb = 2;       // ring buffers per row group (rows in flight per group: nb - 1 ahead)
+  int tpr = 32;     // threads per row group (a multiple of 32)
+  int groups = 1;   // row groups per block
+};
+
+// Configurations that fit (16-byte aligned rows of C elements); empty if none.
+std::vector<Kernel12Config> kernel12_candidates(Dtype dtype, int64_t C);
+bool kernel12_pick(Dtype dtype, int64_t C, Kernel12Config* cfg);
+cudaError_t layernorm_bwd_kernel12_config(const LayernormBwdParams& p, const Kernel12Config& cfg, cudaStream_t stream);
+
+}  // namespace lnbwd

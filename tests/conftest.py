@@ -1,0 +1,187 @@
+"""Shared helpers for the jax_lnbwd tests: x64, platforms, inputs, error measure, tolerances.
+
+Every test that runs the op takes a `platform` ("cpu" or "gpu") from PLATFORMS, places its
+inputs on that platform's first device and jits, so one test body covers the C++ reference on
+the CPU and the CUDA kernels on the GPU. GPU cases carry the `gpu` marker (registered in
+pyproject.toml) and are skipped, not failed, on a machine without a GPU; `pytest -m gpu` runs
+only them and `pytest -m "not gpu"` none of them.
+
+Helpers are imported by the test modules with `from conftest import ...` (pytest puts this
+folder on sys.path, there being no tests/__init__.py).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+
+# float64 inputs must stay float64: the f64 path and the f64 references depend on it. This must
+# run before any array is made, hence at import of conftest, before any test module.
+jax.config.update("jax_enable_x64", True)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import jax_lnbwd  # noqa: E402
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+# Relative tolerances for rel_err (a norm-wise relative error, see below) of a result in each
+# dtype against a float64 reference computed from the same (upcast) inputs. The op computes in
+# fp32 (fp64 for float64) from exactly those inputs, so what limits each is:
+#   float64:  f64 on both sides; only summation order differs. Measured <= 7e-16.
+#   float32:  fp32 accumulation and fp32 mean/rstd against f64. Measured <= 3.4e-7 over the
+#             shapes below (C up to 4100, up to 333 rows); 1e-5 leaves ~30x for longer sums
+#             and other summation orders (the GPU kernels' block partial sums).
+#   bfloat16: rounding the outputs to bf16, whose unit roundoff is 2^-8 = 3.9e-3: that bounds
+#             the norm-wise error, typically ~1.7e-3. Measured <= 2.9e-3 (tiny shapes spread
+#             more); 1e-2 is 2.5x the bound.
+#   float16:  rounding the outputs to f16, unit roundoff 2^-11 = 4.9e-4 (the bound), typically
+#             ~2.1e-4. Measured <= 2.5e-4; 2e-3 is 4x the bound.
+# A wrong formula (a missing term, a wrong row, a dropped block of partial sums) is off by O(1).
+RTOL = {
+    "float64": 1e-12,
+    "float32": 1e-5,
+    "bfloat16": 1e-2,
+    "float16": 2e-3,
+}
+
+
+@functools.cache
+def platforms() -> tuple[str, ...]:
+    """("cpu",), plus "gpu" when JAX has a GPU backend here."""
+    try:
+        has_gpu = len(jax.devices("gpu")) > 0
+    except RuntimeError:  # "Unknown backend: 'gpu' requested ..."
+        has_gpu = False
+    return ("cpu", "gpu") if has_gpu else ("cpu",)
+
+
+HAS_GPU = "gpu" in platforms()
+
+# The skip for GPU-only tests. Tests get it through the registered `gpu` marker (see
+# pytest_collection_modifyitems below); `requires_gpu` is the same skip for direct use.
+requires_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a GPU (jax.devices('gpu') found none)")
+
+# Parametrize a test over this to run it on every platform: the GPU case is always collected,
+# so a CPU-only run shows it as skipped rather than silently dropping it.
+PLATFORMS = [pytest.param("cpu", id="cpu"), pytest.param("gpu", id="gpu", marks=pytest.mark.gpu)]
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_GPU:
+        return
+    skip = pytest.mark.skip(reason="needs a GPU (jax.devices('gpu') found none)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def shape_id(shape) -> str:
+    """A test id for a shape: (2, 3, 40) -> "2x3x40"."""
+    return "x".join(map(str, shape))
+
+
+def device(platform: str):
+    """The first device of `platform` ("cpu" or "gpu")."""
+    return jax.devices(platform)[0]
+
+
+def put(platform: str, *arrays):
+    """The arrays, committed to `platform`'s first device (a jit then runs there)."""
+    dev = device(platform)
+    out = tuple(jax.device_put(a, dev) for a in arrays)
+    return out if len(out) > 1 else out[0]
+
+
+def np_dtype(dtype):
+    """A numpy dtype for a name: ml_dtypes' bfloat16 for "bfloat16"."""
+    return np.dtype(jnp.dtype(dtype))
+
+
+def make_inputs(shape, dtype, seed: int = 0):
+    """(x, dy, weight, bias) as host numpy arrays in `dtype`, all random and never zero.
+
+    x and dy are standard normal of `shape`; weight = 1 + 0.1 * normal and bias is normal,
+    of shape (C,). The values are drawn in float64 and rounded to `dtype` once, so upcasting
+    them again gives exactly what the op saw.
+    """
+    rng = np.random.default_rng(seed)
+    C = shape[-1]
+    x = rng.standard_normal(shape)
+    dy = rng.standard_normal(shape)
+    weight = 1.0 + 0.1 * rng.standard_normal(C)
+    bias = rng.standard_normal(C)
+    t = np_dtype(dtype)
+    return x.astype(t), dy.astype(t), weight.astype(t), bias.astype(t)
+
+
+def f64(a) -> np.ndarray:
+    """`a` as a float64 numpy array (exact for every float dtype we use)."""
+    return np.asarray(a).astype(np.float64)
+
+
+def rel_err(a, b) -> float:
+    """‖a − b‖ / ‖b‖ (Frobenius norms) in float64; inf if anything is NaN.
+
+    When b is all zeros (or empty) the relative error is undefined: then this is the absolute
+    ‖a − b‖, which is 0.0 exactly when a is zero too.
+    """
+    a, b = f64(a), f64(b)
+    assert a.shape == b.shape, f"shape {a.shape} vs reference {b.shape}"
+    diff = float(np.linalg.norm((a - b).ravel()))
+    ref = float(np.linalg.norm(b.ravel()))
+    err = diff / ref if ref > 0 else diff
+    return float("inf") if np.isnan(err) else err
+
+
+def assert_close(name: str, got, want, dtype: str, rtol: float | None = None):
+    """Assert rel_err(got, want) <= rtol (RTOL[dtype] by default), naming the output if not."""
+    tol = RTOL[dtype] if rtol is None else rtol
+    err = rel_err(got, want)
+    assert err <= tol, f"{name}: rel_err {err:.3e} > {tol:.1e} ({dtype}, shape {np.shape(want)})"
+
+
+def reference_stats(x, eps: float = 1e-5):
+    """(mean, rstd) of x over the last axis as the op expects them: float32 (float64 for
+    float64 x), computed on the CPU by the package's jnp reference."""
+    cpu = device("cpu")
+    xc = jax.device_put(x, cpu)
+    _, mean, rstd = jax_lnbwd.reference.layernorm_fwd(xc, None, None, eps)
+    return np.asarray(mean), np.asarray(rstd)
+
+
+def reference_bwd(dy, x, weight, mean, rstd):
+    """(dx, dweight, dbias) by reference.layernorm_bwd in float64, on the CPU, from the
+    inputs upcast to float64 (mean and rstd too)."""
+    cpu = device("cpu")
+    args = [jax.device_put(f64(a), cpu) for a in (dy, x, weight, mean, rstd)]
+    return tuple(np.asarray(o) for o in jax_lnbwd.reference.layernorm_bwd(*args))
+
+
+def direct_ffi_call(platform, dy, x, weight, mean, rstd, *, segments: int = 1, kernel: int | None = None,
+                    block_size: int = 0, dx_shape=None):
+    """Run the FFI target jax_lnbwd.TARGET on host arrays, with no Python check in between.
+
+    The target's signature (see README, "The FFI target"): dy, x (rows, C); weight (1, C) or
+    (segments, C); mean, rstd (rows,); results dx (rows, C), dweight and dbias (segments, C),
+    and a uint8 workspace; int32 attributes kernel and block_size (0 = the kernel's choice).
+    `dx_shape` overrides dx's shape (to test the handler's checks of its results). The
+    workspace has a partial slot for every row (and segment): no launcher gives a block fewer rows.
+    Returns (dx, dweight, dbias) as numpy arrays.
+    """
+    x_shape, dtype = np.shape(x), np.asarray(x).dtype
+    rows, C = x_shape[0], x_shape[-1]
+    acc = 8 if dtype == np.float64 else 4
+    out_types = (
+        jax.ShapeDtypeStruct(dx_shape or x_shape, dtype),
+        jax.ShapeDtypeStruct((segments, C), dtype),
+        jax.ShapeDtypeStruct((segments, C), dtype),
+        jax.ShapeDtypeStruct((256 + max(rows, segments, 1) * 2 * C * acc,), np.uint8),
+    )
+    call = jax.ffi.ffi_call(jax_lnbwd.TARGET, out_types)  # never vmapped: no vmap_method
+    k = jax_lnbwd.DEFAULT_KERNEL if kernel is None else kernel
+    f = jax.jit(lambda *a: call(*a, kernel=np.int32(k), block_size=np.int32(block_size)))
+    dx, dweight, dbias, _ = jax.block_until_ready(f(*put(platform, dy, x, weight, mean, rstd)))
+    return np.asarray(dx), np.asarray(dweight), np.asarray(dbias)
