@@ -155,9 +155,9 @@ def _segmented_op(segments: int, kernel: int, block_size: int):
         JAX derives reverse mode from it (linearize + transpose of jnp), so grad of grad and
         jvp of grad both work. Under vmap, JAX batches the JVP rule too; its primal call
         goes through `op`, so it reaches _vmap_rule (and higher orders reach this rule again).
-    Only this function makes the FFI call differentiable: a first-order grad of layernorm
-    calls the op plainly (the FFI alone); the jnp here runs only at second order. Cached, so
-    equal settings give the same function (and jit caches hit).
+    A first-order grad of layernorm only calls the op (the FFI alone, no jnp backward); the
+    jnp JVP is traced only when the backward itself is differentiated. Cached, so equal
+    settings give the same function (and jit caches hit).
     """
     if segments > 1 and kernel not in _SEGMENT_KERNELS:
         raise ValueError(

@@ -13,6 +13,7 @@ struct Kernel12Config {
   int nb = 2;       // ring buffers per row group (rows in flight per group: nb - 1 ahead)
   int tpr = 32;     // threads per row group (a multiple of 32)
   int groups = 1;   // row groups per block
+  bool regs = false;  // copy each row to registers once (else both passes read shared memory)
 };
 
 // Configurations that fit (16-byte aligned rows of C elements); empty if none.

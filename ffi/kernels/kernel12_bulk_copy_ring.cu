@@ -29,12 +29,14 @@
 #include "kernel12.h"
 #include "partials_finalize.h"
 
+#include <type_traits>
+
 namespace lnbwd {
 namespace {
 
-// Threads per block. A thread keeps 2 * NV * VEC sums in registers; up to 32 bytes of them
-// (8 fp32) fit the 64 registers a 1024-thread block allows, more needs the 128 of a 512-thread
-// block (the compiler's report shows spills otherwise).
+// Threads per block. A thread keeps 2 * NV * VEC sums, its weight columns and one row of dy and
+// x in registers; up to 32 bytes of sums (8 fp32) that fits the 64 registers a 1024-thread
+// block allows, more needs the 128 of a 512-thread block (else the compiler reports spills).
 constexpr int max_threads(size_t sum_bytes) { return sum_bytes <= 32 ? 1024 : 512; }
 constexpr int kMaxGroups = 15;               // named barriers 1..15
 constexpr size_t kSmemBudget = 200 * 1024;
@@ -90,7 +92,7 @@ __device__ __forceinline__ void issue_row(uint64_t* bar, void* dst_dy, void* dst
 }
 #endif
 
-template <typename T, int VEC, int NV, int NB>
+template <typename T, int VEC, int NV, int NB, bool REGS>
 __global__ void __launch_bounds__(max_threads(NV * VEC * sizeof(acc_t<T>)), 1)
 kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __restrict__ dy,
               const T* __restrict__ x, const T* __restrict__ weight, const stat_t<T>* __restrict__ mean,
@@ -100,6 +102,7 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   using A = acc_t<T>;
   using V = Packed<T, VEC>;
   using AV = Packed<A, VEC>;
+  using Pair = Packed<A, 2>;
   const int g = threadIdx.x / tpr;
   const int t = threadIdx.x % tpr;
   const int lane = threadIdx.x % 32;
@@ -108,16 +111,15 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   const bool leader = t == 0;
   const size_t row_bytes = static_cast<size_t>(C) * sizeof(T);
 
-  // Shared memory: [weight row, converted to the accumulator type once per block | ring buffers:
-  // groups x NB x (dy row, x row) | mbarriers | reduction exchange]. Every piece starts on a
-  // 16-byte boundary (C * sizeof(T) % 16 == 0).
+  // Shared memory: [weight row (shared-memory mode only) | ring buffers: groups x NB x (dy row,
+  // x row) | mbarriers | reduction exchange]. Each piece starts on a 16-byte boundary.
   extern __shared__ __align__(128) unsigned char smem[];
-  A* w_sh = reinterpret_cast<A*>(smem);
-  unsigned char* ring = smem + static_cast<size_t>(C) * sizeof(A);
+  T* w_sh = reinterpret_cast<T*>(smem);
+  unsigned char* ring = smem + (REGS ? 0 : row_bytes);
   auto buf_dy = [&](int q, int b) { return reinterpret_cast<T*>(ring + ((size_t)q * NB + b) * 2 * row_bytes); };
   auto buf_x = [&](int q, int b) { return reinterpret_cast<T*>(ring + (((size_t)q * NB + b) * 2 + 1) * row_bytes); };
   uint64_t* full = reinterpret_cast<uint64_t*>(ring + (size_t)groups * NB * 2 * row_bytes);
-  A* exchange = reinterpret_cast<A*>(full + groups * NB) + g * 2 * warps_per_row * 2;
+  Pair* exchange = reinterpret_cast<Pair*>(full + 2 * ceil_div(groups * NB, 2)) + g * 2 * warps_per_row;
 
   // Segments: blocks [s * bps, (s + 1) * bps) work on segment s only.
   const int64_t segment = blockIdx.x / blocks_per_segment;
@@ -126,12 +128,16 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   const int64_t stride = static_cast<int64_t>(blocks_per_segment) * groups;
   const int64_t first = segment * rows_per_segment + static_cast<int64_t>(blockIdx.x % blocks_per_segment) * groups + g;
 
-  for (int c = threadIdx.x; c < C; c += blockDim.x) w_sh[c] = to_acc(weight[c]);
+  if (!REGS) {
+    for (int c = threadIdx.x * VEC; c < C; c += blockDim.x * VEC) {
+      *reinterpret_cast<V*>(w_sh + c) = load(reinterpret_cast<const V*>(weight + c));
+    }
+  }
   if (leader) {
     for (int b = 0; b < NB; ++b) mbar_init(&full[g * NB + b]);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  __syncthreads();   // barriers initialized and weight staged before anyone uses them
+  __syncthreads();   // barriers initialized (and weight staged) before anyone uses them
   if (leader) {
     for (int b = 0; b < NB; ++b) {
       const int64_t r = first + b * stride;
@@ -139,11 +145,15 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
     }
   }
 
+  // The thread's dbias/dweight sums live in registers; in register mode its weight columns too.
+  V wv[NV];
   AV db[NV], dw[NV];
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
+    const int col = (j * tpr + t) * VEC;
+    if (REGS && col < C) wv[j] = load(reinterpret_cast<const V*>(weight + col));
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) { db[j][k] = A(0); dw[j][k] = A(0); }
+    for (int q = 0; q < VEC; ++q) { db[j][q] = A(0); dw[j][q] = A(0); }
   }
 
   int parity = 0;   // which exchange buffer this row uses
@@ -151,8 +161,22 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   for (int64_t row = first; row < rows; row += stride, ++k) {
     const int b = static_cast<int>(k % NB);
     mbar_wait(&full[g * NB + b], static_cast<uint32_t>((k / NB) & 1));
-    const T* dy_s = buf_dy(g, b);
-    const T* x_s = buf_x(g, b);
+    // Register mode copies the row out of shared memory once, and both passes use registers;
+    // shared-memory mode reads it in each pass (fewer registers, more shared-memory loads).
+    V dyv[NV], xv[NV];
+    if (REGS) {
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        const int col = (j * tpr + t) * VEC;
+        if (col < C) {
+          dyv[j] = *reinterpret_cast<const V*>(buf_dy(g, b) + col);
+          xv[j] = *reinterpret_cast<const V*>(buf_x(g, b) + col);
+        }
+      }
+    }
+    auto dy_at = [&](int j, int col) { return REGS ? dyv[j] : *reinterpret_cast<const V*>(buf_dy(g, b) + col); };
+    auto x_at = [&](int j, int col) { return REGS ? xv[j] : *reinterpret_cast<const V*>(buf_x(g, b) + col); };
+    auto w_at = [&](int j, int col) { return REGS ? wv[j] : *reinterpret_cast<const V*>(w_sh + col); };
     const A m = A(mean[row]);
     const A s = A(rstd[row]);
 
@@ -161,63 +185,64 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
     for (int j = 0; j < NV; ++j) {
       const int col = (j * tpr + t) * VEC;
       if (col < C) {
-        const V dyv = *reinterpret_cast<const V*>(dy_s + col);
-        const V xv = *reinterpret_cast<const V*>(x_s + col);
-        const AV wv = *reinterpret_cast<const AV*>(w_sh + col);
+        const V dv = dy_at(j, col), xx = x_at(j, col), ww = w_at(j, col);
 #pragma unroll
         for (int q = 0; q < VEC; ++q) {
-          const A gi = mul_rn(wv[q], to_acc(dyv[q]));
+          const A gi = mul_rn(to_acc(ww[q]), to_acc(dv[q]));
           s1 += gi;
-          s2 += gi * (to_acc(xv[q]) - m);
+          s2 += gi * (to_acc(xx[q]) - m);
         }
       }
     }
     s1 = warp_sum(s1);
     s2 = warp_sum(s2);
     if (warps_per_row > 1) {
-      // Two exchange buffers alternate between rows (see kernel 11).
-      A* ex = exchange + parity * warps_per_row * 2;
+      // Across the group's warps: lane 0 posts the warp's (s1, s2) pair, every thread adds the
+      // pairs in warp order, one 8-byte load each. Two exchange buffers alternate between
+      // rows: one is overwritten only after the next row's barrier, when all have read it.
+      Pair* ex = exchange + parity * warps_per_row;
       if (lane == 0) {
-        ex[warp_in_row * 2] = s1;
-        ex[warp_in_row * 2 + 1] = s2;
+        Pair mine;
+        mine[0] = s1;
+        mine[1] = s2;
+        ex[warp_in_row] = mine;
       }
       group_sync(1 + g, tpr);
       s1 = A(0);
       s2 = A(0);
       for (int w = 0; w < warps_per_row; ++w) {
-        s1 += ex[w * 2];
-        s2 += ex[w * 2 + 1];
+        const Pair p = ex[w];
+        s1 += p[0];
+        s2 += p[1];
       }
       parity ^= 1;
     } else {
       group_sync(1 + g, tpr);
     }
-    // Every thread of the group is past row k-1 now: refill its buffer with row k-1+NB.
-    if (leader && k >= 1) {
-      const int64_t r = row + (NB - 1) * stride;
-      const int rb = static_cast<int>((k - 1) % NB);
+    // Refill a buffer nobody reads any more. Register mode: every thread has copied row k out
+    // of buffer b, so it takes row k + NB. Shared-memory mode: every thread is past row k - 1,
+    // so its buffer takes row k - 1 + NB.
+    if (leader && (REGS || k >= 1)) {
+      const int64_t r = row + (REGS ? NB : NB - 1) * stride;
+      const int rb = REGS ? b : static_cast<int>((k - 1) % NB);
       if (r < rows) issue_row(&full[g * NB + rb], buf_dy(g, rb), buf_x(g, rb), dy + r * C, x + r * C, row_bytes);
     }
     const A a = s1 / A(C);
-    const A neg_b_s = -(s2 * s / A(C)) * s;
+    const A bb = s2 * s / A(C);
 
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
       const int col = (j * tpr + t) * VEC;
       if (col < C) {
-        const V dyv = *reinterpret_cast<const V*>(dy_s + col);
-        const V xv = *reinterpret_cast<const V*>(x_s + col);
-        const AV wv = *reinterpret_cast<const AV*>(w_sh + col);
+        const V dv = dy_at(j, col), xx = x_at(j, col), ww = w_at(j, col);
         V dxv;
 #pragma unroll
         for (int q = 0; q < VEC; ++q) {
-          // dx = (g - a - xhat b) rstd = (g - a) rstd + xhat (-b rstd), with per-row constants
-          // folded; g - a is exactly 0 when C = 1, so dx is exactly 0 there.
-          const A d = to_acc(dyv[q]);
-          const A xhat = (to_acc(xv[q]) - m) * s;
-          dxv[q] = from_acc<T>(fma(xhat, neg_b_s, (mul_rn(wv[q], d) - a) * s));
+          const A d = to_acc(dv[q]);
+          const A xhat = (to_acc(xx[q]) - m) * s;
+          dxv[q] = from_acc<T>((mul_rn(to_acc(ww[q]), d) - a - xhat * bb) * s);
           db[j][q] += d;
-          dw[j][q] = fma(d, xhat, dw[j][q]);
+          dw[j][q] += d * xhat;
         }
         store_cs(reinterpret_cast<V*>(dx + row * C + col), dxv);   // written once, not re-read here
       }
@@ -227,7 +252,7 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   // The groups' sums meet in shared memory (the ring is idle now: every copy that was issued
   // has been waited for), then are added in group order into this block's partial slot.
   __syncthreads();
-  A* sums = reinterpret_cast<A*>(ring);   // [groups][2][C]
+  A* sums = reinterpret_cast<A*>(smem);   // [groups][2][C], over the weight row and the ring
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
     const int col = (j * tpr + t) * VEC;
@@ -255,16 +280,14 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
 
 size_t smem_bytes(const Kernel12Config& cfg, int64_t C, size_t item, size_t acc) {
   const size_t row = C * item;
-  const size_t weight = C * acc;
-  const size_t ring = std::max(static_cast<size_t>(cfg.groups) * cfg.nb * 2 * row,
-                               static_cast<size_t>(cfg.groups) * 2 * C * acc);   // reused for the sums
-  return weight + ring + static_cast<size_t>(cfg.groups) * cfg.nb * 8 +
-         static_cast<size_t>(cfg.groups) * 2 * (cfg.tpr / 32) * 2 * acc;
+  const size_t data = (cfg.regs ? 0 : row) + static_cast<size_t>(cfg.groups) * cfg.nb * 2 * row;
+  const size_t front = std::max(data, static_cast<size_t>(cfg.groups) * 2 * C * acc);   // reused for the sums
+  return front + 16 * ceil_div<size_t>(cfg.groups * cfg.nb, 2) + static_cast<size_t>(cfg.groups) * 2 * (cfg.tpr / 32) * 2 * acc;
 }
 
-template <typename T, int VEC, int NV, int NB>
+template <typename T, int VEC, int NV, int NB, bool REGS>
 cudaError_t launch(const LayernormBwdParams& p, const Kernel12Config& cfg, cudaStream_t stream) {
-  auto kernel = kernel12_ring<T, VEC, NV, NB>;
+  auto kernel = kernel12_ring<T, VEC, NV, NB, REGS>;
   const int threads = cfg.tpr * cfg.groups;
   const size_t smem = smem_bytes(cfg, p.C, sizeof(T), sizeof(acc_t<T>));
   LNBWD_RETURN_IF_CUDA_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
@@ -283,22 +306,18 @@ cudaError_t launch(const LayernormBwdParams& p, const Kernel12Config& cfg, cudaS
   return finalize_partials_launch(p, static_cast<int>(bps), stream);
 }
 
-// Compiled (NV, NB) variants. Registers per thread: 2 * NV * VEC fp32 sums plus one vector of
-// each input at a time, so NV * VEC <= 32 elements (see max_threads).
+// The compiled variants, chosen from measurements on an H200 (tests/cuda/harness.cu sweep):
+// 16-bit types do best re-reading shared memory in both passes with NV = 4 (register mode needs
+// too many registers there); fp32 does best in register mode with NV = 4; fp64 uses NV = 2.
+template <typename T>
+constexpr bool kRegsMode = std::is_same_v<T, float>;
+
 template <typename T, int VEC>
 cudaError_t launch_variant(const LayernormBwdParams& p, const Kernel12Config& cfg, cudaStream_t stream) {
-  constexpr int kMaxNV = 32 / VEC;
-  const int key = cfg.nv * 10 + cfg.nb;
-  switch (key) {
-    case 12: return launch<T, VEC, 1, 2>(p, cfg, stream);
-    case 13: return launch<T, VEC, 1, 3>(p, cfg, stream);
-    case 22: return launch<T, VEC, 2, 2>(p, cfg, stream);
-    case 23: return launch<T, VEC, 2, 3>(p, cfg, stream);
-    case 42: if constexpr (kMaxNV >= 4) return launch<T, VEC, 4, 2>(p, cfg, stream); break;
-    case 43: if constexpr (kMaxNV >= 4) return launch<T, VEC, 4, 3>(p, cfg, stream); break;
-    case 82: if constexpr (kMaxNV >= 8) return launch<T, VEC, 8, 2>(p, cfg, stream); break;
-    case 83: if constexpr (kMaxNV >= 8) return launch<T, VEC, 8, 3>(p, cfg, stream); break;
-  }
+  constexpr int nv = sizeof(T) == 8 ? 2 : 4;
+  if (cfg.nv != nv || cfg.regs != kRegsMode<T>) return cudaErrorInvalidValue;
+  if (cfg.nb == 3) return launch<T, VEC, nv, 3, kRegsMode<T>>(p, cfg, stream);
+  if (cfg.nb == 2) return launch<T, VEC, nv, 2, kRegsMode<T>>(p, cfg, stream);
   return cudaErrorInvalidValue;
 }
 
@@ -310,40 +329,28 @@ std::vector<Kernel12Config> kernel12_candidates(Dtype dtype, int64_t C) {
   const size_t acc = dtype == Dtype::kF64 ? 8 : 4;
   std::vector<Kernel12Config> out;
   if (C % vec != 0) return out;
-  const int64_t nvec = C / vec;
-  for (int nv : {1, 2, 4, 8}) {
-    if (nv * vec > 32) continue;
-    for (int nb : {3, 2}) {
-      Kernel12Config cfg;
-      cfg.nv = nv;
-      cfg.nb = nb;
-      const int64_t tpr = 32 * ceil_div<int64_t>(nvec, 32 * nv);
-      const int block_max = max_threads(nv * vec * acc);
-      if (tpr > block_max) continue;
-      cfg.tpr = static_cast<int>(tpr);
-      cfg.groups = std::min(block_max / cfg.tpr, kMaxGroups);
-      while (cfg.groups > 0 && smem_bytes(cfg, C, item, acc) > kSmemBudget) --cfg.groups;
-      if (cfg.groups == 0) continue;
-      out.push_back(cfg);
-    }
+  for (int nb : {3, 2}) {
+    Kernel12Config cfg;
+    cfg.nv = item == 8 ? 2 : 4;
+    cfg.nb = nb;
+    cfg.regs = dtype == Dtype::kF32;
+    const int64_t tpr = 32 * ceil_div<int64_t>(C / vec, 32 * cfg.nv);
+    const int block_max = max_threads(cfg.nv * vec * acc);
+    if (tpr > block_max) continue;
+    cfg.tpr = static_cast<int>(tpr);
+    cfg.groups = std::min(block_max / cfg.tpr, kMaxGroups);
+    while (cfg.groups > 0 && smem_bytes(cfg, C, item, acc) > kSmemBudget) --cfg.groups;
+    if (cfg.groups == 0) continue;
+    out.push_back(cfg);
   }
   return out;
 }
 
 bool kernel12_pick(Dtype dtype, int64_t C, Kernel12Config* cfg) {
+  // Three buffers per group (two rows ahead) when they fit, else two.
   const std::vector<Kernel12Config> all = kernel12_candidates(dtype, C);
   if (all.empty()) return false;
-  const int vec = dtype == Dtype::kF64 ? 2 : (dtype == Dtype::kF32 ? 4 : 8);
-  const int64_t nvec = C / vec;
-  // Prefer most rows in flight per block (groups * (nb - 1)), then fewer idle vector slots.
-  auto score = [&](const Kernel12Config& c) {
-    const double util = static_cast<double>(nvec) / (static_cast<double>(c.tpr) * c.nv);
-    return (util >= 0.7 ? 1000.0 : 0.0) + 10.0 * c.groups * (c.nb - 1) + util;
-  };
   *cfg = all[0];
-  for (const Kernel12Config& c : all) {
-    if (score(c) > score(*cfg)) *cfg = c;
-  }
   return true;
 }
 
