@@ -21,6 +21,59 @@ Dtype ToKernelDtype(ffi::DataType t) {
   }
 }
 
+// Kernels 1-10 sum over all rows: one segment and one weight row.
+ffi::Error CheckOneSegment(int32_t kernel, const LayernormBwdParams& p, const ffi::AnyBuffer& dweight,
+                           const ffi::AnyBuffer& weight) {
+  if (p.segments != 1 || p.weight_stride != 0) {
+    return ArgError("kernel " + std::to_string(kernel) +
+                    " sums over all rows: 'dweight' must have shape (1, C) and 'weight' (1, C), got " +
+                    ShapeStr(dweight.dimensions()) + " and " + ShapeStr(weight.dimensions()));
+  }
+  return ffi::Error::Success();
+}
+
+// Seed kernels 1-9, by id - 1: the launcher and the limits it checks before launching.
+struct SeedKernel {
+  cudaError_t (*launch)(const LayernormBwdParams&, cudaStream_t);
+  SeedKernelLimits (*limits)(Dtype, int64_t, int);
+};
+constexpr SeedKernel kSeedKernels[] = {
+    {layernorm_bwd_kernel1, layernorm_bwd_kernel1_limits}, {layernorm_bwd_kernel2, layernorm_bwd_kernel2_limits},
+    {layernorm_bwd_kernel3, layernorm_bwd_kernel3_limits}, {layernorm_bwd_kernel4, layernorm_bwd_kernel4_limits},
+    {layernorm_bwd_kernel5, layernorm_bwd_kernel5_limits}, {layernorm_bwd_kernel6, layernorm_bwd_kernel6_limits},
+    {layernorm_bwd_kernel7, layernorm_bwd_kernel7_limits}, {layernorm_bwd_kernel8, layernorm_bwd_kernel8_limits},
+    {layernorm_bwd_kernel9, layernorm_bwd_kernel9_limits},
+};
+
+// What a seed kernel would refuse (its launcher returns a bare cudaError_t), as a message that
+// names the kernel, the setting and what it accepts. Python refuses the same at trace time.
+ffi::Error CheckSeedKernel(int32_t kernel, const LayernormBwdParams& p, ffi::DataType dtype) {
+  const SeedKernelLimits l = kSeedKernels[kernel - 1].limits(p.dtype, p.C, p.block_size);
+  const std::string name = "kernel " + std::to_string(kernel);
+  if (!l.dtype_ok) {
+    return ArgError(name + " does not support dtype " + DtypeName(dtype) + " (see jax_lnbwd.KERNELS)");
+  }
+  if (!l.block_size_ok) {
+    return ArgError(name + " got block_size " + std::to_string(p.block_size) + " but expected 0 (its default, " +
+                    std::to_string(l.default_block_size) + ") or a power of two from 32 to " +
+                    std::to_string(l.max_block_size));
+  }
+  if (p.C % l.c_multiple != 0) {
+    return ArgError(name + " steps over rows in whole warps of 16-byte vectors: C must be a multiple of " +
+                    std::to_string(l.c_multiple) + " for " + DtypeName(dtype) + ", got C=" + std::to_string(p.C));
+  }
+  int dev = 0, max_smem = 0;
+  LNBWD_FFI_RETURN_IF_CUDA_ERROR(cudaGetDevice(&dev));
+  LNBWD_FFI_RETURN_IF_CUDA_ERROR(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  if (l.smem_bytes > static_cast<size_t>(max_smem)) {
+    return ArgError(name + " keeps dweight/dbias sums for C=" + std::to_string(p.C) + " in " +
+                    std::to_string(l.smem_bytes) + " bytes of shared memory (block_size " +
+                    std::to_string(l.block_size) + ") but this GPU allows " + std::to_string(max_smem) +
+                    " per block");
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error CheckKernel10(const LayernormBwdParams& p) {
   const int bs = p.block_size ? p.block_size : 512;
   if (bs < 32 || bs > 512 || bs % 32 != 0) {
@@ -77,11 +130,14 @@ ffi::Error LayernormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
   }
 
   switch (kernel) {
+    case 1: case 2: case 3: case 4: case 5: case 6: case 7: case 8: case 9: {
+      if (auto e = CheckOneSegment(kernel, p, *dweight, weight); e.failure()) return e;
+      if (auto e = CheckSeedKernel(kernel, p, x.element_type()); e.failure()) return e;
+      LNBWD_FFI_RETURN_IF_CUDA_ERROR(kSeedKernels[kernel - 1].launch(p, stream));
+      break;
+    }
     case 10: {
-      if (p.segments != 1 || p.weight_stride != 0) {
-        return ArgError("kernel 10 sums over all rows: 'dweight' must have shape (1, C) and 'weight' (1, C), got " +
-                        ShapeStr(dweight->dimensions()) + " and " + ShapeStr(weight.dimensions()));
-      }
+      if (auto e = CheckOneSegment(kernel, p, *dweight, weight); e.failure()) return e;
       if (auto e = CheckKernel10(p); e.failure()) return e;
       LNBWD_FFI_RETURN_IF_CUDA_ERROR(layernorm_bwd_kernel10(p, stream));
       break;
@@ -101,8 +157,8 @@ ffi::Error LayernormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
 }  // namespace
 }  // namespace lnbwd
 
-// Command-buffer compatible: the handler only enqueues work on XLA's stream (a memset and a
-// kernel, both capturable into a CUDA graph), never synchronizes, never allocates, and keeps no
+// Command-buffer compatible: the handler only enqueues work on XLA's stream (memsets and
+// kernels, all capturable into a CUDA graph), never synchronizes, never allocates, and keeps no
 // state between calls; its only scratch is the workspace buffer that XLA owns.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxLnbwdLayernormBwdCuda, lnbwd::LayernormBwdCuda,

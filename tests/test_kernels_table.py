@@ -16,16 +16,36 @@ import numpy as np
 import pytest
 
 import jax_lnbwd
-from conftest import (DTYPES, PLATFORMS, RTOL, assert_close, make_inputs, put, reference_bwd,
+from conftest import (DTYPES, PLATFORMS, RTOL, assert_close, f64, make_inputs, put, reference_bwd,
                       reference_stats, shape_id)
 from jax_lnbwd import DEFAULT_KERNEL, KERNELS, KernelInfo, layernorm, layernorm_bwd
 from jax_lnbwd import kernels as kernels_mod
 
 KERNEL_IDS = sorted(KERNELS)
 
-# A kernel with precise=False may accumulate in lower precision than fp32 (bf16/f16 atomics on
-# dweight/dbias, say): it gets this looser tolerance. Provisional: tighten it to what such a
-# kernel really gives once one is in the table.
+
+def rows_above_grid() -> int:
+    """One row more than the 32 * SMs warps of the seed kernels' persistent grids (kernels 3-10
+    at their defaults): one warp gets a second row while every other warp has none, the case that
+    broke the barriers of seed kernels 9 and 10 (on the CPU: an H200's 132 SMs)."""
+    return 32 * kernels_mod.sm_count() + 1
+
+
+# Every kernel x dtype runs these: C from 1 to 8192 (odd and misaligned ones, the seed's 1600
+# that kernels 8 and 9 could not do, and wider than a 48 KB shared-memory block holds) with 1
+# and 7 rows, and more rows than the persistent grids have warps.
+SHAPES = [(rows, C) for C in (1, 3, 768, 1600, 1601, 4096, 8192) for rows in (1, 7)] + [(rows_above_grid(), 768)]
+# On the CPU every kernel id runs the same C++ reference and ignores block_size, so there every
+# kernel x dtype runs these few shapes and only the default kernel in float32 runs all SHAPES
+# (each case costs a compile); the GPU, where each id is its own CUDA kernel, runs them all.
+# Refusals are checked everywhere.
+CPU_SHAPES = {(1, 1), (7, 3), (7, 1601), (1, 8192)}
+
+# A kernel with precise=False may accumulate in lower precision than fp32: seed kernels 3 and 4
+# add every block's sums into bf16/f16 dweight/dbias with atomics, rounding at each addition.
+# Simulated for 4225 x 768: about 2e-2 in bf16 and 2.4e-3 in f16 with the 264 blocks of an
+# H200's default grid (8e-2 and 1e-2 with the 4224 blocks of block_size 32). It gets this
+# looser tolerance at its default block size.
 IMPRECISE_RTOL = {"float64": 1e-10, "float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}
 
 
@@ -55,15 +75,38 @@ def test_entry_is_consistent(kernel):
     assert len(set(info.block_sizes)) == len(info.block_sizes)
     assert info.default_block_size in info.block_sizes
     assert type(info.deterministic) is bool and type(info.precise) is bool
-    # refuse() answers None or a reason, and accepts a small row in every dtype it lists.
+    assert type(info.segments) is bool
+    # refuse() answers None or a reason, and accepts a small row in every dtype it lists: C=8,
+    # or C=256 for a kernel that steps over rows in whole warps of 16-byte vectors.
     for dtype in info.dtypes:
         for bs in info.block_sizes:
-            assert info.refuse(8, dtype, bs) is None, f"kernel {kernel} refuses C=8 {dtype} bs={bs}"
+            accepted = [C for C in (8, 256) if info.refuse(C, dtype, bs) is None]
+            assert accepted, f"kernel {kernel} refuses C=8 and C=256 {dtype} bs={bs}"
+            for C in (1, 8, 256, 1600, 2**20):
+                why = info.refuse(C, dtype, bs)
+                assert why is None or (isinstance(why, str) and f"kernel {kernel}" in why)
 
 
 def test_names_are_unique():
     names = [info.name for info in KERNELS.values()]
     assert len(set(names)) == len(names), names
+
+
+def test_segments_field():
+    # Only kernels 11 and 12 keep one dweight/dbias sum per segment (per example under vmap).
+    assert {k for k, info in KERNELS.items() if info.segments} == {11, 12}
+
+
+@pytest.mark.parametrize("kernel", KERNEL_IDS, ids=lambda k: f"k{k}")
+def test_unsupported_dtypes_raise(kernel):
+    # A dtype a kernel is not built for is a ValueError at trace time (kernel 1 takes only
+    # float32, kernel 4 only bfloat16, ...). Shapes are abstract: nothing runs.
+    info = KERNELS[kernel]
+    for dtype in DTYPES:
+        if dtype in info.dtypes:
+            continue
+        with pytest.raises(ValueError, match=f"kernel {kernel}"):
+            jax.eval_shape(functools.partial(layernorm_bwd, kernel=kernel), *_abstract_args((4, 256), dtype))
 
 
 def test_default_kernel():
@@ -95,26 +138,70 @@ def _bwd(kernel, block_size):
     return jax.jit(functools.partial(layernorm_bwd, kernel=kernel, block_size=block_size))
 
 
-def _check_kernel(platform, kernel, dtype, shape, block_size, seed):
+def _abstract_args(shape, dtype):
+    """(dy, x, weight, mean, rstd) of layernorm_bwd as shapes only, for jax.eval_shape."""
+    stat = jnp.float64 if dtype == "float64" else jnp.float32
+    data = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+    return (data, data, jax.ShapeDtypeStruct(shape[-1:], jnp.dtype(dtype)),
+            jax.ShapeDtypeStruct(shape[:-1], stat), jax.ShapeDtypeStruct(shape[:-1], stat))
+
+
+def _reference_bwd_np(dy, x, weight, mean, rstd):
+    """jax_lnbwd.reference.layernorm_bwd's formulas in numpy float64: the same oracle without a
+    compile for every new shape (test_numpy_reference_is_the_reference checks they agree)."""
+    dy, x, weight, mean, rstd = (f64(a) for a in (dy, x, weight, mean, rstd))
+    xhat = (x - mean[:, None]) * rstd[:, None]
+    g = weight * dy
+    a = g.mean(axis=-1, keepdims=True)
+    b = (g * xhat).mean(axis=-1, keepdims=True)
+    return (g - a - xhat * b) * rstd[:, None], (dy * xhat).sum(axis=0), dy.sum(axis=0)
+
+
+def test_numpy_reference_is_the_reference():
+    for shape in ((1, 1), (7, 1601)):
+        x, dy, w, _ = make_inputs(shape, "float32", seed=19)
+        mean, rstd = reference_stats(x)
+        for got, want in zip(_reference_bwd_np(dy, x, w, mean, rstd), reference_bwd(dy, x, w, mean, rstd)):
+            np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-13)
+
+
+@functools.cache
+def _case(shape, dtype, seed):
+    """Inputs (dy, x, weight, mean, rstd) and the float64 reference (dx, dweight, dbias),
+    shared by every kernel that runs this case."""
+    x, dy, w, _ = make_inputs(shape, dtype, seed=seed)
+    mean, rstd = reference_stats(x)
+    return (dy, x, w, mean, rstd), _reference_bwd_np(dy, x, w, mean, rstd)
+
+
+def _check_kernel(platform, kernel, dtype, shape, block_size, seed, *, cpu_runs=True):
+    """Runs `kernel` on `shape` against the float64 reference, or, for a C it refuses, checks
+    that it raises. cpu_runs=False: on the CPU only the refusal is checked."""
     info = KERNELS[kernel]
     bs = info.default_block_size if block_size is None else block_size
     why = info.refuse(shape[-1], dtype, bs)
     if why is not None:
-        pytest.skip(why)
-    x, dy, w, _ = make_inputs(shape, dtype, seed=seed)
-    mean, rstd = reference_stats(x)
-    got = _bwd(kernel, block_size)(*put(platform, dy, x, w, mean, rstd))
-    want = reference_bwd(dy, x, w, mean, rstd)
+        # A refused C never reaches the kernel: a ValueError with the kernel's reason at trace time.
+        with pytest.raises(ValueError) as e:
+            jax.eval_shape(functools.partial(layernorm_bwd, kernel=kernel, block_size=block_size),
+                           *_abstract_args(shape, dtype))
+        assert why in str(e.value)
+        return
+    if platform == "cpu" and not cpu_runs:
+        pytest.skip("the CPU runs the same C++ reference for every kernel id; see CPU_SHAPES")
+    args, want = _case(shape, dtype, seed)
+    got = _bwd(kernel, block_size)(*put(platform, *args))
     for name, g, ref in zip(("dx", "dweight", "dbias"), got, want):
         assert g.dtype == jnp.dtype(dtype)
         assert_close(f"kernel {kernel} {name}", g, ref, dtype, rtol(info, dtype))
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
-@pytest.mark.parametrize("shape", [(1, 1), (7, 3), (5, 1601), (65, 768)], ids=shape_id)
 @pytest.mark.parametrize("kernel,dtype", kernel_dtype_params())
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
 def test_kernel_matches_reference(platform, kernel, dtype, shape):
-    _check_kernel(platform, kernel, dtype, shape, None, seed=20)
+    _check_kernel(platform, kernel, dtype, shape, None, seed=20,
+                  cpu_runs=shape in CPU_SHAPES or (kernel == DEFAULT_KERNEL and dtype == "float32"))
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
@@ -123,22 +210,33 @@ def test_kernel_matches_reference(platform, kernel, dtype, shape):
                          [(k, bs) for k in KERNEL_IDS for bs in KERNELS[k].block_sizes],
                          ids=lambda v: str(v))
 def test_kernel_every_block_size(platform, kernel, block_size, dtype):
-    if dtype not in KERNELS[kernel].dtypes:
+    info = KERNELS[kernel]
+    if dtype not in info.dtypes:
         pytest.skip(f"kernel {kernel} does not take {dtype}")
-    _check_kernel(platform, kernel, dtype, (65, 768), block_size, seed=21)
+    # The CPU ignores block_size (test_lowering checks that it reaches the call).
+    _check_kernel(platform, kernel, dtype, (65, 768), block_size, seed=21,
+                  cpu_runs=block_size == info.default_block_size)
+
+
+@functools.cache
+def _default_grad(platform, dtype, C):
+    """Gradients of sum(layernorm(x, w, b) * r) with the default kernel (inputs as below)."""
+    x, r, w, b = make_inputs((9, C), dtype, seed=22)
+    grad = jax.jit(jax.grad(lambda x, w, b, r: jnp.sum(layernorm(x, w, b) * r), argnums=(0, 1, 2)))
+    return grad(*put(platform, x, w, b, r))
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("kernel", KERNEL_IDS, ids=lambda k: f"k{k}")
 def test_kernel_through_layernorm_grad(platform, kernel):
     # The kernel choice also works through the public layernorm's custom VJP.
-    dtype = KERNELS[kernel].dtypes[0]
-    x, r, w, b = make_inputs((9, 130), dtype, seed=22)
+    info = KERNELS[kernel]
+    dtype = info.dtypes[0]
+    C = 130 if info.refuse(130, dtype, info.default_block_size) is None else 256
+    x, r, w, b = make_inputs((9, C), dtype, seed=22)
     loss = lambda x, w, b, r: jnp.sum(layernorm(x, w, b, kernel=kernel) * r)  # noqa: E731
     got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*put(platform, x, w, b, r))
-    default = jax.jit(jax.grad(lambda x, w, b, r: jnp.sum(layernorm(x, w, b) * r),
-                               argnums=(0, 1, 2)))(*put(platform, x, w, b, r))
-    for name, g, ref in zip(("dx", "dweight", "dbias"), got, default):
+    for name, g, ref in zip(("dx", "dweight", "dbias"), got, _default_grad(platform, dtype, C)):
         # Both are within RTOL of the exact gradient, so within twice it of each other.
         assert_close(f"kernel {kernel} {name}", g, ref, dtype, 2 * rtol(KERNELS[kernel], dtype))
 
@@ -178,9 +276,8 @@ def test_deterministic_kernels_are_bitwise_reproducible(platform, kernel, dtype)
         pytest.skip(f"kernel {kernel} is not declared deterministic")
     if dtype not in info.dtypes:
         pytest.skip(f"kernel {kernel} does not take {dtype}")
-    shape = (333, 1600)
-    if info.refuse(shape[-1], dtype, info.default_block_size) is not None:
-        pytest.skip(f"kernel {kernel} refuses {shape} {dtype}")
+    # The seed's C=1600, or 1536 for a kernel that needs whole warp steps of 16-byte vectors.
+    shape = (333, 1600 if info.refuse(1600, dtype, info.default_block_size) is None else 1536)
     x, dy, w, _ = make_inputs(shape, dtype, seed=23)
     mean, rstd = reference_stats(x)
     args = put(platform, dy, x, w, mean, rstd)

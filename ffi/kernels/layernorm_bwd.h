@@ -51,6 +51,41 @@ struct LayernormBwdParams {
 // jax_lnbwd/_ffi.py mirrors this layout when it sizes the workspace at trace time.
 constexpr size_t kWorkspaceHeaderBytes = 256;
 
+// Seed kernels 1-9: llm.c's kernels, repaired, each keeping its technique (see the comment at the
+// top of ffi/kernels/kernel0N_*.cu). They sum over all rows: segments must be 1 and
+// weight_stride 0. A launcher returns cudaErrorInvalidValue for a dtype it is not built for or
+// segments it cannot do, and cudaErrorInvalidConfiguration for a block size, C or shared-memory
+// need it cannot run; layernorm_bwd_kernelN_limits tells a caller which, before it launches
+// (jax_lnbwd/kernels.py applies the same rules at trace time).
+struct SeedKernelLimits {
+  bool dtype_ok;            // the kernel is built for this dtype
+  int block_size;           // the block size it would run: the one asked for, or its default for 0
+  int default_block_size;
+  int max_block_size;       // it runs the powers of two from 32 to max_block_size
+  bool block_size_ok;       // block_size is one of those
+  int64_t c_multiple;       // C must be a multiple of this (1: any C >= 1)
+  size_t smem_bytes;        // dynamic shared memory per block for this C and block size
+};
+
+cudaError_t layernorm_bwd_kernel1(const LayernormBwdParams& p, cudaStream_t stream);   // naive
+cudaError_t layernorm_bwd_kernel2(const LayernormBwdParams& p, cudaStream_t stream);   // smem reduce
+cudaError_t layernorm_bwd_kernel3(const LayernormBwdParams& p, cudaStream_t stream);   // persistent + atomics
+cudaError_t layernorm_bwd_kernel4(const LayernormBwdParams& p, cudaStream_t stream);   // atomicCAS bf16
+cudaError_t layernorm_bwd_kernel5(const LayernormBwdParams& p, cudaStream_t stream);   // per-block scratch
+cudaError_t layernorm_bwd_kernel6(const LayernormBwdParams& p, cudaStream_t stream);   // one shared scratch
+cudaError_t layernorm_bwd_kernel7(const LayernormBwdParams& p, cudaStream_t stream);   // no cooperative groups
+cudaError_t layernorm_bwd_kernel8(const LayernormBwdParams& p, cudaStream_t stream);   // x128 vectors
+cudaError_t layernorm_bwd_kernel9(const LayernormBwdParams& p, cudaStream_t stream);   // block reduce
+SeedKernelLimits layernorm_bwd_kernel1_limits(Dtype dtype, int64_t C, int block_size);
+SeedKernelLimits layernorm_bwd_kernel2_limits(Dtype dtype, int64_t C, int block_size);
+SeedKernelLimits layernorm_bwd_kernel3_limits(Dtype dtype, int64_t C, int block_size);
+SeedKernelLimits layernorm_bwd_kernel4_limits(Dtype dtype, int64_t C, int block_size);
+SeedKernelLimits layernorm_bwd_kernel5_limits(Dtype dtype, int64_t C, int block_size);
+SeedKernelLimits layernorm_bwd_kernel6_limits(Dtype dtype, int64_t C, int block_size);
+SeedKernelLimits layernorm_bwd_kernel7_limits(Dtype dtype, int64_t C, int block_size);
+SeedKernelLimits layernorm_bwd_kernel8_limits(Dtype dtype, int64_t C, int block_size);
+SeedKernelLimits layernorm_bwd_kernel9_limits(Dtype dtype, int64_t C, int block_size);
+
 // The seed's kernel 10, repaired (see kernel10_vector_smem.cu). segments must be 1.
 cudaError_t layernorm_bwd_kernel10(const LayernormBwdParams& p, cudaStream_t stream);
 // Dynamic shared memory kernel 10 needs (the larger of its vector and scalar paths), so the

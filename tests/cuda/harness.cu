@@ -6,7 +6,9 @@
 // (memcheck, racecheck, synccheck, initcheck) see every stray access. It also times kernel 11's
 // configurations directly (CUDA events), which is how its launch heuristic was tuned.
 //
-//   harness check [kernel ...]        validate kernels over shapes x dtypes vs a CPU reference
+//   harness check [kernel ...]        validate kernels over shapes x dtypes x block sizes vs a CPU
+//                                     reference, and the seed launchers' refusals (default: 1-12)
+//   harness blocks ROWS C DTYPE [kernel ...]  time seed kernels (default 1-10) at each block size
 //   harness sweep ROWS C DTYPE        time every kernel 11 configuration and a same-bytes copy
 //
 // Build (see tests/cuda/run_sanitizers.sh):
@@ -20,6 +22,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -85,6 +88,7 @@ struct Problem {
   Dtype dtype;
   int64_t rows, C;
   std::vector<double> dy, x, w, mean, rstd, ref_dx, ref_dw, ref_db;
+  std::vector<unsigned char> h_dy, h_x, h_w, h_mean, h_rstd;   // the inputs in device format
   Problem(Dtype d, int64_t r, int64_t c, unsigned seed) : dtype(d), rows(r), C(c) {
     std::mt19937 gen(seed);
     std::normal_distribution<double> n(0.0, 1.0);
@@ -108,6 +112,9 @@ struct Problem {
       mean[r] = d == Dtype::kF64 ? m : double(float(m));
       rstd[r] = d == Dtype::kF64 ? 1.0 / std::sqrt(var + 1e-5) : double(float(1.0 / std::sqrt(var + 1e-5)));
     }
+    encode(d, dy, h_dy); encode(d, x, h_x); encode(d, w, h_w);
+    const Dtype stat = d == Dtype::kF64 ? Dtype::kF64 : Dtype::kF32;
+    encode(stat, mean, h_mean); encode(stat, rstd, h_rstd);
     ref_dx.assign(rows * C, 0); ref_dw.assign(C, 0); ref_db.assign(C, 0);
     for (int64_t r = 0; r < rows; ++r) {
       double a = 0, b = 0;
@@ -129,27 +136,46 @@ struct Problem {
 
 struct Outputs { std::vector<unsigned char> dx, dw, db; };
 
-// Runs `kernel` (10 or 11; cfg forces a kernel 11 configuration) with exact-size buffers.
+// Seed kernels 1-9, by id - 1: the launcher and its limits (as the FFI glue has them).
+struct SeedKernel {
+  cudaError_t (*launch)(const LayernormBwdParams&, cudaStream_t);
+  SeedKernelLimits (*limits)(Dtype, int64_t, int);
+};
+static const SeedKernel kSeedKernels[] = {
+    {layernorm_bwd_kernel1, layernorm_bwd_kernel1_limits}, {layernorm_bwd_kernel2, layernorm_bwd_kernel2_limits},
+    {layernorm_bwd_kernel3, layernorm_bwd_kernel3_limits}, {layernorm_bwd_kernel4, layernorm_bwd_kernel4_limits},
+    {layernorm_bwd_kernel5, layernorm_bwd_kernel5_limits}, {layernorm_bwd_kernel6, layernorm_bwd_kernel6_limits},
+    {layernorm_bwd_kernel7, layernorm_bwd_kernel7_limits}, {layernorm_bwd_kernel8, layernorm_bwd_kernel8_limits},
+    {layernorm_bwd_kernel9, layernorm_bwd_kernel9_limits},
+};
+static bool is_seed(int kernel) { return kernel >= 1 && kernel <= 9; }
+
+// Partial slots in the workspace: the rule of jax_lnbwd/kernels.py (KernelInfo.partial_slots).
+static int64_t workspace_slots(int kernel, int64_t rows, int block_size, int sms) {
+  const int64_t row_warps = block_size >= 32 ? (rows + block_size / 32 - 1) / (block_size / 32) : rows;
+  switch (kernel) {
+    case 5: return std::max<int64_t>(1, std::min<int64_t>(sms, row_warps));
+    case 9: case 10: return std::max<int64_t>(1, std::min<int64_t>((1024 / block_size) * sms, row_warps));
+    case 11: case 12: return std::max<int64_t>(1, std::min<int64_t>(rows, 4 * sms));
+    default: return 1;   // kernels 1-4, 6-8: no slot or one scratch row; the handler wants one
+  }
+}
+
+// Runs `kernel` (1-12; cfg forces a kernel 11 configuration, cfg12 a kernel 12 one) with
+// exact-size buffers. slots > 0 overrides the workspace's partial slots.
 static cudaError_t run(const Problem& pb, int kernel, int block_size, const Kernel11Config* cfg, Outputs* out,
-                       int sms, int repeats = 1, const Kernel12Config* cfg12 = nullptr) {
+                       int sms, int repeats = 1, const Kernel12Config* cfg12 = nullptr, int64_t slots = 0) {
   const Dtype d = pb.dtype;
   const size_t it = item_bytes(d), st = acc_bytes(d);
-  std::vector<unsigned char> h_dy, h_x, h_w, h_mean, h_rstd;
-  encode(d, pb.dy, h_dy); encode(d, pb.x, h_x); encode(d, pb.w, h_w);
-  const Dtype stat = d == Dtype::kF64 ? Dtype::kF64 : Dtype::kF32;
-  encode(stat, pb.mean, h_mean); encode(stat, pb.rstd, h_rstd);
-  DeviceBuf dy(h_dy.size()), x(h_x.size()), w(h_w.size()), mean(h_mean.size()), rstd(h_rstd.size());
+  DeviceBuf dy(pb.h_dy.size()), x(pb.h_x.size()), w(pb.h_w.size()), mean(pb.h_mean.size()), rstd(pb.h_rstd.size());
   DeviceBuf dx(pb.rows * pb.C * it), dw(pb.C * it), db(pb.C * it);
-  // Same workspace size rule as jax_lnbwd/kernels.py.
-  int64_t slots = kernel == 10 ? std::min<int64_t>((1024 / block_size) * sms, (pb.rows + block_size / 32 - 1) / (block_size / 32))
-                               : std::min<int64_t>(pb.rows, 4 * sms);
-  slots = std::max<int64_t>(slots, 1);
+  if (slots <= 0) slots = workspace_slots(kernel, pb.rows, block_size, sms);
   DeviceBuf ws(kWorkspaceHeaderBytes + slots * 2 * pb.C * st);
-  CHECK_CUDA(cudaMemcpy(dy.ptr, h_dy.data(), h_dy.size(), cudaMemcpyHostToDevice));
-  CHECK_CUDA(cudaMemcpy(x.ptr, h_x.data(), h_x.size(), cudaMemcpyHostToDevice));
-  CHECK_CUDA(cudaMemcpy(w.ptr, h_w.data(), h_w.size(), cudaMemcpyHostToDevice));
-  CHECK_CUDA(cudaMemcpy(mean.ptr, h_mean.data(), h_mean.size(), cudaMemcpyHostToDevice));
-  CHECK_CUDA(cudaMemcpy(rstd.ptr, h_rstd.data(), h_rstd.size(), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dy.ptr, pb.h_dy.data(), pb.h_dy.size(), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(x.ptr, pb.h_x.data(), pb.h_x.size(), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(w.ptr, pb.h_w.data(), pb.h_w.size(), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(mean.ptr, pb.h_mean.data(), pb.h_mean.size(), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(rstd.ptr, pb.h_rstd.data(), pb.h_rstd.size(), cudaMemcpyHostToDevice));
   // Poison outputs and workspace (0xFF bytes are NaN in every float dtype): unwritten = wrong.
   CHECK_CUDA(cudaMemset(dx.ptr, 0xFF, dx.bytes)); CHECK_CUDA(cudaMemset(dw.ptr, 0xFF, dw.bytes));
   CHECK_CUDA(cudaMemset(db.ptr, 0xFF, db.bytes)); CHECK_CUDA(cudaMemset(ws.ptr, 0xFF, ws.bytes));
@@ -157,7 +183,8 @@ static cudaError_t run(const Problem& pb, int kernel, int block_size, const Kern
                        block_size, ws.ptr, ws.bytes};
   cudaError_t err = cudaSuccess;
   for (int i = 0; i < repeats && err == cudaSuccess; ++i) {
-    if (kernel == 10) err = layernorm_bwd_kernel10(p, 0);
+    if (is_seed(kernel)) err = kSeedKernels[kernel - 1].launch(p, 0);
+    else if (kernel == 10) err = layernorm_bwd_kernel10(p, 0);
     else if (cfg) err = layernorm_bwd_kernel11_config(p, *cfg, 0);
     else if (cfg12) err = layernorm_bwd_kernel12_config(p, *cfg12, 0);
     else if (kernel == 12) err = layernorm_bwd_kernel12(p, 0);
@@ -183,41 +210,213 @@ static double rel_err(Dtype d, const std::vector<unsigned char>& got, const std:
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
+// What `check` runs for each kernel, mirroring jax_lnbwd/kernels.py: its block sizes, whether
+// it takes a dtype, whether it refuses a C (KernelInfo.refuse), and its flags.
+static std::vector<int> block_sizes_of(int kernel) {
+  if (is_seed(kernel)) {
+    std::vector<int> out;
+    const SeedKernelLimits l = kSeedKernels[kernel - 1].limits(Dtype::kF32, 1, 0);
+    for (int bs = 32; bs <= l.max_block_size; bs *= 2) out.push_back(bs);
+    return out;
+  }
+  return {kernel == 10 ? 512 : 0};
+}
+static bool takes_dtype(int kernel, Dtype d) {
+  return is_seed(kernel) ? kSeedKernels[kernel - 1].limits(d, 1, 0).dtype_ok : true;
+}
+static bool refuses(int kernel, Dtype d, int64_t C, int block_size, int max_smem) {
+  if (is_seed(kernel)) {
+    const SeedKernelLimits l = kSeedKernels[kernel - 1].limits(d, C, block_size);
+    return C % l.c_multiple != 0 || l.smem_bytes > size_t(max_smem);
+  }
+  return kernel == 10 && layernorm_bwd_kernel10_smem_bytes(d, C, block_size) > size_t(max_smem);
+}
+static bool deterministic(int kernel) { return kernel >= 9; }
+static bool precise(int kernel) { return kernel != 3 && kernel != 4; }
+// Kernels whose grid shrinks to the partial slots the workspace has.
+static bool grid_fits_slots(int kernel) { return kernel == 5 || kernel == 9 || kernel == 10; }
+
+// Norm-wise relative error allowed against the float64 reference. dx is always computed in
+// fp32 and rounded once; an imprecise kernel (bf16/f16 atomics) gets more room for dweight/dbias.
+static double tolerance(Dtype d, bool precise_sums) {
+  switch (d) {
+    case Dtype::kF64: return 1e-12;
+    case Dtype::kF32: return 1e-5;
+    case Dtype::kBF16: return precise_sums ? 2e-2 : 2e-1;
+    case Dtype::kF16: return precise_sums ? 3e-3 : 3e-2;
+  }
+  return 0;
+}
+
+// The seed launchers must refuse (return an error, launch nothing) what they cannot do.
+static int check_refusals(const std::vector<int>& kernels, int* checked) {
+  int failures = 0;
+  auto expect = [&](int kernel, Dtype d, int64_t C, int block_size, int64_t segments, cudaError_t want,
+                    const char* what) {
+    const int64_t rows = 2 * segments;
+    const size_t it = item_bytes(d);
+    DeviceBuf dy(rows * C * it), x(rows * C * it), dx(rows * C * it), w(C * it), dw(segments * C * it),
+        db(segments * C * it), mean(rows * 4), rstd(rows * 4), ws(kWorkspaceHeaderBytes + rows * 2 * C * 4);
+    LayernormBwdParams p{dx.ptr, dw.ptr, db.ptr, dy.ptr, x.ptr, w.ptr, mean.ptr, rstd.ptr, rows, C, segments, 0, d,
+                         block_size, ws.ptr, ws.bytes};
+    const cudaError_t got = kSeedKernels[kernel - 1].launch(p, 0);
+    CHECK_CUDA(cudaDeviceSynchronize());
+    ++*checked;
+    if (got != want) {
+      ++failures;
+      std::printf("FAIL kernel %d %s: %s returned %s, expected %s\n", kernel, dtype_name(d), what,
+                  cudaGetErrorName(got), cudaGetErrorName(want));
+    }
+  };
+  for (int kernel : kernels) {
+    if (!is_seed(kernel)) continue;
+    for (Dtype d : {Dtype::kF32, Dtype::kBF16, Dtype::kF16, Dtype::kF64}) {
+      if (!takes_dtype(kernel, d)) expect(kernel, d, 768, 0, 1, cudaErrorInvalidValue, "an unsupported dtype");
+    }
+    const Dtype d = takes_dtype(kernel, Dtype::kF32) ? Dtype::kF32 : Dtype::kBF16;
+    expect(kernel, d, 768, 48, 1, cudaErrorInvalidConfiguration, "block_size 48");
+    expect(kernel, d, 768, 16, 1, cudaErrorInvalidConfiguration, "block_size 16");
+    expect(kernel, d, 768, 2048, 1, cudaErrorInvalidConfiguration, "block_size 2048");
+    expect(kernel, d, 768, 0, 2, cudaErrorInvalidValue, "2 segments");
+    if (kernel >= 2) expect(kernel, d, 40000, 0, 1, cudaErrorInvalidConfiguration, "C=40000 (shared memory)");
+    if (kernel >= 8) expect(kernel, d, 1600, 0, 1, cudaErrorInvalidConfiguration, "C=1600 (not whole x128 steps)");
+  }
+  return failures;
+}
+
 static int check(const std::vector<int>& kernels) {
-  int sms = 0;
+  int sms = 0, max_smem = 0;
   CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  CHECK_CUDA(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
   const int64_t cs[] = {1, 3, 8, 40, 768, 1600, 1601, 4096, 8192, 30000};
-  const int64_t rs[] = {1, 7, 4225};
+  // 1 and 7 rows, and one row more than the 32 * SMs warps of the seed's persistent grids (the
+  // grid of kernels 3-4 and 6-10, and of kernel 5 at 1024 threads): one warp takes a second row
+  // while all others have none, which is what broke the barriers of the seed's kernels 9 and 10.
+  const int64_t rs[] = {1, 7, 32 * int64_t(sms) + 1};
   const Dtype ds[] = {Dtype::kF32, Dtype::kBF16, Dtype::kF16, Dtype::kF64};
   int failures = 0, checked = 0;
-  for (int kernel : kernels) {
-    for (Dtype d : ds) {
-      const double tol = d == Dtype::kF64 ? 1e-12 : d == Dtype::kF32 ? 1e-5 : d == Dtype::kBF16 ? 2e-2 : 3e-3;
-      for (int64_t C : cs) {
-        for (int64_t rows : rs) {
-          if (rows * C > 20'000'000) continue;   // keep the CPU reference quick
-          if (kernel == 10 && layernorm_bwd_kernel10_smem_bytes(d, C, 512) > 232448) continue;
-          Problem pb(d, rows, C, unsigned(rows * 131 + C));
-          Outputs a, b;
-          cudaError_t err = run(pb, kernel, kernel == 10 ? 512 : 0, nullptr, &a, sms);
-          if (err == cudaSuccess) err = run(pb, kernel, kernel == 10 ? 512 : 0, nullptr, &b, sms);
-          const bool same = err == cudaSuccess && a.dx == b.dx && a.dw == b.dw && a.db == b.db;
-          const double ex = err ? INFINITY : rel_err(d, a.dx, pb.ref_dx);
-          const double ew = err ? INFINITY : rel_err(d, a.dw, pb.ref_dw);
-          const double eb = err ? INFINITY : rel_err(d, a.db, pb.ref_db);
-          const bool ok = err == cudaSuccess && same && ex <= tol && ew <= tol && eb <= tol;
-          ++checked;
-          if (!ok) {
-            ++failures;
-            std::printf("FAIL kernel %d %s rows=%lld C=%lld: %s dx %.2e dw %.2e db %.2e deterministic=%d\n", kernel,
-                        dtype_name(d), (long long)rows, (long long)C, cudaGetErrorString(err), ex, ew, eb, same);
+  failures += check_refusals(kernels, &checked);
+  struct Worst { double dx = 0, dw = 0, db = 0; int cases = 0; };
+  std::vector<std::vector<Worst>> worst(13, std::vector<Worst>(4));
+  for (Dtype d : ds) {
+    for (int64_t C : cs) {
+      for (int64_t rows : rs) {
+        if (rows * C > 20'000'000) continue;   // keep the CPU reference quick
+        std::unique_ptr<Problem> pb;           // made when a kernel first needs it
+        for (int kernel : kernels) {
+          if (!takes_dtype(kernel, d)) continue;
+          const std::vector<int> sizes = block_sizes_of(kernel);
+          for (int bs : sizes) {
+            if (refuses(kernel, d, C, bs, max_smem)) continue;
+            if (!pb) pb = std::make_unique<Problem>(d, rows, C, unsigned(rows * 131 + C));
+            // The default workspace, and (for a kernel that fits its grid to the workspace, at
+            // the most rows) a workspace of a single slot: the grid must shrink, not overrun.
+            const bool tight = grid_fits_slots(kernel) && rows == rs[2] && bs == sizes.back();
+            for (int64_t slots : {int64_t(0), int64_t(1)}) {
+              if (slots == 1 && !tight) continue;
+              Outputs a, b;
+              cudaError_t err = run(*pb, kernel, bs, nullptr, &a, sms, 1, nullptr, slots);
+              bool same = true;
+              if (err == cudaSuccess && deterministic(kernel)) {
+                err = run(*pb, kernel, bs, nullptr, &b, sms, 1, nullptr, slots);
+                same = err == cudaSuccess && a.dx == b.dx && a.dw == b.dw && a.db == b.db;
+              }
+              const double ex = err ? INFINITY : rel_err(d, a.dx, pb->ref_dx);
+              const double ew = err ? INFINITY : rel_err(d, a.dw, pb->ref_dw);
+              const double eb = err ? INFINITY : rel_err(d, a.db, pb->ref_db);
+              const double tx = tolerance(d, true), tp = tolerance(d, precise(kernel));
+              const bool ok = err == cudaSuccess && same && ex <= tx && ew <= tp && eb <= tp;
+              Worst& wst = worst[kernel][int(d)];
+              wst.dx = std::max(wst.dx, ex); wst.dw = std::max(wst.dw, ew); wst.db = std::max(wst.db, eb);
+              ++wst.cases;
+              ++checked;
+              if (!ok) {
+                ++failures;
+                std::printf("FAIL kernel %d %s rows=%lld C=%lld block_size=%d%s: %s dx %.2e dw %.2e db %.2e%s\n",
+                            kernel, dtype_name(d), (long long)rows, (long long)C, bs, slots ? " (1 slot)" : "",
+                            cudaGetErrorString(err), ex, ew, eb, same ? "" : " NOT deterministic");
+              }
+            }
           }
         }
       }
     }
   }
+  // The worst error seen per kernel and dtype, to size tolerances (imprecise kernels above all).
+  for (int kernel : kernels) {
+    for (Dtype d : ds) {
+      const Worst& w = worst[kernel][int(d)];
+      if (w.cases) {
+        std::printf("kernel %2d %-8s %4d cases, worst rel err dx %.1e dweight %.1e dbias %.1e\n", kernel,
+                    dtype_name(d), w.cases, w.dx, w.dw, w.db);
+      }
+    }
+  }
   std::printf("harness check: %d cases, %d failures\n", checked, failures);
   return failures ? 1 : 0;
+}
+
+// Times kernels 1-10 at each of their block sizes (median of 15 runs, CUDA events), on random
+// data: what the seed's own benchmark loop did, to pick each kernel's default block size.
+static int blocks(int64_t rows, int64_t C, Dtype d, const std::vector<int>& kernels) {
+  int sms = 0, max_smem = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  CHECK_CUDA(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
+  const size_t it = item_bytes(d), st = acc_bytes(d);
+  const double bytes = double(3 * rows * C + 3 * C) * it + 2.0 * rows * st;
+  Problem pb(d, rows, C, 5);
+  DeviceBuf dy(pb.h_dy.size()), x(pb.h_x.size()), dx(rows * C * it), w(C * it), dw(C * it), db(C * it),
+      mean(rows * st), rstd(rows * st), ws(kWorkspaceHeaderBytes + 32 * int64_t(sms) * 2 * C * st);
+  CHECK_CUDA(cudaMemcpy(dy.ptr, pb.h_dy.data(), pb.h_dy.size(), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(x.ptr, pb.h_x.data(), pb.h_x.size(), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(w.ptr, pb.h_w.data(), pb.h_w.size(), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(mean.ptr, pb.h_mean.data(), pb.h_mean.size(), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(rstd.ptr, pb.h_rstd.data(), pb.h_rstd.size(), cudaMemcpyHostToDevice));
+  cudaEvent_t e0, e1;
+  CHECK_CUDA(cudaEventCreate(&e0)); CHECK_CUDA(cudaEventCreate(&e1));
+  std::printf("%s %lldx%lld (%.0f MB)\n", dtype_name(d), (long long)rows, (long long)C, bytes / 1e6);
+  for (int kernel : kernels) {
+    if (!takes_dtype(kernel, d)) continue;
+    for (int bs : block_sizes_of(kernel)) {
+      if (refuses(kernel, d, C, bs, max_smem)) continue;
+      LayernormBwdParams p{dx.ptr, dw.ptr, db.ptr, dy.ptr, x.ptr, w.ptr, mean.ptr, rstd.ptr, rows, C, 1, 0, d, bs,
+                           ws.ptr, ws.bytes};
+      auto launch = [&] { return is_seed(kernel) ? kSeedKernels[kernel - 1].launch(p, 0) : layernorm_bwd_kernel10(p, 0); };
+      cudaError_t err = launch();
+      std::vector<float> ms;
+      for (int i = 0; i < 15 && err == cudaSuccess; ++i) {
+        CHECK_CUDA(cudaEventRecord(e0));
+        err = launch();
+        CHECK_CUDA(cudaEventRecord(e1));
+        CHECK_CUDA(cudaEventSynchronize(e1));
+        float t = 0;
+        CHECK_CUDA(cudaEventElapsedTime(&t, e0, e1));
+        ms.push_back(t);
+      }
+      if (err != cudaSuccess) {
+        std::printf("  kernel %2d block_size %4d: %s\n", kernel, bs, cudaGetErrorString(err));
+        continue;
+      }
+      std::sort(ms.begin(), ms.end());
+      const double us = ms[ms.size() / 2] * 1e3;
+      std::printf("  kernel %2d block_size %4d: %9.1f us %6.0f GB/s\n", kernel, bs, us, bytes / us / 1e3);
+    }
+  }
+  return 0;
+}
+
+// Runs the default kernel 12 launcher a few times on a big problem (for ncu).
+static int profile(int64_t rows, int64_t C, Dtype d) {
+  int sms = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const size_t it = item_bytes(d), st = acc_bytes(d);
+  DeviceBuf dy(rows * C * it), x(rows * C * it), dx(rows * C * it), w(C * it), dw(C * it), db(C * it);
+  DeviceBuf mean(rows * st), rstd(rows * st), ws(kWorkspaceHeaderBytes + std::min<int64_t>(rows, 4 * sms) * 2 * C * st);
+  for (DeviceBuf* b : {&dy, &x, &w, &mean, &rstd}) CHECK_CUDA(cudaMemset(b->ptr, 0x3c, b->bytes));
+  LayernormBwdParams p{dx.ptr, dw.ptr, db.ptr, dy.ptr, x.ptr, w.ptr, mean.ptr, rstd.ptr, rows, C, 1, 0, d, 0, ws.ptr, ws.bytes};
+  for (int i = 0; i < 3; ++i) CHECK_CUDA(layernorm_bwd_kernel12(p, 0));
+  CHECK_CUDA(cudaDeviceSynchronize());
+  return 0;
 }
 
 static int sweep(int64_t rows, int64_t C, Dtype d) {
@@ -288,8 +487,8 @@ static int sweep(int64_t rows, int64_t C, Dtype d) {
     const double e = err ? INFINITY : rel_err(d, o.dx, pb.ref_dx);
     const double us = time_it([&] { CHECK_CUDA(layernorm_bwd_kernel12_config(p, c, 0)); });
     const bool is_pick = has12 && c.nv == pick12.nv && c.nb == pick12.nb && c.tpr == pick12.tpr && c.groups == pick12.groups;
-    std::printf("  k12 nv=%d nb=%d tpr=%4d groups=%2d: %8.1f us %6.0f GB/s %5.1f%% of copy  dx err %.1e%s\n", c.nv,
-                c.nb, c.tpr, c.groups, us, bytes / us / 1e3, 100 * copy_us / us, e, is_pick ? "  <- default" : "");
+    std::printf("  k12 regs=%d nv=%d nb=%d tpr=%4d groups=%2d: %8.1f us %6.0f GB/s %5.1f%% of copy  dx err %.1e%s\n",
+                int(c.regs), c.nv, c.nb, c.tpr, c.groups, us, bytes / us / 1e3, 100 * copy_us / us, e, is_pick ? "  <- default" : "");
   }
   return 0;
 }
@@ -297,12 +496,33 @@ static int sweep(int64_t rows, int64_t C, Dtype d) {
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "check";
   if (mode == "sweep" && argc >= 5) return sweep(std::atoll(argv[2]), std::atoll(argv[3]), parse_dtype(argv[4]));
+  if (mode == "profile" && argc >= 5) return profile(std::atoll(argv[2]), std::atoll(argv[3]), parse_dtype(argv[4]));
   if (mode == "check") {
     std::vector<int> kernels;
     for (int i = 2; i < argc; ++i) kernels.push_back(std::atoi(argv[i]));
-    if (kernels.empty()) kernels = {10, 11, 12};
+    if (kernels.empty()) kernels = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
+    for (int k : kernels) {
+      if (k < 1 || k > 12) {
+        std::fprintf(stderr, "harness check: no kernel %d (ids 1-12)\n", k);
+        return 2;
+      }
+    }
     return check(kernels);
   }
-  std::fprintf(stderr, "usage: harness check [kernel ...] | harness sweep ROWS C DTYPE\n");
+  if (mode == "blocks" && argc >= 5) {
+    std::vector<int> kernels;
+    for (int i = 5; i < argc; ++i) kernels.push_back(std::atoi(argv[i]));
+    if (kernels.empty()) kernels = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
+    for (int k : kernels) {
+      if (k < 1 || k > 10) {
+        std::fprintf(stderr, "harness blocks: kernel ids 1-10 only, got %d\n", k);
+        return 2;
+      }
+    }
+    return blocks(std::atoll(argv[2]), std::atoll(argv[3]), parse_dtype(argv[4]), kernels);
+  }
+  std::fprintf(stderr,
+               "usage: harness check [kernel ...] | harness blocks ROWS C DTYPE [kernel ...] | "
+               "harness sweep ROWS C DTYPE\n");
   return 2;
 }

@@ -1,0 +1,138 @@
+// Kernel 2 of llm.c's dev/cuda/layernorm_backward.cu: "shared-memory reductions".
+//
+// Technique (kept from the seed): one warp per row. Cooperative groups tile the block into
+// 32-thread tiles; the lanes of a tile stride over the row's columns, so each load instruction
+// of a warp reads 32 neighbouring elements (coalesced), and the two row sums are reduced across
+// the lanes with cg::reduce (warp shuffles). The row's contributions to dbias and dweight go
+// into the block's fp32 sums in shared memory (2*C floats) with shared-memory atomicAdd, which
+// only the block's own warps contend for. At the end each block adds its sums to one fp32
+// scratch row in global memory (global atomicAdd, once per block instead of once per row), and a
+// second tiny kernel converts the scratch to dweight/dbias in the output dtype. The grid has
+// one warp per row: ceil(rows / warps per block) blocks.
+//
+// Repairs relative to the seed:
+//  * The scratch row is the first partial slot of the workspace XLA gives, zeroed with
+//    cudaMemsetAsync on the caller's stream. The seed cudaMalloc'ed and cudaFree'd it on every
+//    call (an allocation and a device synchronization inside an XLA op; neither can be captured
+//    in a CUDA graph) and zeroed it with cudaMemset on the legacy default stream.
+//  * No early return. The seed's warps past the last row returned before the block's barriers:
+//    the shared sums their threads should have zeroed (and later added to the scratch) were left
+//    as garbage and dropped, and __syncthreads ran with part of the block exited, which CUDA
+//    leaves undefined. Now such warps skip the row work and join every barrier.
+//  * dx is written, not accumulated: the seed's dinp + dval read XLA's uninitialized output.
+//  * g = weight * dy is rounded once (mul_rn) in both passes, so C = 1 gives dx = 0 exactly.
+//  * 64-bit row offsets, and a grid computed in 64 bits (the seed's 32 * N overflowed int).
+//  * More than 48 KB of shared memory (C > 6144) is opted in to; C up to 29056 fits Hopper.
+// Not deterministic: float atomics (shared and global) add in an order that varies run to run.
+#include <cooperative_groups.h>
+#include <cooperative_groups/reduce.h>
+
+#include "seed_common.cuh"
+
+namespace lnbwd {
+namespace {
+
+namespace cg = cooperative_groups;
+
+constexpr int kDefaultBlockSize = 512;
+
+template <typename T>
+__global__ void __launch_bounds__(1024)
+kernel2(T* __restrict__ dx, float* __restrict__ dweight_tmp, float* __restrict__ dbias_tmp, const T* __restrict__ dy,
+        const T* __restrict__ x, const T* __restrict__ weight, const float* __restrict__ mean,
+        const float* __restrict__ rstd, int64_t rows, int C) {
+  extern __shared__ float shared[];   // [dbias sums | dweight sums], C floats each
+  float* dbias_sh = shared;
+  float* dweight_sh = shared + C;
+  cg::thread_block block = cg::this_thread_block();
+  cg::thread_block_tile<32> warp = cg::tiled_partition<32>(block);
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * warp.meta_group_size() + warp.meta_group_rank();
+
+  for (int i = threadIdx.x; i < C; i += blockDim.x) {
+    dbias_sh[i] = 0.0f;
+    dweight_sh[i] = 0.0f;
+  }
+  __syncthreads();   // sums zeroed before any warp adds to them
+
+  if (row < rows) {   // uniform across the warp
+    const T* dy_r = dy + row * C;
+    const T* x_r = x + row * C;
+    T* dx_r = dx + row * C;
+    const float mean_r = mean[row];
+    const float rstd_r = rstd[row];
+
+    // Pass 1: a = mean(g), b = mean(g * xhat), g = weight * dy, xhat = (x - mean) * rstd.
+    float sum_g = 0.0f, sum_g_xhat = 0.0f;
+    for (int i = warp.thread_rank(); i < C; i += warp.size()) {
+      const float xhat = (to_acc(x_r[i]) - mean_r) * rstd_r;
+      const float g = mul_rn(to_acc(weight[i]), to_acc(dy_r[i]));
+      sum_g += g;
+      sum_g_xhat += g * xhat;
+    }
+    const float a = cg::reduce(warp, sum_g, cg::plus<float>{}) / C;
+    const float b = cg::reduce(warp, sum_g_xhat, cg::plus<float>{}) / C;
+
+    // Pass 2: dx = (g - a - xhat * b) * rstd, and the row's share of dbias and dweight.
+    for (int i = warp.thread_rank(); i < C; i += warp.size()) {
+      const float d = to_acc(dy_r[i]);
+      const float xhat = (to_acc(x_r[i]) - mean_r) * rstd_r;
+      atomicAdd(&dbias_sh[i], d);
+      atomicAdd(&dweight_sh[i], d * xhat);
+      dx_r[i] = from_acc<T>((mul_rn(to_acc(weight[i]), d) - a - xhat * b) * rstd_r);
+    }
+  }
+  __syncthreads();   // every warp's shared atomics done before the block's sums are read
+
+  for (int i = threadIdx.x; i < C; i += blockDim.x) {
+    atomicAdd(&dbias_tmp[i], dbias_sh[i]);
+    atomicAdd(&dweight_tmp[i], dweight_sh[i]);
+  }
+}
+
+// Converts the fp32 scratch row (all blocks' sums) to dweight/dbias in the output dtype.
+template <typename T>
+__global__ void copy_to_dweight_dbias(T* __restrict__ dweight, T* __restrict__ dbias,
+                                      const float* __restrict__ dweight_tmp, const float* __restrict__ dbias_tmp,
+                                      int C) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < C; i += blockDim.x * gridDim.x) {
+    dbias[i] = from_acc<T>(dbias_tmp[i]);
+    dweight[i] = from_acc<T>(dweight_tmp[i]);
+  }
+}
+
+template <typename T>
+cudaError_t launch(const LayernormBwdParams& p, const SeedKernelLimits& l, cudaStream_t stream) {
+  if (partial_slots<T>(p) < 1) return cudaErrorInvalidValue;   // the scratch row is slot 0
+  const int64_t grid = ceil_div<int64_t>(p.rows, l.block_size / 32);   // one warp per row
+  if (grid > INT32_MAX) return cudaErrorInvalidConfiguration;
+  float* dbias_tmp = partials_of<T>(p);   // slot layout: [dbias | dweight]
+  float* dweight_tmp = dbias_tmp + p.C;
+  const int C = static_cast<int>(p.C);
+  auto kernel = kernel2<T>;
+  LNBWD_RETURN_IF_CUDA_ERROR(opt_in_smem(kernel, l.smem_bytes));
+  LNBWD_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(dbias_tmp, 0, 2 * p.C * sizeof(float), stream));
+  kernel<<<static_cast<unsigned int>(grid), l.block_size, l.smem_bytes, stream>>>(
+      static_cast<T*>(p.dx), dweight_tmp, dbias_tmp, static_cast<const T*>(p.dy), static_cast<const T*>(p.x),
+      static_cast<const T*>(p.weight), static_cast<const float*>(p.mean), static_cast<const float*>(p.rstd), p.rows, C);
+  LNBWD_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+  const int copy_threads = 256;
+  copy_to_dweight_dbias<T><<<static_cast<unsigned int>(ceil_div(C, copy_threads)), copy_threads, 0, stream>>>(
+      static_cast<T*>(p.dweight), static_cast<T*>(p.dbias), dweight_tmp, dbias_tmp, C);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+SeedKernelLimits layernorm_bwd_kernel2_limits(Dtype dtype, int64_t C, int block_size) {
+  SeedKernelLimits l = seed_limits<float, __nv_bfloat16, __half>(dtype, block_size, kDefaultBlockSize, 1024);
+  l.smem_bytes = static_cast<size_t>(2 * C) * sizeof(float);
+  return l;
+}
+
+cudaError_t layernorm_bwd_kernel2(const LayernormBwdParams& p, cudaStream_t stream) {
+  const SeedKernelLimits l = layernorm_bwd_kernel2_limits(p.dtype, p.C, p.block_size);
+  LNBWD_RETURN_IF_CUDA_ERROR(check_seed_limits(l, p));
+  return dispatch_dtypes<float, __nv_bfloat16, __half>(p.dtype, [&](auto t) { return launch<decltype(t)>(p, l, stream); });
+}
+
+}  // namespace lnbwd

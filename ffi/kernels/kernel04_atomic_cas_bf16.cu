@@ -1,0 +1,162 @@
+// Kernel 4 of llm.c's dev/cuda/layernorm_backward.cu: "atomicCAS bf16".
+//
+// Technique (kept from the seed): kernel 3 (persistent grid, a warp per row, fp32 sums in shared
+// memory), with the final per-block add into bf16 dweight/dbias done by hand as a
+// compare-and-swap loop on pairs of columns. A pair of bf16 is one 32-bit word: read it from L2
+// (__ldcg, since other SMs update it), add the block's two sums in bf16x2, and atomicCAS the
+// word from the value read to the sum; if another block changed the word in between, atomicCAS
+// returns what it found instead, and the add is retried on that value.
+//
+// Precision (kept, hence precise=False): like kernel 3, every block's sum is rounded to bf16 and
+// added to a bf16 running sum, rounding again at each of the hundreds of block additions; on an
+// H200 dweight misses the seed's own check. Not deterministic: the order of the blocks' adds
+// (and the shared-memory float atomics) varies from run to run. bf16 only, as in the seed.
+//
+// Repairs relative to the seed:
+//  * dweight/dbias are zeroed with cudaMemsetAsync on the caller's stream before the blocks add
+//    into them (XLA's output buffers are uninitialized).
+//  * Odd C: the seed's pair loop (i < C/2) never added the last column; it now gets the same
+//    compare-and-swap loop on its own 16 bits.
+//  * dx is written, not accumulated; g = weight * dy is rounded once (mul_rn) in both passes, so
+//    C = 1 gives dx = 0 exactly; 64-bit row offsets.
+//  * The grid never has more blocks than the rows have warps (idle blocks would only add zeros).
+//  * More than 48 KB of shared memory (C > 6144) is opted in to; C up to 29056 fits Hopper.
+// The pairs are 32-bit words, so dweight and dbias must be 4-byte aligned (XLA's buffers are):
+// the launcher returns cudaErrorMisalignedAddress otherwise.
+#include <cooperative_groups.h>
+#include <cooperative_groups/reduce.h>
+
+#include "seed_common.cuh"
+
+namespace lnbwd {
+namespace {
+
+namespace cg = cooperative_groups;
+
+constexpr int kDefaultBlockSize = 512;
+
+__device__ __forceinline__ unsigned int bits_of(__nv_bfloat162 v) {
+  unsigned int u;
+  memcpy(&u, &v, sizeof(u));
+  return u;
+}
+__device__ __forceinline__ __nv_bfloat162 bf162_of(unsigned int u) {
+  __nv_bfloat162 v;
+  memcpy(&v, &u, sizeof(u));
+  return v;
+}
+
+// *word += add in bf16x2, as a compare-and-swap loop.
+__device__ __forceinline__ void cas_add(__nv_bfloat162* word, __nv_bfloat162 add) {
+  unsigned int* w = reinterpret_cast<unsigned int*>(word);
+  unsigned int assumed = bits_of(__ldcg(word));
+  unsigned int found = atomicCAS(w, assumed, bits_of(__hadd2(bf162_of(assumed), add)));
+  while (found != assumed) {   // another block changed it between our read and our swap
+    assumed = found;
+    found = atomicCAS(w, assumed, bits_of(__hadd2(bf162_of(assumed), add)));
+  }
+}
+
+// *addr += add for one bf16, as a 16-bit compare-and-swap loop.
+__device__ __forceinline__ void cas_add(__nv_bfloat16* addr, __nv_bfloat16 add) {
+  unsigned short* a = reinterpret_cast<unsigned short*>(addr);
+  unsigned short assumed = __bfloat16_as_ushort(__ldcg(addr));
+  unsigned short found = atomicCAS(a, assumed, __bfloat16_as_ushort(__hadd(__ushort_as_bfloat16(assumed), add)));
+  while (found != assumed) {
+    assumed = found;
+    found = atomicCAS(a, assumed, __bfloat16_as_ushort(__hadd(__ushort_as_bfloat16(assumed), add)));
+  }
+}
+
+__global__ void __launch_bounds__(1024)
+kernel4(__nv_bfloat16* __restrict__ dx, __nv_bfloat16* __restrict__ dweight, __nv_bfloat16* __restrict__ dbias,
+        const __nv_bfloat16* __restrict__ dy, const __nv_bfloat16* __restrict__ x,
+        const __nv_bfloat16* __restrict__ weight, const float* __restrict__ mean, const float* __restrict__ rstd,
+        int64_t rows, int C) {
+  using T = __nv_bfloat16;
+  extern __shared__ float shared[];   // [dbias sums | dweight sums], C floats each
+  float* dbias_sh = shared;
+  float* dweight_sh = shared + C;
+  cg::thread_block block = cg::this_thread_block();
+  cg::thread_block_tile<32> warp = cg::tiled_partition<32>(block);
+
+  for (int i = threadIdx.x; i < C; i += blockDim.x) {
+    dbias_sh[i] = 0.0f;
+    dweight_sh[i] = 0.0f;
+  }
+  __syncthreads();   // sums zeroed before any warp adds to them
+
+  // No barrier inside the row loop, so warps may take different numbers of rows.
+  const int64_t warps_in_grid = static_cast<int64_t>(gridDim.x) * warp.meta_group_size();
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * warp.meta_group_size() + warp.meta_group_rank(); row < rows;
+       row += warps_in_grid) {
+    const T* dy_r = dy + row * C;
+    const T* x_r = x + row * C;
+    T* dx_r = dx + row * C;
+    const float mean_r = mean[row];
+    const float rstd_r = rstd[row];
+
+    // Pass 1: a = mean(g), b = mean(g * xhat), g = weight * dy, xhat = (x - mean) * rstd.
+    float sum_g = 0.0f, sum_g_xhat = 0.0f;
+    for (int i = warp.thread_rank(); i < C; i += warp.size()) {
+      const float xhat = (to_acc(x_r[i]) - mean_r) * rstd_r;
+      const float g = mul_rn(to_acc(weight[i]), to_acc(dy_r[i]));
+      sum_g += g;
+      sum_g_xhat += g * xhat;
+    }
+    const float a = cg::reduce(warp, sum_g, cg::plus<float>{}) / C;
+    const float b = cg::reduce(warp, sum_g_xhat, cg::plus<float>{}) / C;
+
+    // Pass 2: dx = (g - a - xhat * b) * rstd, and the row's share of dbias and dweight.
+    for (int i = warp.thread_rank(); i < C; i += warp.size()) {
+      const float d = to_acc(__ldcs(dy_r + i));
+      const float xhat = (to_acc(__ldcs(x_r + i)) - mean_r) * rstd_r;
+      atomicAdd(&dbias_sh[i], d);
+      atomicAdd(&dweight_sh[i], d * xhat);
+      dx_r[i] = from_acc<T>((mul_rn(to_acc(weight[i]), d) - a - xhat * b) * rstd_r);
+    }
+  }
+  __syncthreads();   // every warp's shared atomics done before the block's sums are read
+
+  // The block's sums, rounded to bf16, added pair by pair to dweight/dbias.
+  __nv_bfloat162* dbias2 = reinterpret_cast<__nv_bfloat162*>(dbias);
+  __nv_bfloat162* dweight2 = reinterpret_cast<__nv_bfloat162*>(dweight);
+  for (int i = threadIdx.x; i < C / 2; i += blockDim.x) {
+    cas_add(dbias2 + i, __floats2bfloat162_rn(dbias_sh[2 * i], dbias_sh[2 * i + 1]));
+    cas_add(dweight2 + i, __floats2bfloat162_rn(dweight_sh[2 * i], dweight_sh[2 * i + 1]));
+  }
+  if (C % 2 != 0 && threadIdx.x == 0) {   // the last column has no partner
+    cas_add(dbias + C - 1, __float2bfloat16_rn(dbias_sh[C - 1]));
+    cas_add(dweight + C - 1, __float2bfloat16_rn(dweight_sh[C - 1]));
+  }
+}
+
+}  // namespace
+
+SeedKernelLimits layernorm_bwd_kernel4_limits(Dtype dtype, int64_t C, int block_size) {
+  SeedKernelLimits l = seed_limits<__nv_bfloat16>(dtype, block_size, kDefaultBlockSize, 1024);
+  l.smem_bytes = static_cast<size_t>(2 * C) * sizeof(float);
+  return l;
+}
+
+cudaError_t layernorm_bwd_kernel4(const LayernormBwdParams& p, cudaStream_t stream) {
+  using T = __nv_bfloat16;
+  const SeedKernelLimits l = layernorm_bwd_kernel4_limits(p.dtype, p.C, p.block_size);
+  LNBWD_RETURN_IF_CUDA_ERROR(check_seed_limits(l, p));
+  if (reinterpret_cast<uintptr_t>(p.dweight) % 4 != 0 || reinterpret_cast<uintptr_t>(p.dbias) % 4 != 0) {
+    return cudaErrorMisalignedAddress;
+  }
+  int64_t grid = 0;
+  LNBWD_RETURN_IF_CUDA_ERROR(persistent_grid(p, 1024 / l.block_size, l.block_size, &grid));
+  LNBWD_RETURN_IF_CUDA_ERROR(opt_in_smem(kernel4, l.smem_bytes));
+  // The blocks add into dweight/dbias, so they must start at zero.
+  LNBWD_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(p.dweight, 0, p.C * sizeof(T), stream));
+  LNBWD_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(p.dbias, 0, p.C * sizeof(T), stream));
+  kernel4<<<static_cast<unsigned int>(grid), l.block_size, l.smem_bytes, stream>>>(
+      static_cast<T*>(p.dx), static_cast<T*>(p.dweight), static_cast<T*>(p.dbias), static_cast<const T*>(p.dy),
+      static_cast<const T*>(p.x), static_cast<const T*>(p.weight), static_cast<const float*>(p.mean),
+      static_cast<const float*>(p.rstd), p.rows, static_cast<int>(p.C));
+  return cudaGetLastError();
+}
+
+}  // namespace lnbwd

@@ -1,0 +1,145 @@
+// Kernel 5 of llm.c's dev/cuda/layernorm_backward.cu: "per-block fp32 scratch".
+//
+// Technique (kept from the seed): kernel 3's persistent grid of warps (a warp per row, fp32 sums
+// of dbias/dweight in shared memory), but no float atomics in global memory. Each block writes
+// its 2*C shared sums to its own fp32 slot of a scratch buffer, then counts itself done with an
+// atomicAdd on an unsigned int counter (the only global atomic). The block that gets
+// gridDim.x - 1 back is the last one: every other slot is complete, so it adds the slots column
+// by column in fp32 and writes dweight/dbias once, in the output dtype. One block per SM, as in
+// the seed ("1024 threads is best anyway"), so there are at most as many slots as SMs.
+//
+// Not deterministic: within a block, the warps' shared-memory float atomics add in an order that
+// varies run to run (the slots themselves are added in block order).
+//
+// Repairs relative to the seed:
+//  * The slots and the counter are in the workspace XLA gives (the slot layout of dispatch.cuh:
+//    slot b holds [dbias | dweight], C floats each). Only the counter is zeroed, with
+//    cudaMemsetAsync on the caller's stream; every slot is written before anyone reads it. The
+//    seed zeroed its whole scratch with cudaMemset on the legacy default stream.
+//  * The grid never has more blocks than the workspace has slots, nor than the rows have warps.
+//  * The last block fences (__threadfence) after seeing the count and before reading the other
+//    blocks' slots, and reads them from L2 (__ldcg), where the other SMs' writes are.
+//  * dweight/dbias are written: the seed added to them (XLA's outputs are uninitialized). dx is
+//    written, not accumulated.
+//  * g = weight * dy is rounded once (mul_rn) in both passes, so C = 1 gives dx = 0 exactly;
+//    64-bit row offsets and slot offsets.
+//  * More than 48 KB of shared memory (C > 6143) is opted in to; C up to 29055 fits Hopper.
+#include <cooperative_groups.h>
+#include <cooperative_groups/reduce.h>
+
+#include "seed_common.cuh"
+
+namespace lnbwd {
+namespace {
+
+namespace cg = cooperative_groups;
+
+constexpr int kDefaultBlockSize = 1024;
+
+template <typename T>
+__global__ void __launch_bounds__(1024)
+kernel5(T* __restrict__ dx, T* __restrict__ dweight, T* __restrict__ dbias, float* __restrict__ scratch,
+        unsigned int* __restrict__ counter, const T* __restrict__ dy, const T* __restrict__ x,
+        const T* __restrict__ weight, const float* __restrict__ mean, const float* __restrict__ rstd, int64_t rows,
+        int C) {
+  extern __shared__ float shared[];   // [dbias sums | dweight sums | flag]: 2 * C + 1 floats
+  float* dbias_sh = shared;
+  float* dweight_sh = shared + C;
+  unsigned int* is_last = reinterpret_cast<unsigned int*>(shared + 2 * C);
+  cg::thread_block block = cg::this_thread_block();
+  cg::thread_block_tile<32> warp = cg::tiled_partition<32>(block);
+
+  for (int i = threadIdx.x; i < C; i += blockDim.x) {
+    dbias_sh[i] = 0.0f;
+    dweight_sh[i] = 0.0f;
+  }
+  __syncthreads();   // sums zeroed before any warp adds to them
+
+  // No barrier inside the row loop, so warps may take different numbers of rows.
+  const int64_t warps_in_grid = static_cast<int64_t>(gridDim.x) * warp.meta_group_size();
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * warp.meta_group_size() + warp.meta_group_rank(); row < rows;
+       row += warps_in_grid) {
+    const T* dy_r = dy + row * C;
+    const T* x_r = x + row * C;
+    T* dx_r = dx + row * C;
+    const float mean_r = mean[row];
+    const float rstd_r = rstd[row];
+
+    // Pass 1: a = mean(g), b = mean(g * xhat), g = weight * dy, xhat = (x - mean) * rstd.
+    float sum_g = 0.0f, sum_g_xhat = 0.0f;
+    for (int i = warp.thread_rank(); i < C; i += warp.size()) {
+      const float xhat = (to_acc(x_r[i]) - mean_r) * rstd_r;
+      const float g = mul_rn(to_acc(weight[i]), to_acc(dy_r[i]));
+      sum_g += g;
+      sum_g_xhat += g * xhat;
+    }
+    const float a = cg::reduce(warp, sum_g, cg::plus<float>{}) / C;
+    const float b = cg::reduce(warp, sum_g_xhat, cg::plus<float>{}) / C;
+
+    // Pass 2: dx = (g - a - xhat * b) * rstd, and the row's share of dbias and dweight.
+    for (int i = warp.thread_rank(); i < C; i += warp.size()) {
+      const float d = to_acc(__ldcs(dy_r + i));
+      const float xhat = (to_acc(__ldcs(x_r + i)) - mean_r) * rstd_r;
+      atomicAdd(&dbias_sh[i], d);
+      atomicAdd(&dweight_sh[i], d * xhat);
+      dx_r[i] = from_acc<T>((mul_rn(to_acc(weight[i]), d) - a - xhat * b) * rstd_r);
+    }
+  }
+  __syncthreads();   // every warp's shared atomics done before the block's sums are read
+
+  // The block's sums to its own slot; then count the block done.
+  float* slot = scratch + static_cast<size_t>(blockIdx.x) * 2 * C;
+  for (int i = threadIdx.x; i < C; i += blockDim.x) {
+    slot[i] = dbias_sh[i];
+    slot[C + i] = dweight_sh[i];
+  }
+  __threadfence();   // our slot is visible device-wide before the counter says we are done
+  __syncthreads();   // all of the block's threads have written (and fenced) their part
+  if (threadIdx.x == 0) *is_last = atomicAdd(counter, 1u) == gridDim.x - 1;
+  __syncthreads();   // every thread sees the answer
+  if (!*is_last) return;
+  __threadfence();   // order the reads of other blocks' slots after their increments
+
+  // The last block adds the slots, in block order, and writes dweight/dbias.
+  for (int i = threadIdx.x; i < C; i += blockDim.x) {
+    float sb = 0.0f, sw = 0.0f;
+    for (unsigned int blk = 0; blk < gridDim.x; ++blk) {
+      sb += __ldcg(scratch + static_cast<size_t>(blk) * 2 * C + i);
+      sw += __ldcg(scratch + static_cast<size_t>(blk) * 2 * C + C + i);
+    }
+    dbias[i] = from_acc<T>(sb);
+    dweight[i] = from_acc<T>(sw);
+  }
+}
+
+template <typename T>
+cudaError_t launch(const LayernormBwdParams& p, const SeedKernelLimits& l, cudaStream_t stream) {
+  int64_t grid = 0;
+  LNBWD_RETURN_IF_CUDA_ERROR(persistent_grid(p, 1, l.block_size, &grid));   // one block per SM
+  grid = std::min<int64_t>(grid, partial_slots<T>(p));                       // one slot per block
+  if (grid < 1) return cudaErrorInvalidValue;
+  auto kernel = kernel5<T>;
+  LNBWD_RETURN_IF_CUDA_ERROR(opt_in_smem(kernel, l.smem_bytes));
+  LNBWD_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(flag_of(p), 0, sizeof(unsigned int), stream));
+  kernel<<<static_cast<unsigned int>(grid), l.block_size, l.smem_bytes, stream>>>(
+      static_cast<T*>(p.dx), static_cast<T*>(p.dweight), static_cast<T*>(p.dbias), partials_of<T>(p), flag_of(p),
+      static_cast<const T*>(p.dy), static_cast<const T*>(p.x), static_cast<const T*>(p.weight),
+      static_cast<const float*>(p.mean), static_cast<const float*>(p.rstd), p.rows, static_cast<int>(p.C));
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+SeedKernelLimits layernorm_bwd_kernel5_limits(Dtype dtype, int64_t C, int block_size) {
+  SeedKernelLimits l = seed_limits<float, __nv_bfloat16, __half>(dtype, block_size, kDefaultBlockSize, 1024);
+  l.smem_bytes = static_cast<size_t>(2 * C + 1) * sizeof(float);
+  return l;
+}
+
+cudaError_t layernorm_bwd_kernel5(const LayernormBwdParams& p, cudaStream_t stream) {
+  const SeedKernelLimits l = layernorm_bwd_kernel5_limits(p.dtype, p.C, p.block_size);
+  LNBWD_RETURN_IF_CUDA_ERROR(check_seed_limits(l, p));
+  return dispatch_dtypes<float, __nv_bfloat16, __half>(p.dtype, [&](auto t) { return launch<decltype(t)>(p, l, stream); });
+}
+
+}  // namespace lnbwd

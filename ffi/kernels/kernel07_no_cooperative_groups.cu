@@ -1,0 +1,132 @@
+// Kernel 7 of llm.c's dev/cuda/layernorm_backward.cu: kernel 6 "without cooperative groups".
+//
+// Technique (kept from the seed): exactly kernel 6 (persistent warps, fp32 sums in shared
+// memory, one fp32 scratch row in global memory filled with atomicAdd by every block, the last
+// block to finish converts it to dweight/dbias), written with plain CUDA instead of cooperative
+// groups: the warp is threadIdx.x / 32, its lane threadIdx.x % 32, and the row sums are reduced
+// with warp_sum, a butterfly of __shfl_xor_sync (the seed's warpReduceSum). The seed also
+// dropped templates and compiled once per floatX; here the kernel is a template over the element
+// type only, so that one library serves fp32, bf16 and fp16. Not deterministic: the float
+// atomics add in an order that varies run to run.
+//
+// Repairs relative to the seed (the same as kernel 6):
+//  * The scratch row and the counter are in the workspace XLA gives (counter in the header,
+//    scratch in the first partial slot), zeroed with one cudaMemsetAsync on the caller's stream
+//    (they are contiguous). The seed used cudaMemset on the legacy default stream.
+//  * Fences: each thread fences (__threadfence) after its atomics and before the block is
+//    counted done, and the last block fences again before reading the scratch, which it reads
+//    from L2 (__ldcg). The seed had no fence.
+//  * dx is written, not accumulated (XLA's outputs are uninitialized).
+//  * g = weight * dy is rounded once (mul_rn) in both passes, so C = 1 gives dx = 0 exactly;
+//    64-bit row offsets.
+//  * The grid never has more blocks than the rows have warps (idle blocks would only add zeros).
+//  * More than 48 KB of shared memory (C > 6143) is opted in to; C up to 29055 fits Hopper.
+#include "seed_common.cuh"
+
+namespace lnbwd {
+namespace {
+
+constexpr int kDefaultBlockSize = 512;
+constexpr int kWarpSize = 32;
+
+template <typename T>
+__global__ void __launch_bounds__(1024)
+kernel7(T* __restrict__ dx, T* __restrict__ dweight, T* __restrict__ dbias, float* __restrict__ scratch,
+        unsigned int* __restrict__ counter, const T* __restrict__ dy, const T* __restrict__ x,
+        const T* __restrict__ weight, const float* __restrict__ mean, const float* __restrict__ rstd, int64_t rows,
+        int C) {
+  extern __shared__ float shared[];   // [dbias sums | dweight sums | flag]: 2 * C + 1 floats
+  float* dbias_sh = shared;
+  float* dweight_sh = shared + C;
+  unsigned int* is_last = reinterpret_cast<unsigned int*>(shared + 2 * C);
+  const int warp_id = threadIdx.x / kWarpSize;
+  const int warps_in_block = blockDim.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+
+  for (int i = threadIdx.x; i < C; i += blockDim.x) {
+    dbias_sh[i] = 0.0f;
+    dweight_sh[i] = 0.0f;
+  }
+  __syncthreads();   // sums zeroed before any warp adds to them
+
+  // No barrier inside the row loop, so warps may take different numbers of rows.
+  const int64_t warps_in_grid = static_cast<int64_t>(gridDim.x) * warps_in_block;
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * warps_in_block + warp_id; row < rows; row += warps_in_grid) {
+    const T* dy_r = dy + row * C;
+    const T* x_r = x + row * C;
+    T* dx_r = dx + row * C;
+    const float mean_r = mean[row];
+    const float rstd_r = rstd[row];
+
+    // Pass 1: a = mean(g), b = mean(g * xhat), g = weight * dy, xhat = (x - mean) * rstd.
+    float sum_g = 0.0f, sum_g_xhat = 0.0f;
+    for (int i = lane; i < C; i += kWarpSize) {
+      const float xhat = (to_acc(x_r[i]) - mean_r) * rstd_r;
+      const float g = mul_rn(to_acc(weight[i]), to_acc(dy_r[i]));
+      sum_g += g;
+      sum_g_xhat += g * xhat;
+    }
+    const float a = warp_sum(sum_g) / C;
+    const float b = warp_sum(sum_g_xhat) / C;
+
+    // Pass 2: dx = (g - a - xhat * b) * rstd, and the row's share of dbias and dweight.
+    for (int i = lane; i < C; i += kWarpSize) {
+      const float d = to_acc(__ldcs(dy_r + i));
+      const float xhat = (to_acc(__ldcs(x_r + i)) - mean_r) * rstd_r;
+      atomicAdd(&dbias_sh[i], d);
+      atomicAdd(&dweight_sh[i], d * xhat);
+      dx_r[i] = from_acc<T>((mul_rn(to_acc(weight[i]), d) - a - xhat * b) * rstd_r);
+    }
+  }
+  __syncthreads();   // every warp's shared atomics done before the block's sums are read
+
+  // The block's sums into the one fp32 scratch row; then count the block done.
+  for (int i = threadIdx.x; i < C; i += blockDim.x) {
+    atomicAdd(&scratch[i], dbias_sh[i]);
+    atomicAdd(&scratch[C + i], dweight_sh[i]);
+  }
+  __threadfence();   // our adds are visible device-wide before the counter says we are done
+  __syncthreads();   // all of the block's threads have added (and fenced)
+  if (threadIdx.x == 0) *is_last = atomicAdd(counter, 1u) == gridDim.x - 1;
+  __syncthreads();   // every thread sees the answer
+  if (!*is_last) return;
+  __threadfence();   // order the reads of the scratch after the other blocks' increments
+
+  for (int i = threadIdx.x; i < C; i += blockDim.x) {
+    dbias[i] = from_acc<T>(__ldcg(scratch + i));
+    dweight[i] = from_acc<T>(__ldcg(scratch + C + i));
+  }
+}
+
+template <typename T>
+cudaError_t launch(const LayernormBwdParams& p, const SeedKernelLimits& l, cudaStream_t stream) {
+  if (partial_slots<T>(p) < 1) return cudaErrorInvalidValue;   // the scratch row is slot 0
+  int64_t grid = 0;
+  LNBWD_RETURN_IF_CUDA_ERROR(persistent_grid(p, 1024 / l.block_size, l.block_size, &grid));
+  auto kernel = kernel7<T>;
+  LNBWD_RETURN_IF_CUDA_ERROR(opt_in_smem(kernel, l.smem_bytes));
+  // The counter (header) and the scratch row (slot 0) are contiguous: one memset zeroes both.
+  LNBWD_RETURN_IF_CUDA_ERROR(
+      cudaMemsetAsync(p.workspace, 0, kWorkspaceHeaderBytes + 2 * p.C * sizeof(float), stream));
+  kernel<<<static_cast<unsigned int>(grid), l.block_size, l.smem_bytes, stream>>>(
+      static_cast<T*>(p.dx), static_cast<T*>(p.dweight), static_cast<T*>(p.dbias), partials_of<T>(p), flag_of(p),
+      static_cast<const T*>(p.dy), static_cast<const T*>(p.x), static_cast<const T*>(p.weight),
+      static_cast<const float*>(p.mean), static_cast<const float*>(p.rstd), p.rows, static_cast<int>(p.C));
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+SeedKernelLimits layernorm_bwd_kernel7_limits(Dtype dtype, int64_t C, int block_size) {
+  SeedKernelLimits l = seed_limits<float, __nv_bfloat16, __half>(dtype, block_size, kDefaultBlockSize, 1024);
+  l.smem_bytes = static_cast<size_t>(2 * C + 1) * sizeof(float);
+  return l;
+}
+
+cudaError_t layernorm_bwd_kernel7(const LayernormBwdParams& p, cudaStream_t stream) {
+  const SeedKernelLimits l = layernorm_bwd_kernel7_limits(p.dtype, p.C, p.block_size);
+  LNBWD_RETURN_IF_CUDA_ERROR(check_seed_limits(l, p));
+  return dispatch_dtypes<float, __nv_bfloat16, __half>(p.dtype, [&](auto t) { return launch<decltype(t)>(p, l, stream); });
+}
+
+}  // namespace lnbwd

@@ -1,0 +1,179 @@
+// Kernel 8 of llm.c's dev/cuda/layernorm_backward.cu: "x128 vectorized".
+//
+// Technique (kept from the seed): kernel 7 (persistent warps without cooperative groups, fp32
+// sums in shared memory, one fp32 scratch row filled with global atomics, last block converts),
+// with every global access 16 bytes wide: a lane loads VEC = 16 / sizeof(T) neighbouring
+// elements at once (the seed's x128: LDG.128/STG.128, the widest access a thread can issue), so
+// one step of a warp covers 32 * VEC columns.
+//
+// Shared-memory order. The sums cannot be updated 16 bytes at a time (shared atomics are 32-bit),
+// and if lane L added its VEC elements at columns L*VEC .. L*VEC+VEC-1, the 32 lanes' addresses
+// would be VEC floats apart: a VEC-way bank conflict on every atomic. So within each step's
+// 32*VEC columns the sums are kept transposed: element k of lane L lives at L + 32*k, which makes
+// the 32 lanes hit 32 consecutive floats (32 different banks) for every k. The scratch row in
+// global memory uses the same order, and the last block transposes back when it writes
+// dweight/dbias, again 16 bytes at a time.
+//
+// This needs C to be a multiple of 32 * VEC (128 for fp32, 256 for bf16/fp16): the seed's
+// steps are C / (32 * VEC) rounded down, so other C lost their last columns (dx never written,
+// dweight/dbias short): silently wrong. Such C are refused (cudaErrorInvalidConfiguration, and
+// in Python at trace time). 16-byte accesses also need 16-byte aligned buffers (XLA's are):
+// cudaErrorMisalignedAddress otherwise. Not deterministic: the float atomics add in an order
+// that varies run to run.
+//
+// Repairs relative to the seed:
+//  * dx is written, not accumulated (the seed loaded dinp to add to it), and the last block
+//    writes dweight/dbias instead of adding to them: XLA's outputs are uninitialized.
+//  * The scratch row and the counter are in the workspace XLA gives (counter in the header,
+//    scratch in the first partial slot), zeroed with one cudaMemsetAsync on the caller's stream
+//    (they are contiguous). The seed used cudaMemset on the legacy default stream.
+//  * Fences before the block is counted done and in the last block before it reads the scratch
+//    (from L2, __ldcg); the seed had none.
+//  * g = weight * dy is rounded once (mul_rn) in both passes; 64-bit row offsets.
+//  * The grid never has more blocks than the rows have warps (idle blocks would only add zeros).
+//  * More than 48 KB of shared memory (C > 6143) is opted in to; C up to 29055 fits Hopper.
+//  * __launch_bounds__(1024) instead of the seed's (1024, 2), under which it spills registers.
+#include "seed_common.cuh"
+
+namespace lnbwd {
+namespace {
+
+constexpr int kDefaultBlockSize = 512;
+constexpr int kWarpSize = 32;
+
+// Up to 1024 threads per block. The seed also asked for two such blocks per SM, which caps a
+// thread at 32 registers and makes this kernel spill to local memory; its grid never puts more
+// than 1024 threads on an SM anyway (1024 / block_size blocks per SM).
+template <typename T>
+__global__ void __launch_bounds__(1024)
+kernel8(T* __restrict__ dx, T* __restrict__ dweight, T* __restrict__ dbias, float* __restrict__ scratch,
+        unsigned int* __restrict__ counter, const T* __restrict__ dy, const T* __restrict__ x,
+        const T* __restrict__ weight, const float* __restrict__ mean, const float* __restrict__ rstd, int64_t rows,
+        int C) {
+  constexpr int VEC = 16 / sizeof(T);
+  using V = Packed<T, VEC>;
+  extern __shared__ float shared[];   // [dbias sums | dweight sums | flag]: 2 * C + 1 floats
+  float* dbias_sh = shared;
+  float* dweight_sh = shared + C;
+  unsigned int* is_last = reinterpret_cast<unsigned int*>(shared + 2 * C);
+  const int warp_id = threadIdx.x / kWarpSize;
+  const int warps_in_block = blockDim.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  const int per_step = kWarpSize * VEC;   // columns a warp covers per step
+  const int steps = C / per_step;         // exact: the launcher refuses other C
+
+  for (int i = threadIdx.x; i < C; i += blockDim.x) {
+    dbias_sh[i] = 0.0f;
+    dweight_sh[i] = 0.0f;
+  }
+  __syncthreads();   // sums zeroed before any warp adds to them
+
+  // No barrier inside the row loop, so warps may take different numbers of rows.
+  const int64_t warps_in_grid = static_cast<int64_t>(gridDim.x) * warps_in_block;
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * warps_in_block + warp_id; row < rows; row += warps_in_grid) {
+    const T* dy_r = dy + row * C;
+    const T* x_r = x + row * C;
+    T* dx_r = dx + row * C;
+    const float mean_r = mean[row];
+    const float rstd_r = rstd[row];
+
+    // Pass 1: a = mean(g), b = mean(g * xhat), g = weight * dy, xhat = (x - mean) * rstd.
+    float sum_g = 0.0f, sum_g_xhat = 0.0f;
+    for (int col = lane * VEC; col < C; col += per_step) {
+      const V dyv = load(reinterpret_cast<const V*>(dy_r + col));
+      const V xv = load(reinterpret_cast<const V*>(x_r + col));
+      const V wv = load(reinterpret_cast<const V*>(weight + col));
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const float xhat = (to_acc(xv[k]) - mean_r) * rstd_r;
+        const float g = mul_rn(to_acc(wv[k]), to_acc(dyv[k]));
+        sum_g += g;
+        sum_g_xhat += g * xhat;
+      }
+    }
+    const float a = warp_sum(sum_g) / C;
+    const float b = warp_sum(sum_g_xhat) / C;
+
+    // Pass 2: dx = (g - a - xhat * b) * rstd, and the row's share of dbias and dweight in the
+    // transposed shared-memory order (element k of lane L at L + 32 * k within the step).
+    for (int s = 0; s < steps; ++s) {
+      const int col = s * per_step + lane * VEC;
+      const int sh = s * per_step + lane;
+      const V dyv = load_cs(reinterpret_cast<const V*>(dy_r + col));
+      const V xv = load_cs(reinterpret_cast<const V*>(x_r + col));
+      const V wv = load(reinterpret_cast<const V*>(weight + col));
+      V dxv;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const float d = to_acc(dyv[k]);
+        const float xhat = (to_acc(xv[k]) - mean_r) * rstd_r;
+        atomicAdd(&dbias_sh[sh + k * kWarpSize], d);
+        atomicAdd(&dweight_sh[sh + k * kWarpSize], d * xhat);
+        dxv[k] = from_acc<T>((mul_rn(to_acc(wv[k]), d) - a - xhat * b) * rstd_r);
+      }
+      store_cg(reinterpret_cast<V*>(dx_r + col), dxv);   // cached in L2 for the next kernel, not in L1
+    }
+  }
+  __syncthreads();   // every warp's shared atomics done before the block's sums are read
+
+  // The block's sums into the one fp32 scratch row, in the same transposed order.
+  for (int i = threadIdx.x; i < C; i += blockDim.x) {
+    atomicAdd(&scratch[i], dbias_sh[i]);
+    atomicAdd(&scratch[C + i], dweight_sh[i]);
+  }
+  __threadfence();   // our adds are visible device-wide before the counter says we are done
+  __syncthreads();   // all of the block's threads have added (and fenced)
+  if (threadIdx.x == 0) *is_last = atomicAdd(counter, 1u) == gridDim.x - 1;
+  __syncthreads();   // every thread sees the answer
+  if (!*is_last) return;
+  __threadfence();   // order the reads of the scratch after the other blocks' increments
+
+  // The last block transposes back and converts, a warp per step, 16 bytes per lane.
+  for (int s = warp_id; s < steps; s += warps_in_block) {
+    const int col = s * per_step + lane * VEC;
+    const int sh = s * per_step + lane;
+    V db, dw;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      db[k] = from_acc<T>(__ldcg(scratch + sh + k * kWarpSize));
+      dw[k] = from_acc<T>(__ldcg(scratch + C + sh + k * kWarpSize));
+    }
+    *reinterpret_cast<V*>(dbias + col) = db;
+    *reinterpret_cast<V*>(dweight + col) = dw;
+  }
+}
+
+template <typename T>
+cudaError_t launch(const LayernormBwdParams& p, const SeedKernelLimits& l, cudaStream_t stream) {
+  if (!can_vectorize<T>(p)) return cudaErrorMisalignedAddress;
+  if (partial_slots<T>(p) < 1) return cudaErrorInvalidValue;   // the scratch row is slot 0
+  int64_t grid = 0;
+  LNBWD_RETURN_IF_CUDA_ERROR(persistent_grid(p, 1024 / l.block_size, l.block_size, &grid));
+  auto kernel = kernel8<T>;
+  LNBWD_RETURN_IF_CUDA_ERROR(opt_in_smem(kernel, l.smem_bytes));
+  // The counter (header) and the scratch row (slot 0) are contiguous: one memset zeroes both.
+  LNBWD_RETURN_IF_CUDA_ERROR(
+      cudaMemsetAsync(p.workspace, 0, kWorkspaceHeaderBytes + 2 * p.C * sizeof(float), stream));
+  kernel<<<static_cast<unsigned int>(grid), l.block_size, l.smem_bytes, stream>>>(
+      static_cast<T*>(p.dx), static_cast<T*>(p.dweight), static_cast<T*>(p.dbias), partials_of<T>(p), flag_of(p),
+      static_cast<const T*>(p.dy), static_cast<const T*>(p.x), static_cast<const T*>(p.weight),
+      static_cast<const float*>(p.mean), static_cast<const float*>(p.rstd), p.rows, static_cast<int>(p.C));
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+SeedKernelLimits layernorm_bwd_kernel8_limits(Dtype dtype, int64_t C, int block_size) {
+  SeedKernelLimits l = seed_limits<float, __nv_bfloat16, __half>(dtype, block_size, kDefaultBlockSize, 1024);
+  l.c_multiple = 32 * (16 / dtype_bytes(dtype));   // whole warp steps of 16-byte vectors
+  l.smem_bytes = static_cast<size_t>(2 * C + 1) * sizeof(float);
+  return l;
+}
+
+cudaError_t layernorm_bwd_kernel8(const LayernormBwdParams& p, cudaStream_t stream) {
+  const SeedKernelLimits l = layernorm_bwd_kernel8_limits(p.dtype, p.C, p.block_size);
+  LNBWD_RETURN_IF_CUDA_ERROR(check_seed_limits(l, p));
+  return dispatch_dtypes<float, __nv_bfloat16, __half>(p.dtype, [&](auto t) { return launch<decltype(t)>(p, l, stream); });
+}
+
+}  // namespace lnbwd

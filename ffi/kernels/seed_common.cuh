@@ -1,0 +1,77 @@
+// Host-side pieces shared by the launchers of seed kernels 1-9 (kernel0N_*.cu): dtype dispatch
+// that instantiates only the dtypes a kernel is built for, the rules every launcher checks
+// (SeedKernelLimits, see layernorm_bwd.h), the persistent grid of the seed, and the opt-in to
+// more than 48 KB of dynamic shared memory.
+#pragma once
+
+#include <cstdint>
+
+#include "dispatch.cuh"
+
+namespace lnbwd {
+
+template <typename T> constexpr Dtype dtype_of();
+template <> constexpr Dtype dtype_of<float>() { return Dtype::kF32; }
+template <> constexpr Dtype dtype_of<__nv_bfloat16>() { return Dtype::kBF16; }
+template <> constexpr Dtype dtype_of<__half>() { return Dtype::kF16; }
+
+inline int64_t dtype_bytes(Dtype dtype) {
+  return dtype == Dtype::kF64 ? 8 : dtype == Dtype::kF32 ? 4 : 2;
+}
+
+// Calls f(T{}) with the C++ type of `dtype` when it is one of Ts (the dtypes the kernel is built
+// for), else returns cudaErrorInvalidValue. Only the Ts are instantiated: each dtype costs a
+// full compile of the kernel for every architecture.
+template <typename... Ts, typename F>
+cudaError_t dispatch_dtypes(Dtype dtype, F&& f) {
+  cudaError_t out = cudaErrorInvalidValue;
+  (void)((dtype == dtype_of<Ts>() ? (out = f(Ts{}), true) : false) || ...);
+  return out;
+}
+
+// Limits of a kernel built for dtypes Ts whose block sizes are the powers of two from 32 (one
+// warp) to max_block_size; block_size 0 means default_block_size. The caller fills in
+// c_multiple and smem_bytes, which depend on the kernel.
+template <typename... Ts>
+SeedKernelLimits seed_limits(Dtype dtype, int block_size, int default_block_size, int max_block_size) {
+  SeedKernelLimits l;
+  l.dtype_ok = ((dtype == dtype_of<Ts>()) || ...);
+  l.block_size = block_size == 0 ? default_block_size : block_size;
+  l.default_block_size = default_block_size;
+  l.max_block_size = max_block_size;
+  l.block_size_ok = l.block_size >= 32 && l.block_size <= max_block_size && (l.block_size & (l.block_size - 1)) == 0;
+  l.c_multiple = 1;
+  l.smem_bytes = 0;
+  return l;
+}
+
+// What every seed launcher checks before it launches, so that a kernel never runs on a problem
+// it would get wrong: the dtype and the segments (cudaErrorInvalidValue), the block size, C and
+// the shared memory (cudaErrorInvalidConfiguration).
+inline cudaError_t check_seed_limits(const SeedKernelLimits& l, const LayernormBwdParams& p) {
+  if (!l.dtype_ok || p.segments != 1 || p.weight_stride != 0 || p.rows < 1 || p.C < 1) return cudaErrorInvalidValue;
+  if (!l.block_size_ok || p.C % l.c_multiple != 0) return cudaErrorInvalidConfiguration;
+  int max_smem = 0;
+  LNBWD_RETURN_IF_CUDA_ERROR(max_dynamic_smem(&max_smem));
+  if (l.smem_bytes > static_cast<size_t>(max_smem)) return cudaErrorInvalidConfiguration;
+  return cudaSuccess;
+}
+
+// The seed's persistent grid: blocks_per_sm blocks on every SM, but never more blocks than the
+// rows have warps for (one warp per row: an extra block would only add zeros).
+inline cudaError_t persistent_grid(const LayernormBwdParams& p, int blocks_per_sm, int block_size, int64_t* grid) {
+  int sms = 0;
+  LNBWD_RETURN_IF_CUDA_ERROR(sm_count(&sms));
+  *grid = std::min<int64_t>(static_cast<int64_t>(blocks_per_sm) * sms, ceil_div<int64_t>(p.rows, block_size / 32));
+  return cudaSuccess;
+}
+
+// A launch with more than 48 KB of dynamic shared memory needs the kernel's opt-in first (up to
+// cudaDevAttrMaxSharedMemoryPerBlockOptin: 227 KB on Hopper, which check_seed_limits enforces).
+template <typename Kernel>
+cudaError_t opt_in_smem(Kernel kernel, size_t bytes) {
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+}
+
+}  // namespace lnbwd
