@@ -3,10 +3,12 @@
 All argument checks happen here, at trace time, so a bad input raises TypeError/ValueError
 before any kernel can see it.
 
-The FFI op is wrapped twice (see _segmented_op), from the inside out:
-  * jax.custom_batching.custom_vmap: under vmap the batch axis is folded into the rows and
-    becomes more segments, so a vmapped backward is still ONE FFI call, with per-example
-    dweight/dbias (the sums over each example's rows, not over the whole batch);
+The FFI op is wrapped three times (see _segmented_op), from the inside out:
+  * jax.experimental.custom_partitioning (jax_lnbwd/sharding.py): under a sharded jit every
+    device runs the op on its own rows, and dweight/dbias are summed with one psum;
+  * jax.custom_batching.custom_vmap: under vmap the batch axis becomes one more segment axis
+    of the rows, so a vmapped backward is still ONE FFI call, with per-example dweight/dbias
+    (the sums over each example's rows, not over the whole batch);
   * jax.custom_jvp: the op's own derivative is the JVP of the same math in pure jnp, so the
     backward is differentiable again, in both modes: grad of grad, and jax.jvp of jax.grad
     (the usual Hessian-vector product). layernorm itself stays a custom_vjp.
@@ -20,14 +22,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _ffi, reference
-from .kernels import DEFAULT_KERNEL, KERNELS, workspace_bytes
+from . import _ffi, reference, sharding
+from .kernels import DEFAULT_KERNEL, KERNELS
 
 _SUPPORTED = {"float32", "bfloat16", "float16", "float64"}
 
 # Kernels that can split the rows into segments with their own dweight/dbias sums: the ones
-# that run under vmap. Others sum over all rows only (the C++ refuses segments > 1 for them).
-_SEGMENT_KERNELS = frozenset({11, 12})
+# that run under vmap (KernelInfo.segments). Others sum over all rows only (the C++ refuses
+# segments > 1 for them).
+_SEGMENT_KERNELS = frozenset(k for k, info in KERNELS.items() if info.segments)
 
 
 def _dtype_name(a) -> str:
@@ -101,83 +104,91 @@ def layernorm_fwd(x, weight, bias, *, eps: float = 1e-5):
 
 
 # --- the FFI op made batchable and differentiable ---------------------------------------------
+#
+# The op keeps x's leading axes instead of flattening them into rows, so that a sharding of any
+# of them reaches the partitioning rule (jax_lnbwd/sharding.py) as it is: flattening (batch,
+# seq, C) sharded over batch and seq into rows would need a transpose across devices. For
+# `seg_dims` = k (static), the layout is
+#   dy, x:        (*segments, *rows, C)  k segment axes, then at least one row axis;
+#   weight:       (*segments, C), each segment axis either as in x or 1 (shared);
+#   mean, rstd:   (*segments, *rows);
+#   dx:           like x;  dweight, dbias: (*segments, C), sums over each segment's rows.
+# Segment axes are the batch axes that vmap added (one per vmap level): per-example sums.
 
-def _reference_segments(dy, x, weight, mean, rstd, *, segments: int):
-    """What the FFI op computes, in jnp: reference.layernorm_bwd on each segment of rows."""
-    rows, C = x.shape
-
-    def split(a):  # (rows, ...) -> (segments, rows // segments, ...)
-        return a.reshape(segments, rows // segments, *a.shape[1:])
-
-    per_segment_weight = jnp.broadcast_to(weight, (segments, C))
+def _reference_segments(dy, x, weight, mean, rstd, *, seg_dims: int):
+    """What the op computes, in jnp: reference.layernorm_bwd on each segment of rows."""
+    segs, C = x.shape[:seg_dims], x.shape[-1]
+    S, rows = math.prod(segs), math.prod(x.shape[seg_dims:-1])
+    per_segment_weight = jnp.broadcast_to(weight.reshape(math.prod(weight.shape[:-1]), C), (S, C))
     dx, dweight, dbias = jax.vmap(reference.layernorm_bwd)(
-        split(dy), split(x), per_segment_weight, split(mean), split(rstd))
-    return dx.reshape(rows, C), dweight, dbias
+        dy.reshape(S, rows, C), x.reshape(S, rows, C), per_segment_weight,
+        mean.reshape(S, rows), rstd.reshape(S, rows))
+    return dx.reshape(x.shape), dweight.reshape(*segs, C), dbias.reshape(*segs, C)
 
 
-def _vmap_rule(segments, kernel, block_size, axis_size, in_batched, dy, x, weight, mean, rstd):
-    """custom_vmap rule: a batch of B problems is one problem with B times the rows and segments.
+def _vmap_rule(seg_dims, kernel, block_size, axis_size, in_batched, dy, x, weight, mean, rstd):
+    """custom_vmap rule: a batch of B problems is one problem with one more segment axis.
 
-    custom_vmap has moved every batched argument's batch axis to the front. Example b's rows
-    become rows [b*rows, (b+1)*rows) and its segments become segments [b*S, (b+1)*S), so
-    dweight/dbias come out per example: (B*S, C) -> (B, S, C). An unbatched argument is the
-    same for every example and is broadcast. The call goes through _segmented_op again, so a
-    further (outer) vmap applies this rule once more: nested vmaps still make one FFI call.
+    custom_vmap has moved every batched argument's batch axis to the front, which is exactly
+    where a new (outermost) segment axis goes: example b's rows are segment b's, and dweight/
+    dbias come out per example, (B, *segments, C). An unbatched argument is the same for every
+    example and is broadcast. The call goes through _segmented_op again, so a further (outer)
+    vmap applies this rule once more: nested vmaps still make one FFI call.
     """
-    B, S = axis_size, segments
-    rows, C = x.shape[-2:]
-    if B == 0:  # an empty batch: nothing to compute, and the op needs at least one segment
-        return tuple(jnp.zeros((0, *shape), x.dtype) for shape in ((rows, C), (S, C), (S, C))), (True,) * 3
-
-    def fold(a, batched):  # (B, rows, ...) -> (B*rows, ...)
-        if not batched:
-            a = jnp.broadcast_to(a, (B, *a.shape))
-        return a.reshape(B * a.shape[1], *a.shape[2:])
-
+    B = axis_size
     dy_b, x_b, weight_b, mean_b, rstd_b = in_batched
-    if weight_b or weight.shape[-2] != 1:
-        # Weights differ between segments: one row per new segment, (B, 1 or S, C) -> (B*S, C).
-        weight = jnp.broadcast_to(weight, (B, S, C)).reshape(B * S, C)
-    dx, dweight, dbias = _segmented_op(B * S, kernel, block_size)(
-        fold(dy, dy_b), fold(x, x_b), weight, fold(mean, mean_b), fold(rstd, rstd_b))
-    out = dx.reshape(B, rows, C), dweight.reshape(B, S, C), dbias.reshape(B, S, C)
+    example = x.shape[1:] if x_b else x.shape
+    segs, C = example[:seg_dims], example[-1]
+    if B == 0:  # an empty batch: nothing to compute
+        return (jnp.zeros((0, *example), x.dtype),) + (jnp.zeros((0, *segs, C), x.dtype),) * 2, (True,) * 3
+
+    def batch(a, batched):
+        return a if batched else jnp.broadcast_to(a, (B, *a.shape))
+
+    example_weight = weight.shape[1:] if weight_b else weight.shape
+    if weight_b or math.prod(example_weight[:-1]) != 1:
+        # Weights differ between segments: one per new segment, (B, *segments, C).
+        weight = jnp.broadcast_to(weight, (B, *segs, C))
+    else:  # one weight shared by all segments, old and new
+        weight = weight.reshape((1,) * (seg_dims + 1) + (C,))
+    out = _segmented_op(seg_dims + 1, kernel, block_size)(
+        batch(dy, dy_b), batch(x, x_b), weight, batch(mean, mean_b), batch(rstd, rstd_b))
     return out, (True, True, True)
 
 
 @functools.cache
-def _segmented_op(segments: int, kernel: int, block_size: int):
+def _segmented_op(seg_dims: int, kernel: int, block_size: int):
     """The FFI op for these static settings: op(dy, x, weight, mean, rstd) -> (dx, dweight, dbias).
 
-    Shapes as in _ffi.layernorm_bwd_segments. Two wrappers around the FFI call `run`:
-      * custom_vmap (inner): vmap of the op is _vmap_rule, one FFI call with more segments;
+    Shapes as above. Three wrappers around the FFI call, from the inside out:
+      * custom_partitioning (sharding.layernorm_bwd_segments): under a sharded jit each device
+        runs the FFI on its own rows and dweight/dbias are summed with one psum;
+      * custom_vmap (`run`): vmap of the op is _vmap_rule, one FFI call with more segments;
       * custom_jvp (outer, so that it, not custom_vmap's generic rule, defines derivatives):
         the op's tangents are the JVP of _reference_segments (pure jnp), its value the FFI's.
         JAX derives reverse mode from it (linearize + transpose of jnp), so grad of grad and
         jvp of grad both work. Under vmap, JAX batches the JVP rule too; its primal call
         goes through `op`, so it reaches _vmap_rule (and higher orders reach this rule again).
-    A first-order grad of layernorm only calls the op (the FFI alone, no jnp backward); the
-    jnp JVP is traced only when the backward itself is differentiated. Cached, so equal
-    settings give the same function (and jit caches hit).
+    vmap and differentiation are thus handled before custom_partitioning is reached, which
+    only ever sees a plain call with static settings. A first-order grad of layernorm only
+    calls the op (the FFI alone, no jnp backward); the jnp JVP is traced only when the backward
+    itself is differentiated. Cached, so equal settings give the same function (and jit caches hit).
     """
-    if segments > 1 and kernel not in _SEGMENT_KERNELS:
-        raise ValueError(
-            f"layernorm: kernel {kernel} sums dweight/dbias over all rows and cannot keep one sum "
-            f"per example: per-example (vmapped) dweight/dbias need kernel "
-            f"{' or '.join(map(str, sorted(_SEGMENT_KERNELS)))} or kernel=None")
-
     @jax.custom_batching.custom_vmap
     def run(dy, x, weight, mean, rstd):
-        rows, C = x.shape
-        ws = workspace_bytes(kernel, rows, C, _dtype_name(x), block_size, segments)
-        return _ffi.layernorm_bwd_segments(dy, x, weight, mean, rstd, segments=segments, kernel=kernel,
-                                           block_size=block_size, workspace_bytes=ws)
+        if math.prod(x.shape[:seg_dims]) > 1 and kernel not in _SEGMENT_KERNELS:
+            raise ValueError(
+                f"layernorm: kernel {kernel} sums dweight/dbias over all rows and cannot keep one sum "
+                f"per example: per-example (vmapped) dweight/dbias need kernel "
+                f"{' or '.join(map(str, sorted(_SEGMENT_KERNELS)))} or kernel=None")
+        return sharding.layernorm_bwd_segments(dy, x, weight, mean, rstd, seg_dims, kernel, block_size)
 
-    run.def_vmap(functools.partial(_vmap_rule, segments, kernel, block_size))
+    run.def_vmap(functools.partial(_vmap_rule, seg_dims, kernel, block_size))
     op = jax.custom_jvp(run)
 
     @op.defjvp
     def op_jvp(primals, tangents):
-        _, tangents_out = jax.jvp(functools.partial(_reference_segments, segments=segments), primals, tangents)
+        _, tangents_out = jax.jvp(functools.partial(_reference_segments, seg_dims=seg_dims), primals, tangents)
         return op(*primals), tangents_out
 
     return op
@@ -188,12 +199,11 @@ def _backward(dy, x, weight, mean, rstd, kernel: int, block_size: int):
 
     weight None means a scale of ones (its dweight is then computed and ignored by the caller).
     """
-    C = x.shape[-1]
-    rows = math.prod(x.shape[:-1])
-    weight = jnp.ones((1, C), x.dtype) if weight is None else weight.reshape(1, C)
-    dx, dweight, dbias = _segmented_op(1, kernel, block_size)(
-        dy.reshape(rows, C), x.reshape(rows, C), weight, mean.reshape(rows), rstd.reshape(rows))
-    return dx.reshape(x.shape), dweight.reshape(C), dbias.reshape(C)
+    if x.ndim == 1:  # one row: the op needs a row axis
+        dx, dweight, dbias = _backward(dy[None], x[None], weight, mean[None], rstd[None], kernel, block_size)
+        return dx[0], dweight, dbias
+    weight = jnp.ones(x.shape[-1:], x.dtype) if weight is None else weight
+    return _segmented_op(0, kernel, block_size)(dy, x, weight, mean, rstd)
 
 
 # --- the public ops -----------------------------------------------------------------------------
@@ -261,7 +271,8 @@ def layernorm(x, weight, bias, *, eps: float = 1e-5, kernel: int | None = None, 
     shape (C,) and x's dtype, or are None (no scale / no shift, like Flax's use_scale=False /
     use_bias=False; no gradient is returned for them). The forward runs in jnp (statistics in
     float32, float64 for float64); the backward runs our FFI op with `kernel` (None: the default
-    kernel). Works under jit, grad (to any order), vmap, scan, checkpoint and jax.export.
+    kernel). Works under jit, grad (to any order), vmap, scan, checkpoint and jax.export, and
+    on sharded inputs: jit with shardings, and shard_map (see jax_lnbwd/sharding.py).
     """
     eps = _check_eps(eps)
     _check_float("x", x)
@@ -270,4 +281,10 @@ def layernorm(x, weight, bias, *, eps: float = 1e-5, kernel: int | None = None, 
     _check_param("weight", weight, x)
     _check_param("bias", bias, x)
     kernel, block_size = _resolve_kernel(kernel, block_size, _dtype_name(x), x.shape[-1])
+    # Inside shard_map, x usually varies along mesh axes along which a replicated weight and
+    # bias do not. jnp's `x * weight` would cast weight to varying; so do we, before the
+    # custom_vjp, so that its cotangents have matching types. The cast's transpose is a psum:
+    # the gradient of a replicated weight is summed over the shards, exactly as for jnp code.
+    axes = _ffi.varying_axes(*(a for a in (x, weight, bias) if a is not None))
+    x, weight, bias = (None if a is None else _ffi.vary(a, axes) for a in (x, weight, bias))
     return _layernorm(x, weight, bias, eps, kernel, block_size)

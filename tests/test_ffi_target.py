@@ -7,7 +7,6 @@ tests check S > 1 for every kernel against the reference applied segment by segm
 """
 from __future__ import annotations
 
-import importlib
 
 import numpy as np
 import pytest
@@ -21,10 +20,8 @@ KERNEL_IDS = sorted(KERNELS)
 
 def sums_per_segment(kernel: int) -> bool:
     """Whether the CUDA `kernel` keeps one dweight/dbias sum per segment (the CPU's C++
-    reference does for every id). KERNELS has no field for it yet, so this reads the package's
-    private list (jax_lnbwd/layernorm.py), taking every kernel as able when it is absent."""
-    module = importlib.import_module("jax_lnbwd.layernorm")
-    return kernel in getattr(module, "_SEGMENT_KERNELS", KERNELS)
+    reference does for every id)."""
+    return KERNELS[kernel].segments
 
 
 def _segments_case(platform, kernel, dtype, rows, C, segments, per_segment_weight, seed):
