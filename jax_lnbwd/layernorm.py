@@ -69,6 +69,17 @@ def _check_param(name: str, p, x) -> None:
                         f"{_dtype_name(x)}; cast them to one dtype")
 
 
+def _check_inputs(x, weight, bias, eps) -> float:
+    """The forward's arguments (shared by layernorm and layernorm_fwd); returns eps as a float."""
+    eps = _check_eps(eps)
+    _check_float("x", x)
+    if x.ndim < 1:
+        raise ValueError("layernorm: 'x' must have rank >= 1 (normalization is over the last axis)")
+    _check_param("weight", weight, x)
+    _check_param("bias", bias, x)
+    return eps
+
+
 def _resolve_kernel(kernel, block_size, dtype: str, C: int) -> tuple[int, int]:
     if kernel is None:
         kernel = DEFAULT_KERNEL
@@ -94,12 +105,7 @@ def layernorm_fwd(x, weight, bias, *, eps: float = 1e-5):
     """(y, mean, rstd) of layernorm over the last axis; mean/rstd are float32 (float64 for float64).
 
     weight and/or bias may be None (no scale, no shift)."""
-    eps = _check_eps(eps)
-    _check_float("x", x)
-    if x.ndim < 1:
-        raise ValueError("layernorm: 'x' must have rank >= 1 (normalization is over the last axis)")
-    for name, p in (("weight", weight), ("bias", bias)):
-        _check_param(name, p, x)
+    eps = _check_inputs(x, weight, bias, eps)
     return reference.layernorm_fwd(x, weight, bias, eps)
 
 
@@ -274,12 +280,7 @@ def layernorm(x, weight, bias, *, eps: float = 1e-5, kernel: int | None = None, 
     kernel). Works under jit, grad (to any order), vmap, scan, checkpoint and jax.export, and
     on sharded inputs: jit with shardings, and shard_map (see jax_lnbwd/sharding.py).
     """
-    eps = _check_eps(eps)
-    _check_float("x", x)
-    if x.ndim < 1:
-        raise ValueError("layernorm: 'x' must have rank >= 1 (normalization is over the last axis)")
-    _check_param("weight", weight, x)
-    _check_param("bias", bias, x)
+    eps = _check_inputs(x, weight, bias, eps)
     kernel, block_size = _resolve_kernel(kernel, block_size, _dtype_name(x), x.shape[-1])
     # Inside shard_map, x usually varies along mesh axes along which a replicated weight and
     # bias do not. jnp's `x * weight` would cast weight to varying; so do we, before the
