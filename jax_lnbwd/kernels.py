@@ -76,7 +76,10 @@ def _kernel10_refuse(C: int, dtype: str, block_size: int) -> str | None:
 # a message; these refuse first, at trace time.
 
 _SEED_DTYPES = ("float32", "bfloat16", "float16")
-# The seed's block sizes: powers of two from one warp to 1024 threads.
+# The seed's block sizes: powers of two from one warp to 1024 threads. Each kernel's default is
+# the fastest one measured on the H200 at the seed's shape, 8192x1600 in bf16 and fp32 (8192x1536
+# for kernels 8-9, which need whole x128 steps): `tests/cuda/harness.cu blocks`, whose output
+# is docs/harness_blocks_h200.txt. The same constants are in the launchers (kDefaultBlockSize).
 _SEED_BLOCK_SIZES = (32, 64, 128, 256, 512, 1024)
 
 
@@ -158,25 +161,25 @@ KERNELS: Mapping[int, KernelInfo] = {
         1, "naive",
         ("seed kernel 1: a thread per row loops over C (uncoalesced), global fp32 atomicAdd "
          "into dweight/dbias (zeroed first)"),
-        dtypes=("float32",), default_block_size=64,
+        dtypes=("float32",), default_block_size=32,
         constraints="float32 only; any C >= 1"),
     2: _seed_kernel(
         2, "smem_reduce",
         ("seed kernel 2: a warp per row (cooperative groups), block sums in shared memory with "
          "shared atomics, global atomics into one fp32 scratch row, then a conversion kernel"),
-        default_block_size=512,
+        default_block_size=1024,
         constraints="any C >= 1; " + _SMEM_2C),
     3: _seed_kernel(
         3, "persistent_atomics",
         ("seed kernel 3: persistent grid of warps, shared-memory sums, each block adds them "
          "into dweight/dbias with atomics in the output dtype (bf16/f16 atomics lose precision)"),
-        default_block_size=512, precise=False,
+        default_block_size=1024, precise=False,
         constraints="any C >= 1; " + _SMEM_2C),
     4: _seed_kernel(
         4, "atomic_cas_bf16",
         ("seed kernel 4: kernel 3 with the final bf16 adds as atomicCAS loops on bf16 pairs "
          "(bf16 running sums lose precision)"),
-        dtypes=("bfloat16",), default_block_size=512, precise=False,
+        dtypes=("bfloat16",), default_block_size=1024, precise=False,
         constraints="bfloat16 only; any C >= 1; " + _SMEM_2C),
     5: _seed_kernel(
         5, "block_scratch",
@@ -188,18 +191,18 @@ KERNELS: Mapping[int, KernelInfo] = {
         6, "shared_scratch",
         ("seed kernel 6: persistent warps, shared-memory sums added with global fp32 atomics "
          "into one scratch row, the last block converts it"),
-        default_block_size=512,
+        default_block_size=1024,
         constraints="any C >= 1; " + _SMEM_2C_FLAG),
     7: _seed_kernel(
         7, "no_cooperative_groups",
         "seed kernel 7: kernel 6 written with plain warp shuffles instead of cooperative groups",
-        default_block_size=512,
+        default_block_size=1024,
         constraints="any C >= 1; " + _SMEM_2C_FLAG),
     8: _seed_kernel(
         8, "x128",
         ("seed kernel 8: kernel 7 with 16-byte loads and stores, shared sums in a "
          "bank-conflict-free transposed order"),
-        default_block_size=512,
+        default_block_size=1024,
         constraints=("C a multiple of 128 (float32) or 256 (bfloat16, float16): whole warp "
                      "steps of 16-byte vectors; " + _SMEM_2C_FLAG)),
     9: _seed_kernel(

@@ -34,6 +34,7 @@ namespace {
 
 namespace cg = cooperative_groups;
 
+// The fastest block size on the H200 at 8192x1600, bf16 and fp32 (tests/cuda/harness.cu blocks).
 constexpr int kDefaultBlockSize = 1024;
 
 template <typename T>

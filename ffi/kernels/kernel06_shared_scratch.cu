@@ -32,7 +32,8 @@ namespace {
 
 namespace cg = cooperative_groups;
 
-constexpr int kDefaultBlockSize = 512;
+// The fastest block size on the H200 at 8192x1600, bf16 and fp32 (tests/cuda/harness.cu blocks).
+constexpr int kDefaultBlockSize = 1024;
 
 template <typename T>
 __global__ void __launch_bounds__(1024)

@@ -249,6 +249,14 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
     }
   }
 
+  // A block's last groups can have one row fewer than its first group. They pass the missing
+  // row's named barrier here, so that every warp has passed as many barriers as every other when
+  // all meet at __syncthreads below. The hardware does not need this (each group's barrier is its
+  // own), but compute-sanitizer's racecheck orders the accesses of two warps by their barrier
+  // counts and reports the exchange of sums below as a race without it. Group 0's rows are this
+  // group's minus g, so group 0 had one row more if its row number k is still below `rows`.
+  if (first - g + k * stride < rows) group_sync(1 + g, tpr);
+
   // The groups' sums meet in shared memory (the ring is idle now: every copy that was issued
   // has been waited for), then are added in group order into this block's partial slot.
   __syncthreads();
