@@ -58,6 +58,12 @@ __device__ __forceinline__ void mbar_init(uint64_t* bar) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
 }
 
+// PTX requires an mbarrier to be invalidated before its memory serves any other purpose, such
+// as the shared memory of the next block that runs on this SM.
+__device__ __forceinline__ void mbar_inval(uint64_t* bar) {
+  asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
 // Wait until the barrier's phase `parity` has completed (all expected bytes have landed).
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   asm volatile(
@@ -258,8 +264,12 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   if (first - g + k * stride < rows) group_sync(1 + g, tpr);
 
   // The groups' sums meet in shared memory (the ring is idle now: every copy that was issued
-  // has been waited for), then are added in group order into this block's partial slot.
+  // has been waited for), then are added in group order into this block's partial slot. Past
+  // this barrier nobody waits on the ring's mbarriers any more: their leaders retire them.
   __syncthreads();
+  if (leader) {
+    for (int b = 0; b < NB; ++b) mbar_inval(&full[g * NB + b]);
+  }
   A* sums = reinterpret_cast<A*>(smem);   // [groups][2][C], over the weight row and the ring
 #pragma unroll
   for (int j = 0; j < NV; ++j) {

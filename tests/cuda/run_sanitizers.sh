@@ -55,8 +55,7 @@ sanitize() {   # sanitize TOOL KERNEL: one line of result
   local tool=$1 kernel=$2 extra=() env=()
   [ "$tool" = memcheck ] && extra=(--leak-check full)
   # Kernel 12's mbarriers (groups x ring slots per block) outnumber what synccheck tracks by
-  # default: it says so and fails the launch. (racecheck needs no such hint, and with one it
-  # reported the weight row's staging stores as racing with the mbarriers' initialization.)
+  # default: it says so and fails the launch.
   [ "$tool" = synccheck ] && extra=(--num-cuda-barriers "${NUM_CUDA_BARRIERS:-1024}")
   # racecheck is the slowest on kernels with many shared-memory accesses: smaller launches.
   [ "$tool" = racecheck ] && env=(LNBWD_QUICK_MAX_ELEMENTS=3500000)
