@@ -134,21 +134,25 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   const int64_t stride = static_cast<int64_t>(blocks_per_segment) * groups;
   const int64_t first = segment * rows_per_segment + static_cast<int64_t>(blockIdx.x % blocks_per_segment) * groups + g;
 
-  if (!REGS) {
-    for (int c = threadIdx.x * VEC; c < C; c += blockDim.x * VEC) {
-      *reinterpret_cast<V*>(w_sh + c) = load(reinterpret_cast<const V*>(weight + c));
-    }
-  }
   if (leader) {
     for (int b = 0; b < NB; ++b) mbar_init(&full[g * NB + b]);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  __syncthreads();   // barriers initialized (and weight staged) before anyone uses them
+  __syncthreads();   // barriers initialized before anyone uses them
   if (leader) {
     for (int b = 0; b < NB; ++b) {
       const int64_t r = first + b * stride;
       if (r < rows) issue_row(&full[g * NB + b], buf_dy(g, b), buf_x(g, b), dy + r * C, x + r * C, row_bytes);
     }
+  }
+  if (!REGS) {
+    // Stage the weight row while the first rows are in flight; the barrier publishes it. (Its
+    // stores come after the mbarriers' initialization, a barrier apart: staged before it, they
+    // drew racecheck warnings against mbarrier.init.)
+    for (int c = threadIdx.x * VEC; c < C; c += blockDim.x * VEC) {
+      *reinterpret_cast<V*>(w_sh + c) = load(reinterpret_cast<const V*>(weight + c));
+    }
+    __syncthreads();
   }
 
   // The thread's dbias/dweight sums live in registers; in register mode its weight columns too.
@@ -258,9 +262,9 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   // A block's last groups can have one row fewer than its first group. They pass the missing
   // row's named barrier here, so that every warp has passed as many barriers as every other when
   // all meet at __syncthreads below. The hardware does not need this (each group's barrier is its
-  // own), but compute-sanitizer's racecheck orders the accesses of two warps by their barrier
-  // counts and reports the exchange of sums below as a race without it. Group 0's rows are this
-  // group's minus g, so group 0 had one row more if its row number k is still below `rows`.
+  // own), but without it compute-sanitizer's racecheck reported the sums exchanged below as
+  // racing (52 reports on the H200; none with it). Group 0's rows are this group's minus g, so
+  // group 0 had one row more if its row number k is still below `rows`.
   if (first - g + k * stride < rows) group_sync(1 + g, tpr);
 
   // The groups' sums meet in shared memory (the ring is idle now: every copy that was issued
