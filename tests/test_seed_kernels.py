@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import math
+import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +56,22 @@ def test_seed_entries():
         # Only kernel 9 avoids float atomics; kernels 3 and 4 accumulate in the output dtype.
         assert info.deterministic is (k == 9)
         assert info.precise is (k not in (3, 4))
+
+
+def test_default_block_sizes_match_the_launchers():
+    # layernorm_bwd passes KERNELS[k].default_block_size; a direct FFI call with block_size 0
+    # gets the launcher's own kDefaultBlockSize (kernel 10's default is written in its launcher
+    # and in the CUDA glue's check). All record one measurement and must agree.
+    ffi = pathlib.Path(__file__).resolve().parents[1] / "ffi"
+    sources = sorted((ffi / "kernels").glob("kernel0[1-9]_*.cu"))
+    if len(sources) != len(SEED_IDS):
+        pytest.skip("the CUDA sources are not beside the tests")
+    for k, src in zip(SEED_IDS, sources):
+        m = re.search(r"constexpr int kDefaultBlockSize = (\d+);", src.read_text())
+        assert m and int(m.group(1)) == KERNELS[k].default_block_size, src.name
+    for src in (ffi / "layernorm_bwd_cuda.cc", ffi / "kernels" / "kernel10_vector_smem.cu"):
+        m = re.search(r"p\.block_size \? p\.block_size : (\d+);", src.read_text())
+        assert m and int(m.group(1)) == KERNELS[10].default_block_size, src.name
 
 
 # --- what they refuse, and that refusing is a ValueError at trace time -------------------------
