@@ -102,15 +102,29 @@ kernel11_rows(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   const int64_t stride = static_cast<int64_t>(bps) * groups;
   int64_t row = segment * rows_per_segment + static_cast<int64_t>(blockIdx.x % bps) * groups + g;
   V dyv[NV], xv[NV];
-  if (PREFETCH && row < rows) load_row<T, VEC, NV>(dyv, xv, dy, x, row, C, tpr, t);
+  A m = A(0), s = A(0);
+  if (PREFETCH && row < rows) {
+    load_row<T, VEC, NV>(dyv, xv, dy, x, row, C, tpr, t);
+    m = A(mean[row]);
+    s = A(rstd[row]);
+  }
   int parity = 0;
   for (; row < rows; row += stride) {
     if (!PREFETCH) load_row<T, VEC, NV>(dyv, xv, dy, x, row, C, tpr, t);
+    if (!PREFETCH) {
+      m = A(mean[row]);
+      s = A(rstd[row]);
+    }
+    // Prefetching takes the next row's mean and rstd with its data: loaded only when that row
+    // starts, they would put a DRAM round trip on its critical path.
     V next_dy[NV], next_x[NV];
-    if (PREFETCH && row + stride < rows) load_row<T, VEC, NV>(next_dy, next_x, dy, x, row + stride, C, tpr, t);
+    A next_m = A(0), next_s = A(0);
+    if (PREFETCH && row + stride < rows) {
+      load_row<T, VEC, NV>(next_dy, next_x, dy, x, row + stride, C, tpr, t);
+      next_m = A(mean[row + stride]);
+      next_s = A(rstd[row + stride]);
+    }
 
-    const A m = A(mean[row]);
-    const A s = A(rstd[row]);
     // Pass 1: s1 = sum g_i and s2 = sum g_i * (x_i - mean). weight is re-read per row: it is
     // C elements shared by every row, so it stays in L1 and costs no registers.
     A s1 = A(0), s2 = A(0);
@@ -176,6 +190,8 @@ kernel11_rows(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
     if (PREFETCH) {
 #pragma unroll
       for (int j = 0; j < NV; ++j) { dyv[j] = next_dy[j]; xv[j] = next_x[j]; }
+      m = next_m;
+      s = next_s;
     }
   }
 

@@ -12,8 +12,8 @@
 // col(j) = (j * tpr + t) * VEC, j < NV, for every row, so its dweight/dbias sums stay in
 // registers (no atomics, no shared-memory traffic) until the end.
 //
-// The ring, per group: NB buffers, each one row of dy and one row of x, each with an mbarrier
-// ("full"). The group's leader thread starts the copy of row k into buffer k % NB and tells the
+// The ring, per group: NB buffers, each one row of dy and one row of x plus that row's mean and
+// rstd, each with an mbarrier ("full"). The group's leader thread starts the copy of row k into buffer k % NB and tells the
 // barrier how many bytes to expect; the copy engine counts them down; the group's threads wait
 // on the barrier's phase (k / NB) & 1. A buffer is refilled only after every thread of the
 // group has finished with the row in it: the leader refills buffer (k-1) % NB right after the
@@ -21,7 +21,10 @@
 //
 // Per row (g_i = weight_i * dy_i, xhat_i = (x_i - mean) * rstd, centered):
 //   pass 1: s1 = sum g_i, s2 = sum g_i (x_i - mean): shuffles, then across the group's warps;
-//   pass 2: dx_i = (g_i - s1/C - xhat_i s2 rstd/C) rstd, straight to global memory;
+//   pass 2: dx_i = (g_i - s1/C - xhat_i s2 rstd/C) rstd, straight to global memory (computed as
+//           g_i rstd + (xhat_i k1 + k0) with per-row k0, k1: two FMAs per element. The FMA leaves
+//           the rounding error of g_i rstd where the exact answer is 0, at C = 1; kernel 12 never
+//           sees C = 1: its C is a multiple of the vector width);
 //           dbias_i += dy_i, dweight_i += dy_i xhat_i in registers.
 // At the end the groups' sums meet in shared memory (in group order) and the block writes its
 // partial slot; finalize_partials adds the slots in slot order. Deterministic.
@@ -39,7 +42,7 @@ namespace {
 // block allows, more needs the 128 of a 512-thread block (else the compiler reports spills).
 constexpr int max_threads(size_t sum_bytes) { return sum_bytes <= 32 ? 1024 : 512; }
 constexpr int kMaxGroups = 15;               // named barriers 1..15
-constexpr size_t kSmemBudget = 200 * 1024;
+constexpr size_t kSmemBudget = 227 * 1024;   // the opt-in maximum of sm_90
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -54,8 +57,10 @@ __device__ __forceinline__ void group_sync(int id, int count) {
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// Two arrivals complete a phase: the leader's (with the byte count of the bulk copies) and the
+// one the cp.async unit makes once the row's mean and rstd have landed (see issue_row).
 __device__ __forceinline__ void mbar_init(uint64_t* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 2;" ::"r"(smem_addr(bar)) : "memory");
 }
 
 // PTX requires an mbarrier to be invalidated before its memory serves any other purpose, such
@@ -77,11 +82,27 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 
-// Copy one row of dy and one of x into a buffer; the barrier completes when both have landed.
+// Copy one row of dy and one of x into a buffer, and the row's mean and rstd beside it; the
+// barrier's phase completes when all four have landed.
+//
+// mean and rstd ride with the row because a row cannot start without them: loaded when the row
+// starts, they would put one DRAM round trip on every row's critical path, and under this
+// kernel's own traffic (a ring of rows in flight on every SM) that round trip takes
+// microseconds. They are 4 or 8 bytes, too small for the bulk engine, so two cp.async carry
+// them, and cp.async.mbarrier.arrive.noinc makes their completion the barrier's second arrival
+// (noinc: mbar_init already counts it).
+//
 // The fence orders the group's earlier ordinary reads of this buffer (made visible to the
 // leader by the group barrier) before the copy engine's writes to it.
-__device__ __forceinline__ void issue_row(uint64_t* bar, void* dst_dy, void* dst_x, const void* src_dy,
-                                          const void* src_x, uint32_t bytes) {
+template <typename S>
+__device__ __forceinline__ void issue_row(uint64_t* bar, void* dst_dy, void* dst_x, S* dst_stats, const void* src_dy,
+                                          const void* src_x, const S* src_mean, const S* src_rstd, uint32_t bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(smem_addr(dst_stats)), "l"(src_mean), "n"(sizeof(S))
+               : "memory");
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(smem_addr(dst_stats + 1)), "l"(src_rstd),
+               "n"(sizeof(S))
+               : "memory");
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(2 * bytes)
                : "memory");
@@ -109,6 +130,7 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   using V = Packed<T, VEC>;
   using AV = Packed<A, VEC>;
   using Pair = Packed<A, 2>;
+  using S = stat_t<T>;
   const int g = threadIdx.x / tpr;
   const int t = threadIdx.x % tpr;
   const int lane = threadIdx.x % 32;
@@ -117,15 +139,19 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   const bool leader = t == 0;
   const size_t row_bytes = static_cast<size_t>(C) * sizeof(T);
 
-  // Shared memory: [weight row (shared-memory mode only) | ring buffers: groups x NB x (dy row,
-  // x row) | mbarriers | reduction exchange]. Each piece starts on a 16-byte boundary.
+  // Shared memory: [weight row as acc_t (shared-memory mode only) | ring buffers: groups x NB x
+  // (dy row, x row) | their mbarriers | their (mean, rstd) pairs | reduction exchange]. Each
+  // piece starts on a 16-byte boundary.
   extern __shared__ __align__(128) unsigned char smem[];
-  T* w_sh = reinterpret_cast<T*>(smem);
-  unsigned char* ring = smem + (REGS ? 0 : row_bytes);
+  A* w_sh = reinterpret_cast<A*>(smem);   // converted once: the passes read it with no unpacking
+  unsigned char* ring = smem + (REGS ? 0 : static_cast<size_t>(C) * sizeof(A));
   auto buf_dy = [&](int q, int b) { return reinterpret_cast<T*>(ring + ((size_t)q * NB + b) * 2 * row_bytes); };
   auto buf_x = [&](int q, int b) { return reinterpret_cast<T*>(ring + (((size_t)q * NB + b) * 2 + 1) * row_bytes); };
   uint64_t* full = reinterpret_cast<uint64_t*>(ring + (size_t)groups * NB * 2 * row_bytes);
-  Pair* exchange = reinterpret_cast<Pair*>(full + 2 * ceil_div(groups * NB, 2)) + g * 2 * warps_per_row;
+  S* stats = reinterpret_cast<S*>(full + 2 * ceil_div(groups * NB, 2));
+  Pair* exchange = reinterpret_cast<Pair*>(reinterpret_cast<unsigned char*>(stats) +
+                                          round_up<size_t>(static_cast<size_t>(groups) * NB * 2 * sizeof(S), 16)) +
+                   g * 2 * warps_per_row;
 
   // Segments: blocks [s * bps, (s + 1) * bps) work on segment s only.
   const int64_t segment = blockIdx.x / blocks_per_segment;
@@ -139,29 +165,35 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();   // barriers initialized before anyone uses them
+  // The leader starts row r's copies into buffer b of its group.
+  auto issue = [&](int b, int64_t r) {
+    issue_row(&full[g * NB + b], buf_dy(g, b), buf_x(g, b), &stats[(g * NB + b) * 2], dy + r * C, x + r * C, mean + r,
+              rstd + r, static_cast<uint32_t>(row_bytes));
+  };
   if (leader) {
     for (int b = 0; b < NB; ++b) {
       const int64_t r = first + b * stride;
-      if (r < rows) issue_row(&full[g * NB + b], buf_dy(g, b), buf_x(g, b), dy + r * C, x + r * C, row_bytes);
+      if (r < rows) issue(b, r);
     }
   }
   if (!REGS) {
-    // Stage the weight row while the first rows are in flight; the barrier publishes it. (Its
+    // Stage the weight row, converted to acc_t once here rather than in every pass of every row,
+    // while the first rows are in flight; the barrier publishes it. (Its
     // stores come after the mbarriers' initialization, a barrier apart: staged before it, they
     // drew racecheck warnings against mbarrier.init.)
     for (int c = threadIdx.x * VEC; c < C; c += blockDim.x * VEC) {
-      *reinterpret_cast<V*>(w_sh + c) = load(reinterpret_cast<const V*>(weight + c));
+      *reinterpret_cast<AV*>(w_sh + c) = to_acc(load(reinterpret_cast<const V*>(weight + c)));
     }
     __syncthreads();
   }
 
   // The thread's dbias/dweight sums live in registers; in register mode its weight columns too.
-  V wv[NV];
+  AV wv[NV];
   AV db[NV], dw[NV];
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
     const int col = (j * tpr + t) * VEC;
-    if (REGS && col < C) wv[j] = load(reinterpret_cast<const V*>(weight + col));
+    if (REGS && col < C) wv[j] = to_acc(load(reinterpret_cast<const V*>(weight + col)));
 #pragma unroll
     for (int q = 0; q < VEC; ++q) { db[j][q] = A(0); dw[j][q] = A(0); }
   }
@@ -186,19 +218,20 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
     }
     auto dy_at = [&](int j, int col) { return REGS ? dyv[j] : *reinterpret_cast<const V*>(buf_dy(g, b) + col); };
     auto x_at = [&](int j, int col) { return REGS ? xv[j] : *reinterpret_cast<const V*>(buf_x(g, b) + col); };
-    auto w_at = [&](int j, int col) { return REGS ? wv[j] : *reinterpret_cast<const V*>(w_sh + col); };
-    const A m = A(mean[row]);
-    const A s = A(rstd[row]);
+    auto w_at = [&](int j, int col) { return REGS ? wv[j] : *reinterpret_cast<const AV*>(w_sh + col); };
+    const A m = A(stats[(g * NB + b) * 2]);
+    const A s = A(stats[(g * NB + b) * 2 + 1]);
 
     A s1 = A(0), s2 = A(0);
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
       const int col = (j * tpr + t) * VEC;
       if (col < C) {
-        const V dv = dy_at(j, col), xx = x_at(j, col), ww = w_at(j, col);
+        const V dv = dy_at(j, col), xx = x_at(j, col);
+        const AV ww = w_at(j, col);
 #pragma unroll
         for (int q = 0; q < VEC; ++q) {
-          const A gi = mul_rn(to_acc(ww[q]), to_acc(dv[q]));
+          const A gi = mul_rn(ww[q], to_acc(dv[q]));
           s1 += gi;
           s2 += gi * (to_acc(xx[q]) - m);
         }
@@ -235,22 +268,24 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
     if (leader && (REGS || k >= 1)) {
       const int64_t r = row + (REGS ? NB : NB - 1) * stride;
       const int rb = REGS ? b : static_cast<int>((k - 1) % NB);
-      if (r < rows) issue_row(&full[g * NB + rb], buf_dy(g, rb), buf_x(g, rb), dy + r * C, x + r * C, row_bytes);
+      if (r < rows) issue(rb, r);
     }
-    const A a = s1 / A(C);
-    const A bb = s2 * s / A(C);
+    // dx = (g - s1/C - xhat s2 rstd/C) rstd, arranged as g rstd + (xhat k1 + k0): two FMAs.
+    const A k0 = -(s1 / A(C)) * s;
+    const A k1 = -(s2 * s / A(C)) * s;
 
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
       const int col = (j * tpr + t) * VEC;
       if (col < C) {
-        const V dv = dy_at(j, col), xx = x_at(j, col), ww = w_at(j, col);
+        const V dv = dy_at(j, col), xx = x_at(j, col);
+        const AV ww = w_at(j, col);
         V dxv;
 #pragma unroll
         for (int q = 0; q < VEC; ++q) {
           const A d = to_acc(dv[q]);
           const A xhat = (to_acc(xx[q]) - m) * s;
-          dxv[q] = from_acc<T>((mul_rn(to_acc(ww[q]), d) - a - xhat * bb) * s);
+          dxv[q] = from_acc<T>(fma(mul_rn(ww[q], d), s, fma(xhat, k1, k0)));
           db[j][q] += d;
           dw[j][q] += d * xhat;
         }
@@ -302,9 +337,12 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
 
 size_t smem_bytes(const Kernel12Config& cfg, int64_t C, size_t item, size_t acc) {
   const size_t row = C * item;
-  const size_t data = (cfg.regs ? 0 : row) + static_cast<size_t>(cfg.groups) * cfg.nb * 2 * row;
+  const size_t data = (cfg.regs ? 0 : C * acc) + static_cast<size_t>(cfg.groups) * cfg.nb * 2 * row;
   const size_t front = std::max(data, static_cast<size_t>(cfg.groups) * 2 * C * acc);   // reused for the sums
-  return front + 16 * ceil_div<size_t>(cfg.groups * cfg.nb, 2) + static_cast<size_t>(cfg.groups) * 2 * (cfg.tpr / 32) * 2 * acc;
+  const size_t buffers = static_cast<size_t>(cfg.groups) * cfg.nb;
+  const size_t barriers = 16 * ceil_div<size_t>(buffers, 2);
+  const size_t stats = round_up<size_t>(buffers * 2 * acc, 16);   // stat_t is acc_t
+  return front + barriers + stats + static_cast<size_t>(cfg.groups) * 2 * (cfg.tpr / 32) * 2 * acc;
 }
 
 template <typename T, int VEC, int NV, int NB, bool REGS>
@@ -338,6 +376,7 @@ template <typename T, int VEC>
 cudaError_t launch_variant(const LayernormBwdParams& p, const Kernel12Config& cfg, cudaStream_t stream) {
   constexpr int nv = sizeof(T) == 8 ? 2 : 4;
   if (cfg.nv != nv || cfg.regs != kRegsMode<T>) return cudaErrorInvalidValue;
+  if (cfg.nb == 4) return launch<T, VEC, nv, 4, kRegsMode<T>>(p, cfg, stream);
   if (cfg.nb == 3) return launch<T, VEC, nv, 3, kRegsMode<T>>(p, cfg, stream);
   if (cfg.nb == 2) return launch<T, VEC, nv, 2, kRegsMode<T>>(p, cfg, stream);
   return cudaErrorInvalidValue;
@@ -351,7 +390,7 @@ std::vector<Kernel12Config> kernel12_candidates(Dtype dtype, int64_t C) {
   const size_t acc = dtype == Dtype::kF64 ? 8 : 4;
   std::vector<Kernel12Config> out;
   if (C % vec != 0) return out;
-  for (int nb : {3, 2}) {
+  for (int nb : {4, 3, 2}) {
     Kernel12Config cfg;
     cfg.nv = item == 8 ? 2 : 4;
     cfg.nb = nb;
@@ -369,11 +408,19 @@ std::vector<Kernel12Config> kernel12_candidates(Dtype dtype, int64_t C) {
 }
 
 bool kernel12_pick(Dtype dtype, int64_t C, Kernel12Config* cfg) {
-  // Three buffers per group (two rows ahead) when they fit, else two.
+  // Ring depth, from harness sweeps on an H200 (16384-row bf16/fp16 at C = 768..8192, fp32 at
+  // 1600..8192): fp32 (register mode: a buffer is free again as soon as it is copied out) gains
+  // from four buffers; the 16-bit types do best with three (four buffers ran 5-7% slower at the
+  // same number of groups), else two. Candidates come deepest first.
   const std::vector<Kernel12Config> all = kernel12_candidates(dtype, C);
-  if (all.empty()) return false;
-  *cfg = all[0];
-  return true;
+  const int deepest = dtype == Dtype::kF32 ? 4 : 3;
+  for (const Kernel12Config& c : all) {
+    if (c.nb <= deepest) {
+      *cfg = c;
+      return true;
+    }
+  }
+  return false;
 }
 
 cudaError_t layernorm_bwd_kernel12_config(const LayernormBwdParams& p, const Kernel12Config& cfg, cudaStream_t stream) {

@@ -44,6 +44,15 @@ struct alignas(sizeof(T) * N) Packed {
   __device__ __forceinline__ const T& operator[](int i) const { return v[i]; }
 };
 
+// Every element of a packed vector converted to the accumulator type.
+template <typename T, int N>
+__device__ __forceinline__ Packed<acc_t<T>, N> to_acc(const Packed<T, N>& v) {
+  Packed<acc_t<T>, N> out;
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = to_acc(v[i]);
+  return out;
+}
+
 // The raw bits of an N * sizeof(T)-byte access, so the cache-hinted intrinsics (which exist only
 // for built-in types) can be used for any packed type.
 template <int BYTES> struct BitsOf;
@@ -94,5 +103,7 @@ __device__ __forceinline__ A warp_sum(A v) {
 
 template <typename T>
 __host__ __device__ constexpr T ceil_div(T a, T b) { return (a + b - 1) / b; }
+template <typename T>
+__host__ __device__ constexpr T round_up(T a, T b) { return ceil_div(a, b) * b; }
 
 }  // namespace lnbwd
