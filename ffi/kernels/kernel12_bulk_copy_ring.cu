@@ -28,6 +28,7 @@
 //           dbias_i += dy_i, dweight_i += dy_i xhat_i in registers.
 // At the end the groups' sums meet in shared memory (in group order) and the block writes its
 // partial slot; finalize_partials adds the slots in slot order. Deterministic.
+#include "bulk_copy.cuh"
 #include "dispatch.cuh"
 #include "kernel12.h"
 #include "partials_finalize.h"
@@ -44,10 +45,6 @@ constexpr int max_threads(size_t sum_bytes) { return sum_bytes <= 32 ? 1024 : 51
 constexpr int kMaxGroups = 15;               // named barriers 1..15
 constexpr size_t kSmemBudget = 227 * 1024;   // the opt-in maximum of sm_90
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
 __device__ __forceinline__ void group_sync(int id, int count) {
   if (count == 32) {
     __syncwarp();
@@ -56,68 +53,6 @@ __device__ __forceinline__ void group_sync(int id, int count) {
   }
 }
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// Two arrivals complete a phase: the leader's (with the byte count of the bulk copies) and the
-// one the cp.async unit makes once the row's mean and rstd have landed (see issue_row).
-__device__ __forceinline__ void mbar_init(uint64_t* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 2;" ::"r"(smem_addr(bar)) : "memory");
-}
-
-// PTX requires an mbarrier to be invalidated before its memory serves any other purpose, such
-// as the shared memory of the next block that runs on this SM.
-__device__ __forceinline__ void mbar_inval(uint64_t* bar) {
-  asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
-}
-
-// Wait until the barrier's phase `parity` has completed (all expected bytes have landed).
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_%=;\n"
-      "}\n" ::"r"(smem_addr(bar)),
-      "r"(parity)
-      : "memory");
-}
-
-// Copy one row of dy and one of x into a buffer, and the row's mean and rstd beside it; the
-// barrier's phase completes when all four have landed.
-//
-// mean and rstd ride with the row because a row cannot start without them: loaded when the row
-// starts, they would put one DRAM round trip on every row's critical path, and under this
-// kernel's own traffic (a ring of rows in flight on every SM) that round trip takes
-// microseconds. They are 4 or 8 bytes, too small for the bulk engine, so two cp.async carry
-// them, and cp.async.mbarrier.arrive.noinc makes their completion the barrier's second arrival
-// (noinc: mbar_init already counts it).
-//
-// The fence orders the group's earlier ordinary reads of this buffer (made visible to the
-// leader by the group barrier) before the copy engine's writes to it.
-template <typename S>
-__device__ __forceinline__ void issue_row(uint64_t* bar, void* dst_dy, void* dst_x, S* dst_stats, const void* src_dy,
-                                          const void* src_x, const S* src_mean, const S* src_rstd, uint32_t bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(smem_addr(dst_stats)), "l"(src_mean), "n"(sizeof(S))
-               : "memory");
-  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(smem_addr(dst_stats + 1)), "l"(src_rstd),
-               "n"(sizeof(S))
-               : "memory");
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(2 * bytes)
-               : "memory");
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-          smem_addr(dst_dy)),
-      "l"(src_dy), "r"(bytes), "r"(smem_addr(bar))
-      : "memory");
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-          smem_addr(dst_x)),
-      "l"(src_x), "r"(bytes), "r"(smem_addr(bar))
-      : "memory");
-}
-#endif
 
 template <typename T, int VEC, int NV, int NB, bool REGS>
 __global__ void __launch_bounds__(max_threads(NV * VEC * sizeof(acc_t<T>)), 1)
@@ -161,7 +96,7 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   const int64_t first = segment * rows_per_segment + static_cast<int64_t>(blockIdx.x % blocks_per_segment) * groups + g;
 
   if (leader) {
-    for (int b = 0; b < NB; ++b) mbar_init(&full[g * NB + b]);
+    for (int b = 0; b < NB; ++b) mbar_init(&full[g * NB + b], kRowCopyArrivals);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();   // barriers initialized before anyone uses them
@@ -441,9 +376,13 @@ cudaError_t layernorm_bwd_kernel12(const LayernormBwdParams& p, cudaStream_t str
     vectorized = can_vectorize<decltype(t)>(p);
     return cudaSuccess;
   });
-  Kernel12Config cfg;
-  // The bulk copy engine needs sm_90 and 16-byte aligned rows; otherwise kernel 11 does the job.
-  if (major >= 9 && vectorized && kernel12_pick(p.dtype, p.C, &cfg)) return layernorm_bwd_kernel12_config(p, cfg, stream);
+  // The bulk copy engine needs sm_90 and 16-byte aligned rows; otherwise kernel 11 does the job,
+  // as it does for rows wider than the wide path takes (C > 16384, and fp64 beyond the ring).
+  if (major >= 9 && vectorized) {
+    Kernel12Config cfg;
+    if (kernel12_pick(p.dtype, p.C, &cfg)) return layernorm_bwd_kernel12_config(p, cfg, stream);
+    if (kernel12_wide_fits(p.dtype, p.C)) return layernorm_bwd_kernel12_wide(p, stream);
+  }
   return layernorm_bwd_kernel11(p, stream);
 }
 

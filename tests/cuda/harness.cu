@@ -295,13 +295,17 @@ static int check(const std::vector<int>& kernels) {
   // LNBWD_QUICK=1 (for the sanitizers, which run kernels 10-100x slower) keeps the shapes that
   // exercise every code path: misaligned and aligned C, a row count past the grid's warps.
   const bool quick = std::getenv("LNBWD_QUICK") != nullptr;
-  const std::vector<int64_t> cs = quick ? std::vector<int64_t>{1, 3, 40, 768, 1601, 4096, 30000}
-                                        : std::vector<int64_t>{1, 3, 8, 40, 768, 1600, 1601, 4096, 8192, 30000};
+  // 12288 and 16384 take kernel 12's wide-row path in fp32 (and 16384 in 16-bit types: its ring
+  // holds one row of 32 KB per tensor there, and the wide path is compared in `sweep`).
+  const std::vector<int64_t> cs = quick ? std::vector<int64_t>{1, 3, 40, 768, 1601, 4096, 16384, 30000}
+                                        : std::vector<int64_t>{1, 3, 8, 40, 768, 1600, 1601, 4096, 8192, 12288,
+                                                               16384, 30000};
   // 1 and 7 rows, and one row more than the 32 * SMs warps of the seed's persistent grids (the
   // grid of kernels 3-4 and 6-10, and of kernel 5 at 1024 threads): one warp takes a second row
   // while all others have none, which is what broke the barriers of the seed's kernels 9 and 10.
-  const std::vector<int64_t> rs = quick ? std::vector<int64_t>{7, 32 * int64_t(sms) + 1}
-                                        : std::vector<int64_t>{1, 7, 32 * int64_t(sms) + 1};
+  // 2 * SMs + 1 rows: kernel 12's wide path (one block per SM) takes a third row in one block.
+  const std::vector<int64_t> rs = quick ? std::vector<int64_t>{7, 2 * int64_t(sms) + 1, 32 * int64_t(sms) + 1}
+                                        : std::vector<int64_t>{1, 7, 2 * int64_t(sms) + 1, 32 * int64_t(sms) + 1};
   // Keep the CPU reference quick; under the sanitizers (quick), keep each launch small too (the
   // many-rows case still runs for every C up to 1601). racecheck, the slowest tool on kernels
   // with many shared-memory accesses, can lower the bound with LNBWD_QUICK_MAX_ELEMENTS.
@@ -494,8 +498,12 @@ static int sweep(int64_t rows, int64_t C, Dtype d) {
                 is_pick ? "  <- default" : "");
   }
   if (!has_pick) {
-    const double us = time_it([&] { CHECK_CUDA(layernorm_bwd_kernel11(p, 0)); });
-    std::printf("  wide path: %8.1f us %6.0f GB/s %5.1f%% of copy\n", us, bytes / us / 1e3, 100 * copy_us / us);
+    const double us = time_it([&] { CHECK_CUDA(layernorm_bwd_kernel11_wide(p, 0)); });
+    std::printf("  k11 wide path: %8.1f us %6.0f GB/s %5.1f%% of copy\n", us, bytes / us / 1e3, 100 * copy_us / us);
+  }
+  if (kernel12_wide_fits(d, C)) {
+    const double us = time_it([&] { CHECK_CUDA(layernorm_bwd_kernel12_wide(p, 0)); });
+    std::printf("  k12 wide path: %8.1f us %6.0f GB/s %5.1f%% of copy\n", us, bytes / us / 1e3, 100 * copy_us / us);
   }
   Kernel12Config pick12;
   const bool has12 = kernel12_pick(d, C, &pick12);

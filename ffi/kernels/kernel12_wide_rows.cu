@@ -1,0 +1,298 @@
+// Kernel 12's path for rows too wide for its per-group ring (fp32 rows of 12288 and 16384, where
+// even two buffers of a whole row of dy and x do not fit in shared memory): a block works on one
+// row at a time, and the bulk copy engine streams the row through a ring of NB chunk buffers
+// twice, once per pass.
+//
+//   pass 1: chunks 0..P-1 of the row: s1 = sum g_i, s2 = sum g_i (x_i - mean), g_i = w_i dy_i;
+//           reduced over the block (shuffles, then the warps' pairs in warp order);
+//   pass 2: chunks 0..P-1 again: dx_i = g_i rstd + (xhat_i k1 + k0) (as in the row ring), and
+//           dbias_i += dy_i, dweight_i += dy_i xhat_i in registers.
+//
+// The second read of a chunk comes from L2: a block has one row (at most 128 KB of dy and x) in
+// flight, so all blocks together hold a few tens of MB, which the 50-60 MB L2 keeps. DRAM sees
+// dy and x once. The copies of pass 2 and of the next row's pass 1 are issued while the block
+// computes, so the ring never drains between the passes or between rows.
+//
+// Roles: 512 consumer threads (16 warps) compute; one more warp's lane 0 is the producer, which
+// only issues copies. Each buffer has two mbarriers: "full" (the copy has landed; the producer's
+// arrival announces the bytes, the cp.async unit's brings the row's mean and rstd) and "empty"
+// (each of the 16 consumer warps arrives once it has read the chunk). The producer waits on
+// "empty" before refilling a buffer, the consumers wait on "full" before reading it.
+//
+// Work split: consumer thread t owns the columns (j * 512 + t) * VEC for j < NV, so its sums
+// stay in registers for the whole kernel; chunk c holds j in [c * NVC, (c + 1) * NVC). At the
+// end each thread writes its columns of the block's partial slot; finalize_partials adds the
+// slots in slot order. Deterministic.
+#include "bulk_copy.cuh"
+#include "dispatch.cuh"
+#include "kernel12.h"
+#include "partials_finalize.h"
+
+namespace lnbwd {
+namespace {
+
+constexpr int kConsumers = 512;
+constexpr int kConsumerWarps = kConsumers / 32;
+constexpr int kThreads = kConsumers + 32;   // plus the producer warp
+constexpr int kNB = 4;                      // ring buffers (chunks in flight)
+constexpr size_t kSmemBudget = 227 * 1024;  // the opt-in maximum of sm_90
+
+__device__ __forceinline__ void consumers_sync() {
+  asm volatile("bar.sync 1, %0;" ::"n"(kConsumers) : "memory");
+}
+
+// NV vectors of VEC elements per consumer thread per row, NVC of them per chunk.
+template <typename T, int VEC, int NV, int NVC>
+__global__ void __launch_bounds__(kThreads, 1)
+kernel12_wide(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __restrict__ dy,
+              const T* __restrict__ x, const T* __restrict__ weight, const stat_t<T>* __restrict__ mean,
+              const stat_t<T>* __restrict__ rstd, int64_t rows_per_segment, int blocks_per_segment,
+              int64_t weight_stride, int C) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using A = acc_t<T>;
+  using S = stat_t<T>;
+  using V = Packed<T, VEC>;
+  using AV = Packed<A, VEC>;
+  using Pair = Packed<A, 2>;
+  constexpr int kChunk = kConsumers * NVC * VEC;   // elements per chunk
+  constexpr int kMaxChunks = NV / NVC;
+  const int chunks = ceil_div(C, kChunk);
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+
+  // Shared memory: [weight row as acc_t | NB x (dy chunk, x chunk) | full[NB] | empty[NB] |
+  // (mean, rstd)[NB] | exchange[2][16] (s1, s2) pairs]. Each piece starts on a 16-byte boundary.
+  extern __shared__ __align__(128) unsigned char smem[];
+  A* w_sh = reinterpret_cast<A*>(smem);
+  T* ring = reinterpret_cast<T*>(smem + round_up<size_t>(static_cast<size_t>(C) * sizeof(A), 16));
+  auto buf_dy = [&](int b) { return ring + static_cast<size_t>(b) * 2 * kChunk; };
+  auto buf_x = [&](int b) { return ring + (static_cast<size_t>(b) * 2 + 1) * kChunk; };
+  uint64_t* full = reinterpret_cast<uint64_t*>(ring + static_cast<size_t>(kNB) * 2 * kChunk);
+  uint64_t* empty = full + kNB;
+  S* stats = reinterpret_cast<S*>(empty + kNB);
+  Pair* exchange = reinterpret_cast<Pair*>(stats + 2 * kNB);
+
+  // Blocks [s * bps, (s + 1) * bps) work on segment s only.
+  const int64_t segment = blockIdx.x / blocks_per_segment;
+  const int64_t rows = (segment + 1) * rows_per_segment;
+  weight += segment * weight_stride;
+  const int64_t first = segment * rows_per_segment + blockIdx.x % blocks_per_segment;
+  const int64_t stride = blocks_per_segment;
+
+  if (threadIdx.x == 0) {
+    for (int b = 0; b < kNB; ++b) {
+      mbar_init(&full[b], kRowCopyArrivals);
+      mbar_init(&empty[b], kConsumerWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  // The weight row, converted to acc_t once; the barrier also publishes the mbarriers.
+  for (int c = threadIdx.x * VEC; c < C; c += kThreads * VEC) {
+    *reinterpret_cast<AV*>(w_sh + c) = to_acc(load(reinterpret_cast<const V*>(weight + c)));
+  }
+  __syncthreads();
+
+  if (warp == kConsumerWarps) {
+    // The producer walks the same sequence of chunks as the consumers: per row, pass 1's chunks
+    // then pass 2's. The i-th copy goes to buffer i % NB once the consumers have released the
+    // chunk that was there (the (i / NB - 1)-th phase of its "empty" barrier).
+    if (lane == 0) {
+      int64_t i = 0;
+      for (int64_t row = first; row < rows; row += stride) {
+        for (int pass = 0; pass < 2; ++pass) {
+          for (int c = 0; c < chunks; ++c, ++i) {
+            const int b = static_cast<int>(i % kNB);
+            if (i >= kNB) mbar_wait(&empty[b], static_cast<uint32_t>((i / kNB - 1) & 1));
+            const int64_t offset = row * C + static_cast<int64_t>(c) * kChunk;
+            const int n = min(kChunk, C - c * kChunk);
+            issue_row(&full[b], buf_dy(b), buf_x(b), &stats[2 * b], dy + offset, x + offset, mean + row, rstd + row,
+                      static_cast<uint32_t>(n * sizeof(T)));
+          }
+        }
+      }
+    }
+    __syncwarp();
+  } else {
+    const int t = threadIdx.x;
+    AV db[NV], dw[NV];
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+#pragma unroll
+      for (int q = 0; q < VEC; ++q) { db[j][q] = A(0); dw[j][q] = A(0); }
+    }
+    int64_t i = 0;    // chunks consumed so far (the producer's i)
+    int parity = 0;   // which exchange buffer this row uses
+    // Wait for chunk i, and release it after `use` (one arrival per warp, after all its lanes).
+    auto consume = [&](auto&& use) {
+      const int b = static_cast<int>(i % kNB);
+      mbar_wait(&full[b], static_cast<uint32_t>((i / kNB) & 1));
+      use(b);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[b]);
+      ++i;
+    };
+    for (int64_t row = first; row < rows; row += stride) {
+      A m = A(0), s = A(0), s1 = A(0), s2 = A(0);
+      // The chunk loops are unrolled to kMaxChunks so that j, the index into the sums, is a
+      // compile-time constant (registers cannot be indexed at run time).
+#pragma unroll
+      for (int c = 0; c < kMaxChunks; ++c) {
+        if (c < chunks) {
+          consume([&](int b) {
+            m = A(stats[2 * b]);
+            s = A(stats[2 * b + 1]);
+#pragma unroll
+            for (int jj = 0; jj < NVC; ++jj) {
+              const int within = (jj * kConsumers + t) * VEC;
+              if (c * kChunk + within < C) {
+                const V dv = *reinterpret_cast<const V*>(buf_dy(b) + within);
+                const V xv = *reinterpret_cast<const V*>(buf_x(b) + within);
+                const AV ww = *reinterpret_cast<const AV*>(w_sh + c * kChunk + within);
+#pragma unroll
+                for (int q = 0; q < VEC; ++q) {
+                  const A gi = mul_rn(ww[q], to_acc(dv[q]));
+                  s1 += gi;
+                  s2 += gi * (to_acc(xv[q]) - m);
+                }
+              }
+            }
+          });
+        }
+      }
+      // The block's sums: warps post their pairs, every thread adds them in warp order. Two
+      // exchange buffers alternate between rows: one is overwritten only after the next row's
+      // barrier, when every thread has read it.
+      s1 = warp_sum(s1);
+      s2 = warp_sum(s2);
+      Pair* ex = exchange + parity * kConsumerWarps;
+      if (lane == 0) {
+        Pair mine;
+        mine[0] = s1;
+        mine[1] = s2;
+        ex[warp] = mine;
+      }
+      consumers_sync();
+      s1 = A(0);
+      s2 = A(0);
+      for (int w = 0; w < kConsumerWarps; ++w) {
+        const Pair p = ex[w];
+        s1 += p[0];
+        s2 += p[1];
+      }
+      parity ^= 1;
+      const A k0 = -(s1 / A(C)) * s;
+      const A k1 = -(s2 * s / A(C)) * s;
+
+#pragma unroll
+      for (int c = 0; c < kMaxChunks; ++c) {
+        if (c < chunks) {
+          consume([&](int b) {
+#pragma unroll
+            for (int jj = 0; jj < NVC; ++jj) {
+              const int j = c * NVC + jj;
+              const int within = (jj * kConsumers + t) * VEC;
+              const int col = c * kChunk + within;
+              if (col < C) {
+                const V dv = *reinterpret_cast<const V*>(buf_dy(b) + within);
+                const V xv = *reinterpret_cast<const V*>(buf_x(b) + within);
+                const AV ww = *reinterpret_cast<const AV*>(w_sh + col);
+                V dxv;
+#pragma unroll
+                for (int q = 0; q < VEC; ++q) {
+                  const A d = to_acc(dv[q]);
+                  const A xhat = (to_acc(xv[q]) - m) * s;
+                  dxv[q] = from_acc<T>(fma(mul_rn(ww[q], d), s, fma(xhat, k1, k0)));
+                  db[j][q] += d;
+                  dw[j][q] += d * xhat;
+                }
+                store_cs(reinterpret_cast<V*>(dx + row * C + col), dxv);   // written once, not re-read here
+              }
+            }
+          });
+        }
+      }
+    }
+    // Each column of the block's partial slot belongs to one thread: plain stores, no sums, in
+    // 16-byte pieces.
+    constexpr int kPiece = 16 / sizeof(A);
+    using Piece = Packed<A, kPiece>;
+    A* slot = partials + static_cast<size_t>(blockIdx.x) * 2 * C;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int col = (j * kConsumers + t) * VEC;
+      if (col < C) {
+#pragma unroll
+        for (int h = 0; h < VEC; h += kPiece) {
+          Piece pb, pw;
+#pragma unroll
+          for (int q = 0; q < kPiece; ++q) { pb[q] = db[j][h + q]; pw[q] = dw[j][h + q]; }
+          store_cg(reinterpret_cast<Piece*>(slot + col + h), pb);
+          store_cg(reinterpret_cast<Piece*>(slot + C + col + h), pw);
+        }
+      }
+    }
+  }
+  // Every copy that was issued has been waited for; retire the barriers (see mbar_inval).
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int b = 0; b < kNB; ++b) {
+      mbar_inval(&full[b]);
+      mbar_inval(&empty[b]);
+    }
+  }
+#endif
+}
+
+template <typename T>
+constexpr int kVec = 16 / sizeof(T);
+// Vectors per consumer thread per row (the sums: 2 * NV * VEC fp32, 64 registers at most) and
+// per chunk (16 KB of dy and 16 KB of x per chunk).
+template <typename T>
+constexpr int kNV = sizeof(T) == 4 ? 8 : 4;
+constexpr int kNVC = 2;
+
+size_t smem_bytes(int64_t C, size_t item, size_t acc, int chunk) {
+  return round_up<size_t>(C * acc, 16) + kNB * 2 * chunk * item + 2 * kNB * 8 + 2 * kNB * acc +
+         2 * kConsumerWarps * 2 * acc;
+}
+
+}  // namespace
+
+bool kernel12_wide_fits(Dtype dtype, int64_t C) {
+  if (dtype != Dtype::kF32 && dtype != Dtype::kBF16 && dtype != Dtype::kF16) return false;
+  const size_t item = dtype == Dtype::kF32 ? 4 : 2;
+  const int vec = static_cast<int>(16 / item);
+  const int nv = item == 4 ? kNV<float> : kNV<__nv_bfloat16>;
+  return C % vec == 0 && C <= static_cast<int64_t>(kConsumers) * nv * vec &&
+         smem_bytes(C, item, 4, kConsumers * kNVC * vec) <= kSmemBudget;
+}
+
+cudaError_t layernorm_bwd_kernel12_wide(const LayernormBwdParams& p, cudaStream_t stream) {
+  if (!kernel12_wide_fits(p.dtype, p.C)) return cudaErrorInvalidValue;
+  return dispatch_dtype(p.dtype, [&](auto tag) -> cudaError_t {
+    using T = decltype(tag);
+    if constexpr (sizeof(T) == 8) {
+      return cudaErrorInvalidValue;
+    } else {
+      if (!can_vectorize<T>(p)) return cudaErrorInvalidValue;
+      constexpr int vec = kVec<T>;
+      auto kernel = kernel12_wide<T, vec, kNV<T>, kNVC>;
+      const size_t smem = smem_bytes(p.C, sizeof(T), sizeof(acc_t<T>), kConsumers * kNVC * vec);
+      LNBWD_RETURN_IF_CUDA_ERROR(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+      int sms = 0;
+      LNBWD_RETURN_IF_CUDA_ERROR(sm_count(&sms));
+      int64_t bps = 0;   // one block per SM (the shared memory allows no more), one row per step
+      LNBWD_RETURN_IF_CUDA_ERROR(blocks_per_segment<T>(p, sms, 1, &bps));
+      kernel<<<static_cast<unsigned int>(bps * p.segments), kThreads, smem, stream>>>(
+          static_cast<T*>(p.dx), partials_of<T>(p), static_cast<const T*>(p.dy), static_cast<const T*>(p.x),
+          static_cast<const T*>(p.weight), static_cast<const stat_t<T>*>(p.mean),
+          static_cast<const stat_t<T>*>(p.rstd), p.rows / p.segments, static_cast<int>(bps), p.weight_stride,
+          static_cast<int>(p.C));
+      LNBWD_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+      return finalize_partials_launch(p, static_cast<int>(bps), stream);
+    }
+  });
+}
+
+}  // namespace lnbwd
