@@ -257,7 +257,8 @@ KERNELS: Mapping[int, KernelInfo] = {
         precise=True,
         segments=True,
         constraints=("any C >= 1; the ring needs sm_90 and C*itemsize % 16 == 0 with two rows "
-                     "of dy and x per buffer in ~200 KB of shared memory; otherwise it runs kernel 11"),
+                     "of dy and x per buffer in 227 KB of shared memory; wider fp32/bf16/fp16 rows "
+                     "up to C = 16384 stream in chunks, twice (wide-row path); otherwise kernel 11"),
         refuse=lambda C, dtype, block_size: None,
         partial_slots=_kernel11_slots,
     ),

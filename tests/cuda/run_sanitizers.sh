@@ -3,7 +3,7 @@
 # cudaMalloc buffers: XLA's pooled allocator hides out-of-bounds accesses from memcheck), and
 # proves the tools would notice: a scratch copy of kernel 11 with one planted out-of-bounds write
 # and one with a missing barrier must be reported. Needs a GPU (sm_90), nvcc and compute-sanitizer.
-#   [HARNESS=prebuilt] [JOBS=12] [LNBWD_SANITIZER_TIMEOUT=400] tests/cuda/run_sanitizers.sh [OUT_DIR]
+#   [HARNESS=prebuilt] [JOBS=12] [KERNELS="11 12"] [LNBWD_SANITIZER_TIMEOUT=400] tests/cuda/run_sanitizers.sh [OUT_DIR]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:-/tmp/sanitizers}
@@ -72,7 +72,7 @@ export OUT
 controls > "$OUT/controls.txt" 2>&1 &
 ctl_pid=$!
 for tool in racecheck memcheck synccheck initcheck; do   # the slowest first
-  for kernel in 1 2 3 4 5 6 7 8 9 10 11 12; do echo "$tool $kernel"; done
+  for kernel in ${KERNELS:-1 2 3 4 5 6 7 8 9 10 11 12}; do echo "$tool $kernel"; done
 done | xargs -P "${JOBS:-12}" -n 2 bash -c 'sanitize "$@"' _ | sort -k1,1 -k3,3n | tee "$OUT/summary.txt"
 grep -q FAILED "$OUT/summary.txt" && status=1
 wait $ctl_pid
