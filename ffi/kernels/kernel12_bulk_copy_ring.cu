@@ -311,7 +311,6 @@ template <typename T, int VEC>
 cudaError_t launch_variant(const LayernormBwdParams& p, const Kernel12Config& cfg, cudaStream_t stream) {
   constexpr int nv = sizeof(T) == 8 ? 2 : 4;
   if (cfg.nv != nv || cfg.regs != kRegsMode<T>) return cudaErrorInvalidValue;
-  if (cfg.nb == 4) return launch<T, VEC, nv, 4, kRegsMode<T>>(p, cfg, stream);
   if (cfg.nb == 3) return launch<T, VEC, nv, 3, kRegsMode<T>>(p, cfg, stream);
   if (cfg.nb == 2) return launch<T, VEC, nv, 2, kRegsMode<T>>(p, cfg, stream);
   return cudaErrorInvalidValue;
@@ -325,7 +324,7 @@ std::vector<Kernel12Config> kernel12_candidates(Dtype dtype, int64_t C) {
   const size_t acc = dtype == Dtype::kF64 ? 8 : 4;
   std::vector<Kernel12Config> out;
   if (C % vec != 0) return out;
-  for (int nb : {4, 3, 2}) {
+  for (int nb : {3, 2}) {
     Kernel12Config cfg;
     cfg.nv = item == 8 ? 2 : 4;
     cfg.nb = nb;
@@ -343,19 +342,13 @@ std::vector<Kernel12Config> kernel12_candidates(Dtype dtype, int64_t C) {
 }
 
 bool kernel12_pick(Dtype dtype, int64_t C, Kernel12Config* cfg) {
-  // Ring depth, from harness sweeps on an H200 (16384-row bf16/fp16 at C = 768..8192, fp32 at
-  // 1600..8192): fp32 (register mode: a buffer is free again as soon as it is copied out) gains
-  // from four buffers; the 16-bit types do best with three (four buffers ran 5-7% slower at the
-  // same number of groups), else two. Candidates come deepest first.
+  // Three buffers per group (two rows ahead) when they fit, else two. Four measured no better on
+  // an H200: 5-7% slower for bf16/fp16 at C = 1600..8192 (harness sweep), 1-2% slower for fp32
+  // at C = 768..4096 (bench).
   const std::vector<Kernel12Config> all = kernel12_candidates(dtype, C);
-  const int deepest = dtype == Dtype::kF32 ? 4 : 3;
-  for (const Kernel12Config& c : all) {
-    if (c.nb <= deepest) {
-      *cfg = c;
-      return true;
-    }
-  }
-  return false;
+  if (all.empty()) return false;
+  *cfg = all[0];
+  return true;
 }
 
 cudaError_t layernorm_bwd_kernel12_config(const LayernormBwdParams& p, const Kernel12Config& cfg, cudaStream_t stream) {
