@@ -19,12 +19,9 @@
 // group has finished with the row in it: the leader refills buffer (k-1) % NB right after the
 // group's barrier of row k, which every thread reaches only after finishing row k-1.
 //
-// Per row (g_i = weight_i * dy_i, xhat_i = (x_i - mean) * rstd, centered):
+// Per row (g_i = weight_i * dy_i, xhat_i = (x_i - mean) * rstd, centered; row_math.cuh):
 //   pass 1: s1 = sum g_i, s2 = sum g_i (x_i - mean): shuffles, then across the group's warps;
-//   pass 2: dx_i = (g_i - s1/C - xhat_i s2 rstd/C) rstd, straight to global memory (computed as
-//           g_i rstd + (xhat_i k1 + k0) with per-row k0, k1: two FMAs per element. The FMA leaves
-//           the rounding error of g_i rstd where the exact answer is 0, at C = 1; kernel 12 never
-//           sees C = 1: its C is a multiple of the vector width);
+//   pass 2: dx_i = (g_i - s1/C - xhat_i s2 rstd/C) rstd, straight to global memory;
 //           dbias_i += dy_i, dweight_i += dy_i xhat_i in registers.
 // At the end the groups' sums meet in shared memory (in group order) and the block writes its
 // partial slot; finalize_partials adds the slots in slot order. Deterministic.
@@ -32,6 +29,7 @@
 #include "dispatch.cuh"
 #include "kernel12.h"
 #include "partials_finalize.h"
+#include "row_math.cuh"
 
 #include <type_traits>
 
@@ -162,14 +160,7 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
     for (int j = 0; j < NV; ++j) {
       const int col = (j * tpr + t) * VEC;
       if (col < C) {
-        const V dv = dy_at(j, col), xx = x_at(j, col);
-        const AV ww = w_at(j, col);
-#pragma unroll
-        for (int q = 0; q < VEC; ++q) {
-          const A gi = mul_rn(ww[q], to_acc(dv[q]));
-          s1 += gi;
-          s2 += gi * (to_acc(xx[q]) - m);
-        }
+        add_row_sums<T, VEC>(dy_at(j, col), x_at(j, col), w_at(j, col), m, s1, s2);
       }
     }
     s1 = warp_sum(s1);
@@ -205,25 +196,13 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
       const int rb = REGS ? b : static_cast<int>((k - 1) % NB);
       if (r < rows) issue(rb, r);
     }
-    // dx = (g - s1/C - xhat s2 rstd/C) rstd, arranged as g rstd + (xhat k1 + k0): two FMAs.
-    const A k0 = -(s1 / A(C)) * s;
-    const A k1 = -(s2 * s / A(C)) * s;
+    const RowCoefficients<A> coef(s1, s2, s, C);
 
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
       const int col = (j * tpr + t) * VEC;
       if (col < C) {
-        const V dv = dy_at(j, col), xx = x_at(j, col);
-        const AV ww = w_at(j, col);
-        V dxv;
-#pragma unroll
-        for (int q = 0; q < VEC; ++q) {
-          const A d = to_acc(dv[q]);
-          const A xhat = (to_acc(xx[q]) - m) * s;
-          dxv[q] = from_acc<T>(fma(mul_rn(ww[q], d), s, fma(xhat, k1, k0)));
-          db[j][q] += d;
-          dw[j][q] += d * xhat;
-        }
+        const V dxv = dx_and_add_sums<T, VEC>(dy_at(j, col), x_at(j, col), w_at(j, col), m, s, coef, db[j], dw[j]);
         store_cs(reinterpret_cast<V*>(dx + row * C + col), dxv);   // written once, not re-read here
       }
     }

@@ -5,8 +5,8 @@
 //
 //   pass 1: chunks 0..P-1 of the row: s1 = sum g_i, s2 = sum g_i (x_i - mean), g_i = w_i dy_i;
 //           reduced over the block (shuffles, then the warps' pairs in warp order);
-//   pass 2: chunks 0..P-1 again: dx_i = g_i rstd + (xhat_i k1 + k0) (as in the row ring), and
-//           dbias_i += dy_i, dweight_i += dy_i xhat_i in registers.
+//   pass 2: chunks 0..P-1 again: dx_i, and dbias_i += dy_i, dweight_i += dy_i xhat_i in
+//           registers (the element math of row_math.cuh, as in the row ring).
 //
 // The second read of a chunk comes from L2: a block has one row (at most 128 KB of dy and x) in
 // flight, so all blocks together hold a few tens of MB, which the 50-60 MB L2 keeps. DRAM sees
@@ -27,6 +27,7 @@
 #include "dispatch.cuh"
 #include "kernel12.h"
 #include "partials_finalize.h"
+#include "row_math.cuh"
 
 namespace lnbwd {
 namespace {
@@ -146,15 +147,9 @@ kernel12_wide(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
             for (int jj = 0; jj < NVC; ++jj) {
               const int within = (jj * kConsumers + t) * VEC;
               if (c * kChunk + within < C) {
-                const V dv = *reinterpret_cast<const V*>(buf_dy(b) + within);
-                const V xv = *reinterpret_cast<const V*>(buf_x(b) + within);
-                const AV ww = *reinterpret_cast<const AV*>(w_sh + c * kChunk + within);
-#pragma unroll
-                for (int q = 0; q < VEC; ++q) {
-                  const A gi = mul_rn(ww[q], to_acc(dv[q]));
-                  s1 += gi;
-                  s2 += gi * (to_acc(xv[q]) - m);
-                }
+                add_row_sums<T, VEC>(*reinterpret_cast<const V*>(buf_dy(b) + within),
+                                     *reinterpret_cast<const V*>(buf_x(b) + within),
+                                     *reinterpret_cast<const AV*>(w_sh + c * kChunk + within), m, s1, s2);
               }
             }
           });
@@ -181,8 +176,7 @@ kernel12_wide(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
         s2 += p[1];
       }
       parity ^= 1;
-      const A k0 = -(s1 / A(C)) * s;
-      const A k1 = -(s2 * s / A(C)) * s;
+      const RowCoefficients<A> coef(s1, s2, s, C);
 
 #pragma unroll
       for (int c = 0; c < kMaxChunks; ++c) {
@@ -194,18 +188,10 @@ kernel12_wide(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
               const int within = (jj * kConsumers + t) * VEC;
               const int col = c * kChunk + within;
               if (col < C) {
-                const V dv = *reinterpret_cast<const V*>(buf_dy(b) + within);
-                const V xv = *reinterpret_cast<const V*>(buf_x(b) + within);
-                const AV ww = *reinterpret_cast<const AV*>(w_sh + col);
-                V dxv;
-#pragma unroll
-                for (int q = 0; q < VEC; ++q) {
-                  const A d = to_acc(dv[q]);
-                  const A xhat = (to_acc(xv[q]) - m) * s;
-                  dxv[q] = from_acc<T>(fma(mul_rn(ww[q], d), s, fma(xhat, k1, k0)));
-                  db[j][q] += d;
-                  dw[j][q] += d * xhat;
-                }
+                const V dxv = dx_and_add_sums<T, VEC>(*reinterpret_cast<const V*>(buf_dy(b) + within),
+                                                      *reinterpret_cast<const V*>(buf_x(b) + within),
+                                                      *reinterpret_cast<const AV*>(w_sh + col), m, s, coef, db[j],
+                                                      dw[j]);
                 store_cs(reinterpret_cast<V*>(dx + row * C + col), dxv);   // written once, not re-read here
               }
             }

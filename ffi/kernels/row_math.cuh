@@ -1,0 +1,55 @@
+// The per-element math of kernel 12's two passes over a row, shared by its row ring
+// (kernel12_bulk_copy_ring.cu) and its wide-row path (kernel12_wide_rows.cu). With
+// g_i = weight_i * dy_i and xhat_i = (x_i - mean) * rstd (centered, never E[x^2] - E[x]^2):
+//   pass 1: s1 = sum g_i, s2 = sum g_i (x_i - mean), summed over the row;
+//   pass 2: dx_i = (g_i - s1/C - xhat_i s2 rstd/C) rstd, computed as g_i rstd + (xhat_i k1 + k0)
+//           with the per-row k0 = -(s1/C) rstd and k1 = -(s2 rstd/C) rstd: two FMAs. The FMA
+//           leaves the rounding error of g_i rstd where the exact answer is 0, at C = 1; kernel
+//           12 never sees C = 1 (its C is a multiple of the vector width);
+//           dbias_i += dy_i, dweight_i += dy_i xhat_i.
+#pragma once
+
+#include "vec.cuh"
+
+namespace lnbwd {
+
+// Pass 1 for one vector of a row: adds its g_i to s1 and g_i (x_i - mean) to s2.
+template <typename T, int VEC>
+__device__ __forceinline__ void add_row_sums(const Packed<T, VEC>& dy, const Packed<T, VEC>& x,
+                                             const Packed<acc_t<T>, VEC>& w, acc_t<T> mean, acc_t<T>& s1,
+                                             acc_t<T>& s2) {
+#pragma unroll
+  for (int q = 0; q < VEC; ++q) {
+    const acc_t<T> g = mul_rn(w[q], to_acc(dy[q]));
+    s1 += g;
+    s2 += g * (to_acc(x[q]) - mean);
+  }
+}
+
+// The per-row constants of pass 2 from the row's sums.
+template <typename A>
+struct RowCoefficients {
+  A k0, k1;
+  __device__ __forceinline__ RowCoefficients(A s1, A s2, A rstd, int C)
+      : k0(-(s1 / A(C)) * rstd), k1(-(s2 * rstd / A(C)) * rstd) {}
+};
+
+// Pass 2 for one vector of a row: returns dx and adds dy into db and dy * xhat into dw.
+template <typename T, int VEC>
+__device__ __forceinline__ Packed<T, VEC> dx_and_add_sums(const Packed<T, VEC>& dy, const Packed<T, VEC>& x,
+                                                          const Packed<acc_t<T>, VEC>& w, acc_t<T> mean,
+                                                          acc_t<T> rstd, const RowCoefficients<acc_t<T>>& k,
+                                                          Packed<acc_t<T>, VEC>& db, Packed<acc_t<T>, VEC>& dw) {
+  Packed<T, VEC> dx;
+#pragma unroll
+  for (int q = 0; q < VEC; ++q) {
+    const acc_t<T> d = to_acc(dy[q]);
+    const acc_t<T> xhat = (to_acc(x[q]) - mean) * rstd;
+    dx[q] = from_acc<T>(fma(mul_rn(w[q], d), rstd, fma(xhat, k.k1, k.k0)));
+    db[q] += d;
+    dw[q] += d * xhat;
+  }
+  return dx;
+}
+
+}  // namespace lnbwd
