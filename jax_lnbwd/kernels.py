@@ -231,8 +231,9 @@ KERNELS: Mapping[int, KernelInfo] = {
     11: KernelInfo(
         id=11,
         name="rows_in_registers",
-        description=("default: each row read once and kept in registers for both passes, 16-byte "
-                     "streaming loads, persistent grid, per-block fp32 partials + finalize kernel"),
+        description=("kernel 12's fallback: each row read once and kept in registers for both "
+                     "passes, 16-byte streaming loads, persistent grid, per-block fp32 partials + "
+                     "finalize kernel"),
         dtypes=ALL_DTYPES,
         block_sizes=(0,),
         default_block_size=0,
