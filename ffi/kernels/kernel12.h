@@ -14,6 +14,7 @@ struct Kernel12Config {
   int tpr = 32;     // threads per row group (a multiple of 32)
   int groups = 1;   // row groups per block
   bool regs = false;  // copy each row to registers once (else both passes read shared memory)
+  bool raw_weight = false;  // shared-memory mode: stage the weight as T, not acc_t (16-bit only)
 };
 
 // Configurations that fit (16-byte aligned rows of C elements); empty if none.

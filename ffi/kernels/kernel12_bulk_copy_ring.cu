@@ -52,7 +52,10 @@ __device__ __forceinline__ void group_sync(int id, int count) {
 }
 
 
-template <typename T, int VEC, int NV, int NB, bool REGS>
+// W: the type the weight row is staged as in shared memory (shared-memory mode): acc_t<T>,
+// converted once; or T itself, half the bytes, converted in every pass, for 16-bit rows so wide
+// that an fp32 copy of the weight would cost the ring a buffer.
+template <typename T, int VEC, int NV, int NB, bool REGS, typename W>
 __global__ void __launch_bounds__(max_threads(NV * VEC * sizeof(acc_t<T>)), 1)
 kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __restrict__ dy,
               const T* __restrict__ x, const T* __restrict__ weight, const stat_t<T>* __restrict__ mean,
@@ -72,12 +75,13 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   const bool leader = t == 0;
   const size_t row_bytes = static_cast<size_t>(C) * sizeof(T);
 
-  // Shared memory: [weight row as acc_t (shared-memory mode only) | ring buffers: groups x NB x
+  // Shared memory: [weight row as W (shared-memory mode only) | ring buffers: groups x NB x
   // (dy row, x row) | their mbarriers | their (mean, rstd) pairs | reduction exchange]. Each
   // piece starts on a 16-byte boundary.
   extern __shared__ __align__(128) unsigned char smem[];
-  A* w_sh = reinterpret_cast<A*>(smem);   // converted once: the passes read it with no unpacking
-  unsigned char* ring = smem + (REGS ? 0 : static_cast<size_t>(C) * sizeof(A));
+  constexpr bool kWeightAcc = std::is_same_v<W, A>;
+  W* w_sh = reinterpret_cast<W*>(smem);
+  unsigned char* ring = smem + (REGS ? 0 : round_up<size_t>(static_cast<size_t>(C) * sizeof(W), 16));
   auto buf_dy = [&](int q, int b) { return reinterpret_cast<T*>(ring + ((size_t)q * NB + b) * 2 * row_bytes); };
   auto buf_x = [&](int q, int b) { return reinterpret_cast<T*>(ring + (((size_t)q * NB + b) * 2 + 1) * row_bytes); };
   uint64_t* full = reinterpret_cast<uint64_t*>(ring + (size_t)groups * NB * 2 * row_bytes);
@@ -92,6 +96,18 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   weight += segment * weight_stride;
   const int64_t stride = static_cast<int64_t>(blocks_per_segment) * groups;
   const int64_t first = segment * rows_per_segment + static_cast<int64_t>(blockIdx.x % blocks_per_segment) * groups + g;
+
+  // The weight loads go out first. Issued after the ring's first copies, they would queue behind
+  // every SM's first rows (tens of MB) and hold the whole block at the barrier that publishes the
+  // weight for microseconds. Register mode loads the thread's own columns; shared-memory mode
+  // stages the row with the whole block (at most NV loads a thread, since tpr * NV * VEC >= C).
+  V w_raw[NV];
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int col = (REGS ? j * tpr + t : j * static_cast<int>(blockDim.x) + static_cast<int>(threadIdx.x)) * VEC;
+    if (col < C) w_raw[j] = load(reinterpret_cast<const V*>(weight + col));
+  }
+  const A inv_c = A(1) / A(C);
 
   if (leader) {
     for (int b = 0; b < NB; ++b) mbar_init(&full[g * NB + b], kRowCopyArrivals);
@@ -109,33 +125,37 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
       if (r < rows) issue(b, r);
     }
   }
-  if (!REGS) {
-    // Stage the weight row, converted to acc_t once here rather than in every pass of every row,
-    // while the first rows are in flight; the barrier publishes it. (Its
-    // stores come after the mbarriers' initialization, a barrier apart: staged before it, they
-    // drew racecheck warnings against mbarrier.init.)
-    for (int c = threadIdx.x * VEC; c < C; c += blockDim.x * VEC) {
-      *reinterpret_cast<AV*>(w_sh + c) = to_acc(load(reinterpret_cast<const V*>(weight + c)));
-    }
-    __syncthreads();
-  }
-
-  // The thread's dbias/dweight sums live in registers; in register mode its weight columns too.
+  // The thread's dbias/dweight sums live in registers; in register mode its weight columns too,
+  // converted to acc_t once here rather than in every pass of every row. Shared-memory mode
+  // stores the converted row, while the first rows are in flight; the barrier publishes it. (Its
+  // stores come after the mbarriers' initialization, a barrier apart: staged before it, they
+  // drew racecheck warnings against mbarrier.init.)
   AV wv[NV];
   AV db[NV], dw[NV];
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
-    const int col = (j * tpr + t) * VEC;
-    if (REGS && col < C) wv[j] = to_acc(load(reinterpret_cast<const V*>(weight + col)));
+    const int col = (REGS ? j * tpr + t : j * static_cast<int>(blockDim.x) + static_cast<int>(threadIdx.x)) * VEC;
+    if (col < C) {
+      if (REGS) {
+        wv[j] = to_acc(w_raw[j]);
+      } else if constexpr (kWeightAcc) {
+        *reinterpret_cast<AV*>(w_sh + col) = to_acc(w_raw[j]);
+      } else {
+        *reinterpret_cast<V*>(w_sh + col) = w_raw[j];
+      }
+    }
 #pragma unroll
     for (int q = 0; q < VEC; ++q) { db[j][q] = A(0); dw[j][q] = A(0); }
   }
+  if (!REGS) __syncthreads();
 
-  int parity = 0;   // which exchange buffer this row uses
-  int64_t k = 0;    // how many rows this group has processed
-  for (int64_t row = first; row < rows; row += stride, ++k) {
-    const int b = static_cast<int>(k % NB);
-    mbar_wait(&full[g * NB + b], static_cast<uint32_t>((k / NB) & 1));
+  int parity = 0;           // which exchange buffer this row uses
+  int b = 0;                // the ring buffer of this row: (rows processed) % NB
+  uint32_t phase = 0;       // the phase of its barrier: ((rows processed) / NB) & 1
+  bool first_row = true;
+  int64_t row = first;
+  for (; row < rows; row += stride) {
+    mbar_wait(&full[g * NB + b], phase);
     // Register mode copies the row out of shared memory once, and both passes use registers;
     // shared-memory mode reads it in each pass (fewer registers, more shared-memory loads).
     V dyv[NV], xv[NV];
@@ -151,7 +171,11 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
     }
     auto dy_at = [&](int j, int col) { return REGS ? dyv[j] : *reinterpret_cast<const V*>(buf_dy(g, b) + col); };
     auto x_at = [&](int j, int col) { return REGS ? xv[j] : *reinterpret_cast<const V*>(buf_x(g, b) + col); };
-    auto w_at = [&](int j, int col) { return REGS ? wv[j] : *reinterpret_cast<const AV*>(w_sh + col); };
+    auto w_at = [&](int j, int col) -> AV {
+      if constexpr (REGS) return wv[j];
+      if constexpr (kWeightAcc) return *reinterpret_cast<const AV*>(w_sh + col);
+      return to_acc(*reinterpret_cast<const V*>(w_sh + col));
+    };
     const A m = A(stats[(g * NB + b) * 2]);
     const A s = A(stats[(g * NB + b) * 2 + 1]);
 
@@ -191,12 +215,13 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
     // Refill a buffer nobody reads any more. Register mode: every thread has copied row k out
     // of buffer b, so it takes row k + NB. Shared-memory mode: every thread is past row k - 1,
     // so its buffer takes row k - 1 + NB.
-    if (leader && (REGS || k >= 1)) {
+    if (leader && (REGS || !first_row)) {
       const int64_t r = row + (REGS ? NB : NB - 1) * stride;
-      const int rb = REGS ? b : static_cast<int>((k - 1) % NB);
+      const int rb = REGS ? b : (b == 0 ? NB - 1 : b - 1);
       if (r < rows) issue(rb, r);
     }
-    const RowCoefficients<A> coef(s1, s2, s, C);
+    first_row = false;
+    const RowCoefficients<A> coef(s1, s2, s, inv_c);
 
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
@@ -206,6 +231,10 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
         store_cs(reinterpret_cast<V*>(dx + row * C + col), dxv);   // written once, not re-read here
       }
     }
+    if (++b == NB) {
+      b = 0;
+      phase ^= 1;
+    }
   }
 
   // A block's last groups can have one row fewer than its first group. They pass the missing
@@ -213,8 +242,8 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   // all meet at __syncthreads below. The hardware does not need this (each group's barrier is its
   // own), but without it compute-sanitizer's racecheck reported the sums exchanged below as
   // racing (52 reports on the H200; none with it). Group 0's rows are this group's minus g, so
-  // group 0 had one row more if its row number k is still below `rows`.
-  if (first - g + k * stride < rows) group_sync(1 + g, tpr);
+  // group 0 had one row more if its next row, row - g, is still below `rows`.
+  if (row - g < rows) group_sync(1 + g, tpr);
 
   // The groups' sums meet in shared memory (the ring is idle now: every copy that was issued
   // has been waited for), then are added in group order into this block's partial slot. Past
@@ -228,11 +257,8 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   for (int j = 0; j < NV; ++j) {
     const int col = (j * tpr + t) * VEC;
     if (col < C) {
-#pragma unroll
-      for (int q = 0; q < VEC; ++q) {
-        sums[(static_cast<size_t>(g) * 2) * C + col + q] = db[j][q];
-        sums[(static_cast<size_t>(g) * 2 + 1) * C + col + q] = dw[j][q];
-      }
+      *reinterpret_cast<AV*>(sums + (static_cast<size_t>(g) * 2) * C + col) = db[j];
+      *reinterpret_cast<AV*>(sums + (static_cast<size_t>(g) * 2 + 1) * C + col) = dw[j];
     }
   }
   __syncthreads();
@@ -251,7 +277,8 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
 
 size_t smem_bytes(const Kernel12Config& cfg, int64_t C, size_t item, size_t acc) {
   const size_t row = C * item;
-  const size_t data = (cfg.regs ? 0 : C * acc) + static_cast<size_t>(cfg.groups) * cfg.nb * 2 * row;
+  const size_t weight = cfg.regs ? 0 : round_up<size_t>(C * (cfg.raw_weight ? item : acc), 16);
+  const size_t data = weight + static_cast<size_t>(cfg.groups) * cfg.nb * 2 * row;
   const size_t front = std::max(data, static_cast<size_t>(cfg.groups) * 2 * C * acc);   // reused for the sums
   const size_t buffers = static_cast<size_t>(cfg.groups) * cfg.nb;
   const size_t barriers = 16 * ceil_div<size_t>(buffers, 2);
@@ -259,9 +286,9 @@ size_t smem_bytes(const Kernel12Config& cfg, int64_t C, size_t item, size_t acc)
   return front + barriers + stats + static_cast<size_t>(cfg.groups) * 2 * (cfg.tpr / 32) * 2 * acc;
 }
 
-template <typename T, int VEC, int NV, int NB, bool REGS>
+template <typename T, int VEC, int NV, int NB, bool REGS, typename W = acc_t<T>>
 cudaError_t launch(const LayernormBwdParams& p, const Kernel12Config& cfg, cudaStream_t stream) {
-  auto kernel = kernel12_ring<T, VEC, NV, NB, REGS>;
+  auto kernel = kernel12_ring<T, VEC, NV, NB, REGS, W>;
   const int threads = cfg.tpr * cfg.groups;
   const size_t smem = smem_bytes(cfg, p.C, sizeof(T), sizeof(acc_t<T>));
   LNBWD_RETURN_IF_CUDA_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
@@ -282,7 +309,8 @@ cudaError_t launch(const LayernormBwdParams& p, const Kernel12Config& cfg, cudaS
 
 // The compiled variants, chosen from measurements on an H200 (tests/cuda/harness.cu sweep):
 // 16-bit types do best re-reading shared memory in both passes with NV = 4 (register mode needs
-// too many registers there); fp32 does best in register mode with NV = 4; fp64 uses NV = 2.
+// too many registers there), with the weight staged as fp32 or, three buffers only, as T;
+// fp32 does best in register mode with NV = 4; fp64 uses NV = 2.
 template <typename T>
 constexpr bool kRegsMode = std::is_same_v<T, float>;
 
@@ -290,6 +318,12 @@ template <typename T, int VEC>
 cudaError_t launch_variant(const LayernormBwdParams& p, const Kernel12Config& cfg, cudaStream_t stream) {
   constexpr int nv = sizeof(T) == 8 ? 2 : 4;
   if (cfg.nv != nv || cfg.regs != kRegsMode<T>) return cudaErrorInvalidValue;
+  if (cfg.raw_weight) {
+    if constexpr (sizeof(T) == 2) {
+      if (cfg.nb == 3) return launch<T, VEC, nv, 3, false, T>(p, cfg, stream);
+    }
+    return cudaErrorInvalidValue;
+  }
   if (cfg.nb == 3) return launch<T, VEC, nv, 3, kRegsMode<T>>(p, cfg, stream);
   if (cfg.nb == 2) return launch<T, VEC, nv, 2, kRegsMode<T>>(p, cfg, stream);
   return cudaErrorInvalidValue;
@@ -303,11 +337,13 @@ std::vector<Kernel12Config> kernel12_candidates(Dtype dtype, int64_t C) {
   const size_t acc = dtype == Dtype::kF64 ? 8 : 4;
   std::vector<Kernel12Config> out;
   if (C % vec != 0) return out;
-  for (int nb : {3, 2}) {
+  for (const auto [nb, raw_weight] : {std::pair{3, false}, {2, false}, {3, true}}) {
+    if (raw_weight && item != 2) continue;
     Kernel12Config cfg;
     cfg.nv = item == 8 ? 2 : 4;
     cfg.nb = nb;
     cfg.regs = dtype == Dtype::kF32;
+    cfg.raw_weight = raw_weight;
     const int64_t tpr = 32 * ceil_div<int64_t>(C / vec, 32 * cfg.nv);
     const int block_max = max_threads(cfg.nv * vec * acc);
     if (tpr > block_max) continue;
@@ -321,12 +357,27 @@ std::vector<Kernel12Config> kernel12_candidates(Dtype dtype, int64_t C) {
 }
 
 bool kernel12_pick(Dtype dtype, int64_t C, Kernel12Config* cfg) {
-  // Three buffers per group (two rows ahead) when they fit, else two. Four measured no better on
-  // an H200: 5-7% slower for bf16/fp16 at C = 1600..8192 (harness sweep), 1-2% slower for fp32
-  // at C = 768..4096 (bench).
+  // Measured on an H200 (tests/cuda/harness.cu sweep, 16-bit rows of C = 1024..16384):
+  //  * Two buffers per group win when the SM's groups together have at least ~56 KB of dy and x
+  //    on their way (each group one row ahead): up to 10% faster than three at C = 2048..8192.
+  //    More rows in flight than that only queue.
+  //  * Below that, or with a single group per block (whose requests would stop while it computes
+  //    a row), three buffers win: 5% at C = 1600, 10-30% at C = 6144..16384. When the fp32
+  //    weight row leaves no room for three, the weight is staged as T (raw_weight).
+  //  * fp32 measured within 1% either way; fp64 follows the same rule.
+  // Four buffers measured no better (5-7% slower in 16-bit at C = 1600..8192).
   const std::vector<Kernel12Config> all = kernel12_candidates(dtype, C);
-  if (all.empty()) return false;
-  *cfg = all[0];
+  const size_t row_bytes = static_cast<size_t>(C) * (dtype == Dtype::kF64 ? 8 : dtype == Dtype::kF32 ? 4 : 2);
+  const Kernel12Config* two = nullptr;
+  const Kernel12Config* three = nullptr;
+  for (const Kernel12Config& c : all) {
+    if (c.nb == 2 && !two) two = &c;
+    if (c.nb == 3 && (!three || (three->raw_weight && c.groups > three->groups))) three = &c;
+  }
+  const bool two_enough = two && two->groups >= 2 && two->groups * 2 * row_bytes >= 56 * 1024;
+  const Kernel12Config* pick = two_enough || !three ? two : three;
+  if (!pick) return false;
+  *cfg = *pick;
   return true;
 }
 

@@ -58,6 +58,7 @@ kernel12_wide(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   constexpr int kChunk = kConsumers * NVC * VEC;   // elements per chunk
   constexpr int kMaxChunks = NV / NVC;
   const int chunks = ceil_div(C, kChunk);
+  const A inv_c = A(1) / A(C);
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
 
@@ -176,7 +177,7 @@ kernel12_wide(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
         s2 += p[1];
       }
       parity ^= 1;
-      const RowCoefficients<A> coef(s1, s2, s, C);
+      const RowCoefficients<A> coef(s1, s2, s, inv_c);
 
 #pragma unroll
       for (int c = 0; c < kMaxChunks; ++c) {

@@ -3,7 +3,8 @@
 // g_i = weight_i * dy_i and xhat_i = (x_i - mean) * rstd (centered, never E[x^2] - E[x]^2):
 //   pass 1: s1 = sum g_i, s2 = sum g_i (x_i - mean), summed over the row;
 //   pass 2: dx_i = (g_i - s1/C - xhat_i s2 rstd/C) rstd, computed as g_i rstd + (xhat_i k1 + k0)
-//           with the per-row k0 = -(s1/C) rstd and k1 = -(s2 rstd/C) rstd: two FMAs. The FMA
+//           with the per-row k0 = -(s1/C) rstd and k1 = -(s2 rstd/C) rstd: two FMAs. 1/C is
+//           computed once per kernel, so a row's constants cost multiplies, not two divisions. The FMA
 //           leaves the rounding error of g_i rstd where the exact answer is 0, at C = 1; kernel
 //           12 never sees C = 1 (its C is a multiple of the vector width);
 //           dbias_i += dy_i, dweight_i += dy_i xhat_i.
@@ -26,12 +27,12 @@ __device__ __forceinline__ void add_row_sums(const Packed<T, VEC>& dy, const Pac
   }
 }
 
-// The per-row constants of pass 2 from the row's sums.
+// The per-row constants of pass 2 from the row's sums; inv_c = 1/C.
 template <typename A>
 struct RowCoefficients {
   A k0, k1;
-  __device__ __forceinline__ RowCoefficients(A s1, A s2, A rstd, int C)
-      : k0(-(s1 / A(C)) * rstd), k1(-(s2 * rstd / A(C)) * rstd) {}
+  __device__ __forceinline__ RowCoefficients(A s1, A s2, A rstd, A inv_c)
+      : k0(-(s1 * inv_c) * rstd), k1(-(s2 * rstd * inv_c) * rstd) {}
 };
 
 // Pass 2 for one vector of a row: returns dx and adds dy into db and dy * xhat into dw.

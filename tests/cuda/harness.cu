@@ -331,13 +331,18 @@ static int check(const std::vector<int>& kernels) {
             // The default workspace, and (for a kernel that fits its grid to the workspace, at
             // the most rows) a workspace of a single slot: the grid must shrink, not overrun.
             const bool tight = grid_fits_slots(kernel) && rows == rs.back() && bs == sizes.back();
+            // Kernel 12: its default, then every configuration it can pick from (each one is
+            // reachable from the default on some C).
+            const std::vector<Kernel12Config> k12 = kernel == 12 ? kernel12_candidates(d, C) : std::vector<Kernel12Config>{};
+            for (int v = -1; v < int(k12.size()); ++v)
             for (int64_t slots : {int64_t(0), int64_t(1)}) {
-              if (slots == 1 && !tight) continue;
+              if (slots == 1 && (!tight || v >= 0)) continue;
+              const Kernel12Config* c12 = v < 0 ? nullptr : &k12[v];
               Outputs a, b;
-              cudaError_t err = run(*pb, kernel, bs, nullptr, &a, sms, 1, nullptr, slots);
+              cudaError_t err = run(*pb, kernel, bs, nullptr, &a, sms, 1, c12, slots);
               bool same = true;
               if (err == cudaSuccess && deterministic(kernel)) {
-                err = run(*pb, kernel, bs, nullptr, &b, sms, 1, nullptr, slots);
+                err = run(*pb, kernel, bs, nullptr, &b, sms, 1, c12, slots);
                 same = err == cudaSuccess && a.dx == b.dx && a.dw == b.dw && a.db == b.db;
               }
               const double ex = err ? INFINITY : rel_err(d, a.dx, pb->ref_dx);
@@ -351,8 +356,9 @@ static int check(const std::vector<int>& kernels) {
               ++checked;
               if (!ok) {
                 ++failures;
-                std::printf("FAIL kernel %d %s rows=%lld C=%lld block_size=%d%s: %s dx %.2e dw %.2e db %.2e%s\n",
+                std::printf("FAIL kernel %d %s rows=%lld C=%lld block_size=%d%s%s: %s dx %.2e dw %.2e db %.2e%s\n",
                             kernel, dtype_name(d), (long long)rows, (long long)C, bs, slots ? " (1 slot)" : "",
+                            c12 ? (" config nb=" + std::to_string(c12->nb) + (c12->raw_weight ? " raw weight" : "")).c_str() : "",
                             cudaGetErrorString(err), ex, ew, eb, same ? "" : " NOT deterministic");
               }
             }
@@ -522,9 +528,11 @@ static int sweep(int64_t rows, int64_t C, Dtype d) {
     const cudaError_t err = run(pb, 12, 0, nullptr, &o, sms, 1, &c);
     const double e = err ? INFINITY : rel_err(d, o.dx, pb.ref_dx);
     const double us = time_it([&] { CHECK_CUDA(layernorm_bwd_kernel12_config(p, c, 0)); });
-    const bool is_pick = has12 && c.nv == pick12.nv && c.nb == pick12.nb && c.tpr == pick12.tpr && c.groups == pick12.groups;
-    std::printf("  k12 regs=%d nv=%d nb=%d tpr=%4d groups=%2d: %8.1f us %6.0f GB/s %5.1f%% of copy  dx err %.1e%s\n",
-                int(c.regs), c.nv, c.nb, c.tpr, c.groups, us, bytes / us / 1e3, 100 * copy_us / us, e, is_pick ? "  <- default" : "");
+    const bool is_pick = has12 && c.nv == pick12.nv && c.nb == pick12.nb && c.tpr == pick12.tpr &&
+                         c.groups == pick12.groups && c.raw_weight == pick12.raw_weight;
+    std::printf("  k12 regs=%d raw_w=%d nv=%d nb=%d tpr=%4d groups=%2d: %8.1f us %6.0f GB/s %5.1f%% of copy  dx err %.1e%s\n",
+                int(c.regs), int(c.raw_weight), c.nv, c.nb, c.tpr, c.groups, us, bytes / us / 1e3, 100 * copy_us / us, e,
+                is_pick ? "  <- default" : "");
   }
   return 0;
 }
