@@ -32,7 +32,7 @@ ffi::Error CheckOneSegment(int32_t kernel, const LayernormBwdParams& p, const ff
   return ffi::Error::Success();
 }
 
-// Seed kernels 1-9, by id - 1: the launcher and the limits it checks before launching.
+// Seed kernels 1-10, by id - 1: the launcher and the limits it checks before launching.
 struct SeedKernel {
   cudaError_t (*launch)(const LayernormBwdParams&, cudaStream_t);
   SeedKernelLimits (*limits)(Dtype, int64_t, int);
@@ -42,7 +42,7 @@ constexpr SeedKernel kSeedKernels[] = {
     {layernorm_bwd_kernel3, layernorm_bwd_kernel3_limits}, {layernorm_bwd_kernel4, layernorm_bwd_kernel4_limits},
     {layernorm_bwd_kernel5, layernorm_bwd_kernel5_limits}, {layernorm_bwd_kernel6, layernorm_bwd_kernel6_limits},
     {layernorm_bwd_kernel7, layernorm_bwd_kernel7_limits}, {layernorm_bwd_kernel8, layernorm_bwd_kernel8_limits},
-    {layernorm_bwd_kernel9, layernorm_bwd_kernel9_limits},
+    {layernorm_bwd_kernel9, layernorm_bwd_kernel9_limits}, {layernorm_bwd_kernel10, layernorm_bwd_kernel10_limits},
 };
 
 // What a seed kernel would refuse (its launcher returns a bare cudaError_t), as a message that
@@ -67,25 +67,9 @@ ffi::Error CheckSeedKernel(int32_t kernel, const LayernormBwdParams& p, ffi::Dat
   LNBWD_FFI_RETURN_IF_CUDA_ERROR(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
   if (l.smem_bytes > static_cast<size_t>(max_smem)) {
     return ArgError(name + " keeps dweight/dbias sums for C=" + std::to_string(p.C) + " in " +
-                    std::to_string(l.smem_bytes) + " bytes of shared memory (block_size " +
+                    std::to_string(l.smem_bytes) + " bytes of shared memory (" + DtypeName(dtype) + ", block_size " +
                     std::to_string(l.block_size) + ") but this GPU allows " + std::to_string(max_smem) +
                     " per block");
-  }
-  return ffi::Error::Success();
-}
-
-ffi::Error CheckKernel10(const LayernormBwdParams& p) {
-  const int bs = p.block_size ? p.block_size : 512;
-  if (bs < 32 || bs > 512 || bs % 32 != 0) {
-    return ArgError("kernel 10 got block_size " + std::to_string(p.block_size) + " but expected 32..512");
-  }
-  int dev = 0, max_smem = 0;
-  LNBWD_FFI_RETURN_IF_CUDA_ERROR(cudaGetDevice(&dev));
-  LNBWD_FFI_RETURN_IF_CUDA_ERROR(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  const size_t need = layernorm_bwd_kernel10_smem_bytes(p.dtype, p.C, bs);
-  if (need > static_cast<size_t>(max_smem)) {
-    return ArgError("kernel 10 keeps dweight/dbias for C=" + std::to_string(p.C) + " in " + std::to_string(need) +
-                    " bytes of shared memory but this GPU allows " + std::to_string(max_smem) + " per block");
   }
   return ffi::Error::Success();
 }
@@ -130,16 +114,10 @@ ffi::Error LayernormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
   }
 
   switch (kernel) {
-    case 1: case 2: case 3: case 4: case 5: case 6: case 7: case 8: case 9: {
+    case 1: case 2: case 3: case 4: case 5: case 6: case 7: case 8: case 9: case 10: {
       if (auto e = CheckOneSegment(kernel, p, *dweight, weight); e.failure()) return e;
       if (auto e = CheckSeedKernel(kernel, p, x.element_type()); e.failure()) return e;
       LNBWD_FFI_RETURN_IF_CUDA_ERROR(kSeedKernels[kernel - 1].launch(p, stream));
-      break;
-    }
-    case 10: {
-      if (auto e = CheckOneSegment(kernel, p, *dweight, weight); e.failure()) return e;
-      if (auto e = CheckKernel10(p); e.failure()) return e;
-      LNBWD_FFI_RETURN_IF_CUDA_ERROR(layernorm_bwd_kernel10(p, stream));
       break;
     }
     case 11:

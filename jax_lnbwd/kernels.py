@@ -48,7 +48,7 @@ def _acc_bytes(dtype: str) -> int:
 
 
 def _kernel10_smem(C: int, dtype: str, block_size: int) -> int:
-    # Mirrors layernorm_bwd_kernel10_smem_bytes: the larger of the scalar and 16-byte paths.
+    # Mirrors layernorm_bwd_kernel10_limits' smem_bytes: the larger of the scalar and 16-byte paths.
     acc = _acc_bytes(dtype)
     need = 0
     for vec in (1, 16 // np.dtype(_np_name(dtype)).itemsize):

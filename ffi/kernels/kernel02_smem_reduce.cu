@@ -28,6 +28,7 @@
 #include <cooperative_groups/reduce.h>
 
 #include "seed_common.cuh"
+#include "seed_device.cuh"
 
 namespace lnbwd {
 namespace {
@@ -39,9 +40,9 @@ constexpr int kDefaultBlockSize = 1024;
 
 template <typename T>
 __global__ void __launch_bounds__(1024)
-kernel2(T* __restrict__ dx, float* __restrict__ dweight_tmp, float* __restrict__ dbias_tmp, const T* __restrict__ dy,
-        const T* __restrict__ x, const T* __restrict__ weight, const float* __restrict__ mean,
-        const float* __restrict__ rstd, int64_t rows, int C) {
+kernel2(T* __restrict__ dx, float* __restrict__ scratch, const T* __restrict__ dy, const T* __restrict__ x,
+        const T* __restrict__ weight, const float* __restrict__ mean, const float* __restrict__ rstd, int64_t rows,
+        int C) {
   extern __shared__ float shared[];   // [dbias sums | dweight sums], C floats each
   float* dbias_sh = shared;
   float* dweight_sh = shared + C;
@@ -49,55 +50,31 @@ kernel2(T* __restrict__ dx, float* __restrict__ dweight_tmp, float* __restrict__
   cg::thread_block_tile<32> warp = cg::tiled_partition<32>(block);
   const int64_t row = static_cast<int64_t>(blockIdx.x) * warp.meta_group_size() + warp.meta_group_rank();
 
-  for (int i = threadIdx.x; i < C; i += blockDim.x) {
-    dbias_sh[i] = 0.0f;
-    dweight_sh[i] = 0.0f;
-  }
+  zero_block_sums(dbias_sh, dweight_sh, C);
   __syncthreads();   // sums zeroed before any warp adds to them
 
+  // The warp's row (seed_device.cuh): pass 1 sums g = weight * dy and g * xhat over each lane's
+  // columns, row_sum adds them across the tile (cg::reduce: warp shuffles) into a = mean(g) and
+  // b = mean(g * xhat); pass 2 writes dx and adds dy and dy * xhat to the block's shared sums.
+  auto row_sum = [&](float v) { return cg::reduce(warp, v, cg::plus<float>{}); };
   if (row < rows) {   // uniform across the warp
-    const T* dy_r = dy + row * C;
-    const T* x_r = x + row * C;
-    T* dx_r = dx + row * C;
-    const float mean_r = mean[row];
-    const float rstd_r = rstd[row];
-
-    // Pass 1: a = mean(g), b = mean(g * xhat), g = weight * dy, xhat = (x - mean) * rstd.
-    float sum_g = 0.0f, sum_g_xhat = 0.0f;
-    for (int i = warp.thread_rank(); i < C; i += warp.size()) {
-      const float xhat = (to_acc(x_r[i]) - mean_r) * rstd_r;
-      const float g = mul_rn(to_acc(weight[i]), to_acc(dy_r[i]));
-      sum_g += g;
-      sum_g_xhat += g * xhat;
-    }
-    const float a = cg::reduce(warp, sum_g, cg::plus<float>{}) / C;
-    const float b = cg::reduce(warp, sum_g_xhat, cg::plus<float>{}) / C;
-
-    // Pass 2: dx = (g - a - xhat * b) * rstd, and the row's share of dbias and dweight.
-    for (int i = warp.thread_rank(); i < C; i += warp.size()) {
-      const float d = to_acc(dy_r[i]);
-      const float xhat = (to_acc(x_r[i]) - mean_r) * rstd_r;
-      atomicAdd(&dbias_sh[i], d);
-      atomicAdd(&dweight_sh[i], d * xhat);
-      dx_r[i] = from_acc<T>((mul_rn(to_acc(weight[i]), d) - a - xhat * b) * rstd_r);
-    }
+    warp_row_to_shared_sums<false>(row, warp.thread_rank(), warp.size(), row_sum, dx, dy, x, weight, mean, rstd, C,
+                                   dbias_sh, dweight_sh);
   }
   __syncthreads();   // every warp's shared atomics done before the block's sums are read
 
-  for (int i = threadIdx.x; i < C; i += blockDim.x) {
-    atomicAdd(&dbias_tmp[i], dbias_sh[i]);
-    atomicAdd(&dweight_tmp[i], dweight_sh[i]);
-  }
+  // The block's sums into the one fp32 scratch row, with global atomics (once per block, not per
+  // row); copy_to_dweight_dbias converts the scratch once every block is done.
+  add_block_sums_to_row(scratch, dbias_sh, dweight_sh, C);
 }
 
 // Converts the fp32 scratch row (all blocks' sums) to dweight/dbias in the output dtype.
 template <typename T>
-__global__ void copy_to_dweight_dbias(T* __restrict__ dweight, T* __restrict__ dbias,
-                                      const float* __restrict__ dweight_tmp, const float* __restrict__ dbias_tmp,
+__global__ void copy_to_dweight_dbias(T* __restrict__ dweight, T* __restrict__ dbias, const float* __restrict__ scratch,
                                       int C) {
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < C; i += blockDim.x * gridDim.x) {
-    dbias[i] = from_acc<T>(dbias_tmp[i]);
-    dweight[i] = from_acc<T>(dweight_tmp[i]);
+    dbias[i] = from_acc<T>(scratch[i]);
+    dweight[i] = from_acc<T>(scratch[C + i]);
   }
 }
 
@@ -106,19 +83,18 @@ cudaError_t launch(const LayernormBwdParams& p, const SeedKernelLimits& l, cudaS
   if (partial_slots<T>(p) < 1) return cudaErrorInvalidValue;   // the scratch row is slot 0
   const int64_t grid = ceil_div<int64_t>(p.rows, l.block_size / 32);   // one warp per row
   if (grid > INT32_MAX) return cudaErrorInvalidConfiguration;
-  float* dbias_tmp = partials_of<T>(p);   // slot layout: [dbias | dweight]
-  float* dweight_tmp = dbias_tmp + p.C;
+  float* scratch = partials_of<T>(p);   // slot layout: [dbias | dweight]
   const int C = static_cast<int>(p.C);
   auto kernel = kernel2<T>;
   LNBWD_RETURN_IF_CUDA_ERROR(opt_in_smem(kernel, l.smem_bytes));
-  LNBWD_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(dbias_tmp, 0, 2 * p.C * sizeof(float), stream));
+  LNBWD_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(scratch, 0, 2 * p.C * sizeof(float), stream));
   kernel<<<static_cast<unsigned int>(grid), l.block_size, l.smem_bytes, stream>>>(
-      static_cast<T*>(p.dx), dweight_tmp, dbias_tmp, static_cast<const T*>(p.dy), static_cast<const T*>(p.x),
+      static_cast<T*>(p.dx), scratch, static_cast<const T*>(p.dy), static_cast<const T*>(p.x),
       static_cast<const T*>(p.weight), static_cast<const float*>(p.mean), static_cast<const float*>(p.rstd), p.rows, C);
   LNBWD_RETURN_IF_CUDA_ERROR(cudaGetLastError());
   const int copy_threads = 256;
   copy_to_dweight_dbias<T><<<static_cast<unsigned int>(ceil_div(C, copy_threads)), copy_threads, 0, stream>>>(
-      static_cast<T*>(p.dweight), static_cast<T*>(p.dbias), dweight_tmp, dbias_tmp, C);
+      static_cast<T*>(p.dweight), static_cast<T*>(p.dbias), scratch, C);
   return cudaGetLastError();
 }
 

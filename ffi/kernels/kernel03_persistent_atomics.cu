@@ -29,6 +29,7 @@
 #include <cooperative_groups/reduce.h>
 
 #include "seed_common.cuh"
+#include "seed_device.cuh"
 
 namespace lnbwd {
 namespace {
@@ -77,41 +78,19 @@ kernel3(T* __restrict__ dx, T* __restrict__ dweight, T* __restrict__ dbias, cons
   cg::thread_block block = cg::this_thread_block();
   cg::thread_block_tile<32> warp = cg::tiled_partition<32>(block);
 
-  for (int i = threadIdx.x; i < C; i += blockDim.x) {
-    dbias_sh[i] = 0.0f;
-    dweight_sh[i] = 0.0f;
-  }
+  zero_block_sums(dbias_sh, dweight_sh, C);
   __syncthreads();   // sums zeroed before any warp adds to them
 
-  // No barrier inside the row loop, so warps may take different numbers of rows.
+  // Each warp's rows (seed_device.cuh): pass 1 sums g = weight * dy and g * xhat over each lane's
+  // columns, row_sum adds them across the tile into a = mean(g) and b = mean(g * xhat); pass 2
+  // reads the row again with streaming loads, writes dx and adds dy and dy * xhat to the block's
+  // shared sums. No barrier inside the row loop, so warps may take different numbers of rows.
+  auto row_sum = [&](float v) { return cg::reduce(warp, v, cg::plus<float>{}); };
   const int64_t warps_in_grid = static_cast<int64_t>(gridDim.x) * warp.meta_group_size();
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * warp.meta_group_size() + warp.meta_group_rank(); row < rows;
        row += warps_in_grid) {
-    const T* dy_r = dy + row * C;
-    const T* x_r = x + row * C;
-    T* dx_r = dx + row * C;
-    const float mean_r = mean[row];
-    const float rstd_r = rstd[row];
-
-    // Pass 1: a = mean(g), b = mean(g * xhat), g = weight * dy, xhat = (x - mean) * rstd.
-    float sum_g = 0.0f, sum_g_xhat = 0.0f;
-    for (int i = warp.thread_rank(); i < C; i += warp.size()) {
-      const float xhat = (to_acc(x_r[i]) - mean_r) * rstd_r;
-      const float g = mul_rn(to_acc(weight[i]), to_acc(dy_r[i]));
-      sum_g += g;
-      sum_g_xhat += g * xhat;
-    }
-    const float a = cg::reduce(warp, sum_g, cg::plus<float>{}) / C;
-    const float b = cg::reduce(warp, sum_g_xhat, cg::plus<float>{}) / C;
-
-    // Pass 2: dx = (g - a - xhat * b) * rstd, and the row's share of dbias and dweight.
-    for (int i = warp.thread_rank(); i < C; i += warp.size()) {
-      const float d = to_acc(__ldcs(dy_r + i));
-      const float xhat = (to_acc(__ldcs(x_r + i)) - mean_r) * rstd_r;
-      atomicAdd(&dbias_sh[i], d);
-      atomicAdd(&dweight_sh[i], d * xhat);
-      dx_r[i] = from_acc<T>((mul_rn(to_acc(weight[i]), d) - a - xhat * b) * rstd_r);
-    }
+    warp_row_to_shared_sums<true>(row, warp.thread_rank(), warp.size(), row_sum, dx, dy, x, weight, mean, rstd, C,
+                                  dbias_sh, dweight_sh);
   }
   __syncthreads();   // every warp's shared atomics done before the block's sums are read
 

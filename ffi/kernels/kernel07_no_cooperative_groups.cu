@@ -22,6 +22,7 @@
 //  * The grid never has more blocks than the rows have warps (idle blocks would only add zeros).
 //  * More than 48 KB of shared memory (C > 6143) is opted in to; C up to 29055 fits Hopper.
 #include "seed_common.cuh"
+#include "seed_device.cuh"
 
 namespace lnbwd {
 namespace {
@@ -44,59 +45,26 @@ kernel7(T* __restrict__ dx, T* __restrict__ dweight, T* __restrict__ dbias, floa
   const int warps_in_block = blockDim.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
 
-  for (int i = threadIdx.x; i < C; i += blockDim.x) {
-    dbias_sh[i] = 0.0f;
-    dweight_sh[i] = 0.0f;
-  }
+  zero_block_sums(dbias_sh, dweight_sh, C);
   __syncthreads();   // sums zeroed before any warp adds to them
 
-  // No barrier inside the row loop, so warps may take different numbers of rows.
+  // Each warp's rows (seed_device.cuh): pass 1 sums g = weight * dy and g * xhat over each lane's
+  // columns, warp_sum adds them across the warp (a butterfly of __shfl_xor_sync) into a = mean(g)
+  // and b = mean(g * xhat); pass 2 reads the row again with streaming loads, writes dx and adds dy
+  // and dy * xhat to the block's shared sums. No barrier inside the row loop, so warps may take
+  // different numbers of rows.
   const int64_t warps_in_grid = static_cast<int64_t>(gridDim.x) * warps_in_block;
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * warps_in_block + warp_id; row < rows; row += warps_in_grid) {
-    const T* dy_r = dy + row * C;
-    const T* x_r = x + row * C;
-    T* dx_r = dx + row * C;
-    const float mean_r = mean[row];
-    const float rstd_r = rstd[row];
-
-    // Pass 1: a = mean(g), b = mean(g * xhat), g = weight * dy, xhat = (x - mean) * rstd.
-    float sum_g = 0.0f, sum_g_xhat = 0.0f;
-    for (int i = lane; i < C; i += kWarpSize) {
-      const float xhat = (to_acc(x_r[i]) - mean_r) * rstd_r;
-      const float g = mul_rn(to_acc(weight[i]), to_acc(dy_r[i]));
-      sum_g += g;
-      sum_g_xhat += g * xhat;
-    }
-    const float a = warp_sum(sum_g) / C;
-    const float b = warp_sum(sum_g_xhat) / C;
-
-    // Pass 2: dx = (g - a - xhat * b) * rstd, and the row's share of dbias and dweight.
-    for (int i = lane; i < C; i += kWarpSize) {
-      const float d = to_acc(__ldcs(dy_r + i));
-      const float xhat = (to_acc(__ldcs(x_r + i)) - mean_r) * rstd_r;
-      atomicAdd(&dbias_sh[i], d);
-      atomicAdd(&dweight_sh[i], d * xhat);
-      dx_r[i] = from_acc<T>((mul_rn(to_acc(weight[i]), d) - a - xhat * b) * rstd_r);
-    }
+    warp_row_to_shared_sums<true>(row, lane, kWarpSize, warp_sum<float>, dx, dy, x, weight, mean, rstd, C, dbias_sh,
+                                  dweight_sh);
   }
   __syncthreads();   // every warp's shared atomics done before the block's sums are read
 
-  // The block's sums into the one fp32 scratch row; then count the block done.
-  for (int i = threadIdx.x; i < C; i += blockDim.x) {
-    atomicAdd(&scratch[i], dbias_sh[i]);
-    atomicAdd(&scratch[C + i], dweight_sh[i]);
-  }
-  __threadfence();   // our adds are visible device-wide before the counter says we are done
-  __syncthreads();   // all of the block's threads have added (and fenced)
-  if (threadIdx.x == 0) *is_last = atomicAdd(counter, 1u) == gridDim.x - 1;
-  __syncthreads();   // every thread sees the answer
-  if (!*is_last) return;
-  __threadfence();   // order the reads of the scratch after the other blocks' increments
-
-  for (int i = threadIdx.x; i < C; i += blockDim.x) {
-    dbias[i] = from_acc<T>(__ldcg(scratch + i));
-    dweight[i] = from_acc<T>(__ldcg(scratch + C + i));
-  }
+  // The block's sums into the one fp32 scratch row; then count the block done. The last block to
+  // finish converts the scratch, which now holds every block's sums, to dweight/dbias.
+  add_block_sums_to_row(scratch, dbias_sh, dweight_sh, C);
+  if (!last_block_to_finish(counter, is_last)) return;
+  write_scratch_row(dweight, dbias, scratch, C);
 }
 
 template <typename T>

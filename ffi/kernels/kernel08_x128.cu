@@ -34,6 +34,7 @@
 //  * More than 48 KB of shared memory (C > 6143) is opted in to; C up to 29055 fits Hopper.
 //  * __launch_bounds__(1024) instead of the seed's (1024, 2), under which it spills registers.
 #include "seed_common.cuh"
+#include "seed_device.cuh"
 
 namespace lnbwd {
 namespace {
@@ -64,10 +65,7 @@ kernel8(T* __restrict__ dx, T* __restrict__ dweight, T* __restrict__ dbias, floa
   const int per_step = kWarpSize * VEC;   // columns a warp covers per step
   const int steps = C / per_step;         // exact: the launcher refuses other C
 
-  for (int i = threadIdx.x; i < C; i += blockDim.x) {
-    dbias_sh[i] = 0.0f;
-    dweight_sh[i] = 0.0f;
-  }
+  zero_block_sums(dbias_sh, dweight_sh, C);
   __syncthreads();   // sums zeroed before any warp adds to them
 
   // No barrier inside the row loop, so warps may take different numbers of rows.
@@ -79,20 +77,10 @@ kernel8(T* __restrict__ dx, T* __restrict__ dweight, T* __restrict__ dbias, floa
     const float mean_r = mean[row];
     const float rstd_r = rstd[row];
 
-    // Pass 1: a = mean(g), b = mean(g * xhat), g = weight * dy, xhat = (x - mean) * rstd.
+    // Pass 1: a = mean(g), b = mean(g * xhat), g = weight * dy, xhat = (x - mean) * rstd, each lane
+    // summing over its 16-byte vectors (x128_row_sums in seed_device.cuh), then across the warp.
     float sum_g = 0.0f, sum_g_xhat = 0.0f;
-    for (int col = lane * VEC; col < C; col += per_step) {
-      const V dyv = load(reinterpret_cast<const V*>(dy_r + col));
-      const V xv = load(reinterpret_cast<const V*>(x_r + col));
-      const V wv = load(reinterpret_cast<const V*>(weight + col));
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        const float xhat = (to_acc(xv[k]) - mean_r) * rstd_r;
-        const float g = mul_rn(to_acc(wv[k]), to_acc(dyv[k]));
-        sum_g += g;
-        sum_g_xhat += g * xhat;
-      }
-    }
+    x128_row_sums(dy_r, x_r, weight, mean_r, rstd_r, lane, C, sum_g, sum_g_xhat);
     const float a = warp_sum(sum_g) / C;
     const float b = warp_sum(sum_g_xhat) / C;
 
@@ -118,17 +106,10 @@ kernel8(T* __restrict__ dx, T* __restrict__ dweight, T* __restrict__ dbias, floa
   }
   __syncthreads();   // every warp's shared atomics done before the block's sums are read
 
-  // The block's sums into the one fp32 scratch row, in the same transposed order.
-  for (int i = threadIdx.x; i < C; i += blockDim.x) {
-    atomicAdd(&scratch[i], dbias_sh[i]);
-    atomicAdd(&scratch[C + i], dweight_sh[i]);
-  }
-  __threadfence();   // our adds are visible device-wide before the counter says we are done
-  __syncthreads();   // all of the block's threads have added (and fenced)
-  if (threadIdx.x == 0) *is_last = atomicAdd(counter, 1u) == gridDim.x - 1;
-  __syncthreads();   // every thread sees the answer
-  if (!*is_last) return;
-  __threadfence();   // order the reads of the scratch after the other blocks' increments
+  // The block's sums into the one fp32 scratch row, in the same transposed order; then count the
+  // block done.
+  add_block_sums_to_row(scratch, dbias_sh, dweight_sh, C);
+  if (!last_block_to_finish(counter, is_last)) return;
 
   // The last block transposes back and converts, a warp per step, 16 bytes per lane.
   for (int s = warp_id; s < steps; s += warps_in_block) {

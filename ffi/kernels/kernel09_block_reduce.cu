@@ -37,6 +37,7 @@
 //  * The grid never has more blocks than the workspace has slots, nor than the rows have warps.
 //  * More than 48 KB of shared memory is opted in to; C + block_size up to 29055 fits Hopper.
 #include "seed_common.cuh"
+#include "seed_device.cuh"
 
 namespace lnbwd {
 namespace {
@@ -68,10 +69,7 @@ kernel9(T* __restrict__ dx, T* __restrict__ dweight, T* __restrict__ dbias, floa
   const int per_step = kWarpSize * VEC;   // columns a warp covers per step
   const int steps = C / per_step;         // exact: the launcher refuses other C
 
-  for (int i = threadIdx.x; i < C; i += blockDim.x) {
-    dbias_sh[i] = 0.0f;
-    dweight_sh[i] = 0.0f;
-  }
+  zero_block_sums(dbias_sh, dweight_sh, C);
   __syncthreads();   // sums zeroed before warp 0 adds to them
 
   // All warps of the block take the same number of row steps, because the loop body has
@@ -86,22 +84,10 @@ kernel9(T* __restrict__ dx, T* __restrict__ dweight, T* __restrict__ dbias, floa
     const float mean_r = row_ok ? mean[row] : 0.0f;
     const float rstd_r = row_ok ? rstd[row] : 0.0f;
 
-    // Pass 1: a = mean(g), b = mean(g * xhat), g = weight * dy, xhat = (x - mean) * rstd.
+    // Pass 1: a = mean(g), b = mean(g * xhat), g = weight * dy, xhat = (x - mean) * rstd, each lane
+    // summing over its 16-byte vectors as in kernel 8 (x128_row_sums), then across the warp.
     float sum_g = 0.0f, sum_g_xhat = 0.0f;
-    if (row_ok) {
-      for (int col = lane * VEC; col < C; col += per_step) {
-        const V dyv = load(reinterpret_cast<const V*>(dy_r + col));
-        const V xv = load(reinterpret_cast<const V*>(x_r + col));
-        const V wv = load(reinterpret_cast<const V*>(weight + col));
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) {
-          const float xhat = (to_acc(xv[k]) - mean_r) * rstd_r;
-          const float g = mul_rn(to_acc(wv[k]), to_acc(dyv[k]));
-          sum_g += g;
-          sum_g_xhat += g * xhat;
-        }
-      }
-    }
+    if (row_ok) x128_row_sums(dy_r, x_r, weight, mean_r, rstd_r, lane, C, sum_g, sum_g_xhat);
     const float a = warp_sum(sum_g) / C;
     const float b = warp_sum(sum_g_xhat) / C;
 
@@ -150,17 +136,8 @@ kernel9(T* __restrict__ dx, T* __restrict__ dweight, T* __restrict__ dbias, floa
   __syncthreads();   // warp 0's last additions to the sums done before they are read
 
   // Each block writes its sums (transposed order) to its own slot; the last one adds the slots.
-  float* slot = partials + static_cast<size_t>(blockIdx.x) * 2 * C;
-  for (int i = threadIdx.x; i < C; i += blockDim.x) {
-    slot[i] = dbias_sh[i];
-    slot[C + i] = dweight_sh[i];
-  }
-  __threadfence();   // our slot is visible device-wide before the counter says we are done
-  __syncthreads();   // all of the block's threads have written (and fenced) their part
-  if (threadIdx.x == 0) *is_last = atomicAdd(counter, 1u) == gridDim.x - 1;
-  __syncthreads();   // every thread sees the answer
-  if (!*is_last) return;
-  __threadfence();   // order the reads of other blocks' slots after their increments
+  write_block_slot(partials, dbias_sh, dweight_sh, C);
+  if (!last_block_to_finish(counter, is_last)) return;
 
   // Sum the slots in block order, four columns per 16-byte load, back into the shared sums.
   for (int i = threadIdx.x * 4; i < C; i += blockDim.x * 4) {

@@ -22,14 +22,22 @@
 //    in the last block before reading the other blocks' slots.
 //  * The counter is zeroed by the launcher with cudaMemsetAsync on the caller's stream, and the
 //    scratch comes from XLA: no cudaMalloc, no cudaMemset on the legacy stream.
-//  * Large C: the launcher opts in to more than 48 KB of dynamic shared memory.
+//  * Large C: the launcher opts in to more than 48 KB of dynamic shared memory, and refuses
+//    (cudaErrorInvalidConfiguration) a C whose sums and staging area do not fit, as it refuses
+//    block sizes other than the powers of two from 32 to 512: layernorm_bwd_kernel10_limits, the
+//    same check as kernels 1-9.
 //  * xhat is computed centered, (x - mean) * rstd. The seed expanded b = mean(g * xhat) into
 //    rstd * (mean(g * x) - mean * mean(g)), which cancels catastrophically when |mean| >> std.
 //  * 64-bit row offsets: row * C overflows int32 beyond 2^31 elements.
-#include "dispatch.cuh"
+#include "seed_common.cuh"
+#include "seed_device.cuh"
 
 namespace lnbwd {
 namespace {
+
+// The seed's default block size, and the largest this kernel runs (__launch_bounds__(512, 2)).
+constexpr int kDefaultBlockSize = 512;
+constexpr int kMaxBlockSize = 512;
 
 template <typename T, int VEC>
 __global__ void __launch_bounds__(512, 2)
@@ -57,11 +65,8 @@ kernel10(T* __restrict__ dx, T* __restrict__ dweight, T* __restrict__ dbias,
   AV* dweight_stage = dbias_stage + (warps - 1) * 32;
   __shared__ bool is_last_block;
 
-  for (int i = threadIdx.x; i < rounded_C; i += blockDim.x) {
-    dbias_sh[i] = A(0);
-    dweight_sh[i] = A(0);
-  }
-  __syncthreads();
+  zero_block_sums(dbias_sh, dweight_sh, rounded_C);
+  __syncthreads();   // sums zeroed before warp 0 adds to them
 
   // All warps of the block take the same number of steps, because the loop body has barriers.
   const int64_t rows_per_step = static_cast<int64_t>(gridDim.x) * warps;
@@ -142,28 +147,11 @@ kernel10(T* __restrict__ dx, T* __restrict__ dweight, T* __restrict__ dbias,
     }
   }
 
-  // Each block writes its sums to its own slot; the last block to finish adds the slots.
-  A* slot = partials + static_cast<size_t>(blockIdx.x) * 2 * C;
-  for (int i = threadIdx.x; i < C; i += blockDim.x) {
-    slot[i] = dbias_sh[i];
-    slot[C + i] = dweight_sh[i];
-  }
-  __threadfence();   // our slot is visible device-wide before the counter says we are done
-  __syncthreads();
-  if (threadIdx.x == 0) is_last_block = atomicAdd(flag, 1u) == gridDim.x - 1;
-  __syncthreads();
-  if (!is_last_block) return;
-  __threadfence();   // order the reads of other blocks' slots after their increments
-
-  for (int i = threadIdx.x; i < C; i += blockDim.x) {
-    A sb = A(0), sw = A(0);
-    for (unsigned int blk = 0; blk < gridDim.x; ++blk) {   // block order: deterministic
-      sb += __ldcg(partials + static_cast<size_t>(blk) * 2 * C + i);
-      sw += __ldcg(partials + static_cast<size_t>(blk) * 2 * C + C + i);
-    }
-    dbias[i] = from_acc<T>(sb);
-    dweight[i] = from_acc<T>(sw);
-  }
+  // Each block writes its sums to its own slot (the row loop's last barrier ordered warp 0's last
+  // additions before these reads); the last block to finish adds the slots, in block order.
+  write_block_slot(partials, dbias_sh, dweight_sh, C);
+  if (!last_block_to_finish(flag, &is_last_block)) return;
+  add_slots_in_block_order(dweight, dbias, partials, C);
 }
 
 template <typename T, int VEC>
@@ -175,19 +163,16 @@ size_t smem_bytes(int64_t C, int block_size) {
 
 template <typename T, int VEC>
 cudaError_t launch(const LayernormBwdParams& p, int block_size, cudaStream_t stream) {
-  const int warps = block_size / 32;
-  int sms = 0;
-  LNBWD_RETURN_IF_CUDA_ERROR(sm_count(&sms));
-  // The seed's grid: 1024 / block_size blocks per SM. More blocks than rows / warps would idle,
-  // and we cannot use more blocks than the workspace has partial slots.
-  int64_t grid = static_cast<int64_t>(1024 / block_size) * sms;
-  grid = std::min<int64_t>(grid, ceil_div<int64_t>(p.rows, warps));
-  grid = std::min<int64_t>(grid, partial_slots<T>(p));
+  // The seed's grid: 1024 / block_size blocks per SM, never more blocks than the rows have warps,
+  // nor than the workspace has partial slots.
+  int64_t grid = 0;
+  LNBWD_RETURN_IF_CUDA_ERROR(persistent_grid(p, 1024 / block_size, block_size, &grid));
+  grid = std::min<int64_t>(grid, partial_slots<T>(p));   // one slot per block
   if (grid < 1) return cudaErrorInvalidValue;
 
   const size_t smem = smem_bytes<T, VEC>(p.C, block_size);
   auto kernel = kernel10<T, VEC>;
-  LNBWD_RETURN_IF_CUDA_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  LNBWD_RETURN_IF_CUDA_ERROR(opt_in_smem(kernel, smem));
   LNBWD_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(flag_of(p), 0, sizeof(unsigned int), stream));
   kernel<<<static_cast<unsigned int>(grid), block_size, smem, stream>>>(
       static_cast<T*>(p.dx), static_cast<T*>(p.dweight), static_cast<T*>(p.dbias), partials_of<T>(p),
@@ -198,29 +183,26 @@ cudaError_t launch(const LayernormBwdParams& p, int block_size, cudaStream_t str
 
 }  // namespace
 
-size_t layernorm_bwd_kernel10_smem_bytes(Dtype dtype, int64_t C, int block_size) {
-  size_t out = 0;
-  dispatch_dtype(dtype, [&](auto t) {
+SeedKernelLimits layernorm_bwd_kernel10_limits(Dtype dtype, int64_t C, int block_size) {
+  SeedKernelLimits l =
+      seed_limits<float, __nv_bfloat16, __half, double>(dtype, block_size, kDefaultBlockSize, kMaxBlockSize);
+  // The launcher takes the 16-byte path or the scalar one depending on C and alignment: the
+  // limit is the larger need (the vector path rounds C up to whole steps of 32 * VEC columns).
+  dispatch_dtypes<float, __nv_bfloat16, __half, double>(dtype, [&](auto t) {
     using T = decltype(t);
-    out = smem_bytes<T, 1>(C, block_size);   // the scalar path needs the least; vector adds padding
-    out = std::max(out, smem_bytes<T, 16 / sizeof(T)>(C, block_size));
+    l.smem_bytes = std::max(smem_bytes<T, 1>(C, l.block_size), smem_bytes<T, 16 / sizeof(T)>(C, l.block_size));
     return cudaSuccess;
   });
-  return out;
+  return l;
 }
 
 cudaError_t layernorm_bwd_kernel10(const LayernormBwdParams& p, cudaStream_t stream) {
-  const int block_size = p.block_size ? p.block_size : 512;
-  if (block_size < 32 || block_size > 512 || block_size % 32 != 0) return cudaErrorInvalidConfiguration;
-  int max_smem = 0;
-  LNBWD_RETURN_IF_CUDA_ERROR(max_dynamic_smem(&max_smem));
-  if (layernorm_bwd_kernel10_smem_bytes(p.dtype, p.C, block_size) > static_cast<size_t>(max_smem)) {
-    return cudaErrorInvalidConfiguration;
-  }
-  return dispatch_dtype(p.dtype, [&](auto t) {
+  const SeedKernelLimits l = layernorm_bwd_kernel10_limits(p.dtype, p.C, p.block_size);
+  LNBWD_RETURN_IF_CUDA_ERROR(check_seed_limits(l, p));
+  return dispatch_dtypes<float, __nv_bfloat16, __half, double>(p.dtype, [&](auto t) {
     using T = decltype(t);
     constexpr int vec = 16 / sizeof(T);
-    return can_vectorize<T>(p) ? launch<T, vec>(p, block_size, stream) : launch<T, 1>(p, block_size, stream);
+    return can_vectorize<T>(p) ? launch<T, vec>(p, l.block_size, stream) : launch<T, 1>(p, l.block_size, stream);
   });
 }
 

@@ -51,12 +51,12 @@ struct LayernormBwdParams {
 // jax_lnbwd/_ffi.py mirrors this layout when it sizes the workspace at trace time.
 constexpr size_t kWorkspaceHeaderBytes = 256;
 
-// Seed kernels 1-9: llm.c's kernels, repaired, each keeping its technique (see the comment at the
-// top of ffi/kernels/kernel0N_*.cu). They sum over all rows: segments must be 1 and
-// weight_stride 0. A launcher returns cudaErrorInvalidValue for a dtype it is not built for or
-// segments it cannot do, and cudaErrorInvalidConfiguration for a block size, C or shared-memory
-// need it cannot run; layernorm_bwd_kernelN_limits tells a caller which, before it launches
-// (jax_lnbwd/kernels.py applies the same rules at trace time).
+// Seed kernels 1-10: llm.c's kernels, repaired, each keeping its technique (see the comment at
+// the top of ffi/kernels/kernel0N_*.cu and kernel10_vector_smem.cu). They sum over all rows:
+// segments must be 1 and weight_stride 0. A launcher returns cudaErrorInvalidValue for a dtype
+// it is not built for or segments it cannot do, and cudaErrorInvalidConfiguration for a block
+// size, C or shared-memory need it cannot run; layernorm_bwd_kernelN_limits tells a caller
+// which, before it launches (jax_lnbwd/kernels.py applies the same rules at trace time).
 struct SeedKernelLimits {
   bool dtype_ok;            // the kernel is built for this dtype
   int block_size;           // the block size it would run: the one asked for, or its default for 0
@@ -76,6 +76,7 @@ cudaError_t layernorm_bwd_kernel6(const LayernormBwdParams& p, cudaStream_t stre
 cudaError_t layernorm_bwd_kernel7(const LayernormBwdParams& p, cudaStream_t stream);   // no cooperative groups
 cudaError_t layernorm_bwd_kernel8(const LayernormBwdParams& p, cudaStream_t stream);   // x128 vectors
 cudaError_t layernorm_bwd_kernel9(const LayernormBwdParams& p, cudaStream_t stream);   // block reduce
+cudaError_t layernorm_bwd_kernel10(const LayernormBwdParams& p, cudaStream_t stream);  // vector smem
 SeedKernelLimits layernorm_bwd_kernel1_limits(Dtype dtype, int64_t C, int block_size);
 SeedKernelLimits layernorm_bwd_kernel2_limits(Dtype dtype, int64_t C, int block_size);
 SeedKernelLimits layernorm_bwd_kernel3_limits(Dtype dtype, int64_t C, int block_size);
@@ -85,14 +86,9 @@ SeedKernelLimits layernorm_bwd_kernel6_limits(Dtype dtype, int64_t C, int block_
 SeedKernelLimits layernorm_bwd_kernel7_limits(Dtype dtype, int64_t C, int block_size);
 SeedKernelLimits layernorm_bwd_kernel8_limits(Dtype dtype, int64_t C, int block_size);
 SeedKernelLimits layernorm_bwd_kernel9_limits(Dtype dtype, int64_t C, int block_size);
+SeedKernelLimits layernorm_bwd_kernel10_limits(Dtype dtype, int64_t C, int block_size);
 
-// The seed's kernel 10, repaired (see kernel10_vector_smem.cu). segments must be 1.
-cudaError_t layernorm_bwd_kernel10(const LayernormBwdParams& p, cudaStream_t stream);
-// Dynamic shared memory kernel 10 needs (the larger of its vector and scalar paths), so the
-// caller can refuse a C that does not fit before launching.
-size_t layernorm_bwd_kernel10_smem_bytes(Dtype dtype, int64_t C, int block_size);
-
-// Kernel 11, the default: rows kept in registers between the two passes, per-block fp32
+// Kernel 11: rows kept in registers between the two passes, per-block fp32
 // partial sums of dweight/dbias and a finalize kernel (see kernel11_rows_in_registers.cu).
 // Any C >= 1, any number of segments; block shape is chosen from C (p.block_size is ignored).
 cudaError_t layernorm_bwd_kernel11(const LayernormBwdParams& p, cudaStream_t stream);

@@ -1,4 +1,5 @@
-// Host-side pieces shared by the launchers of seed kernels 1-9 (kernel0N_*.cu): dtype dispatch
+// Host-side pieces shared by the launchers of seed kernels 1-10 (kernel0N_*.cu,
+// kernel10_vector_smem.cu; their shared device routines are in seed_device.cuh): dtype dispatch
 // that instantiates only the dtypes a kernel is built for, the rules every launcher checks
 // (SeedKernelLimits, see layernorm_bwd.h), the persistent grid of the seed, and the opt-in to
 // more than 48 KB of dynamic shared memory.
@@ -14,6 +15,7 @@ template <typename T> constexpr Dtype dtype_of();
 template <> constexpr Dtype dtype_of<float>() { return Dtype::kF32; }
 template <> constexpr Dtype dtype_of<__nv_bfloat16>() { return Dtype::kBF16; }
 template <> constexpr Dtype dtype_of<__half>() { return Dtype::kF16; }
+template <> constexpr Dtype dtype_of<double>() { return Dtype::kF64; }
 
 inline int64_t dtype_bytes(Dtype dtype) {
   return dtype == Dtype::kF64 ? 8 : dtype == Dtype::kF32 ? 4 : 2;

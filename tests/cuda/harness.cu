@@ -230,7 +230,7 @@ static bool refuses(int kernel, Dtype d, int64_t C, int block_size, int max_smem
     const SeedKernelLimits l = kSeedKernels[kernel - 1].limits(d, C, block_size);
     return C % l.c_multiple != 0 || l.smem_bytes > size_t(max_smem);
   }
-  return kernel == 10 && layernorm_bwd_kernel10_smem_bytes(d, C, block_size) > size_t(max_smem);
+  return kernel == 10 && layernorm_bwd_kernel10_limits(d, C, block_size).smem_bytes > size_t(max_smem);
 }
 static bool deterministic(int kernel) { return kernel >= 9; }
 static bool precise(int kernel) { return kernel != 3 && kernel != 4; }
