@@ -357,12 +357,12 @@ std::vector<Kernel12Config> kernel12_candidates(Dtype dtype, int64_t C) {
 }
 
 bool kernel12_pick(Dtype dtype, int64_t C, Kernel12Config* cfg) {
-  // Measured on an H200 (tests/cuda/harness.cu sweep, 16-bit rows of C = 1024..16384):
+  // Measured on an H200 (tests/cuda/harness.cu sweep, 16-bit rows of C = 768..16384):
   //  * Two buffers per group win when the SM's groups together have at least ~56 KB of dy and x
-  //    on their way (each group one row ahead): up to 10% faster than three at C = 2048..8192.
+  //    on their way (each group one row ahead): 6-11% faster than three at C = 2048..8192.
   //    More rows in flight than that only queue.
   //  * Below that, or with a single group per block (whose requests would stop while it computes
-  //    a row), three buffers win: 5% at C = 1600, 10-30% at C = 6144..16384. When the fp32
+  //    a row), three buffers win: 3-9% at C = 768..1600, 4-29% at C = 6144..16384. When the fp32
   //    weight row leaves no room for three, the weight is staged as T (raw_weight).
   //  * fp32 measured within 1% either way; fp64 follows the same rule.
   // Four buffers measured no better (5-7% slower in 16-bit at C = 1600..8192).
