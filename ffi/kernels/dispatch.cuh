@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "layernorm_bwd.h"
+#include "partials_finalize.h"
 #include "vec.cuh"
 
 namespace lnbwd {
@@ -84,5 +85,51 @@ inline cudaError_t max_dynamic_smem(int* out) {
     cudaError_t lnbwd_err_ = (expr);              \
     if (lnbwd_err_ != cudaSuccess) return lnbwd_err_; \
   } while (0)
+
+// How many blocks per SM a persistent grid asks for (see launch_with_partials).
+enum class BlocksPerSm {
+  kOccupancy,              // as many as fit at once (the occupancy calculator); none is an error
+  kOccupancyAtLeastOne,    // as many as fit at once, and at least one
+  kOne,                    // one (where the kernel's shared memory allows no more)
+};
+
+// The signature of the kernels that write per-block partial sums of dbias/dweight into the
+// workspace: (dx, partials, dy, x, weight, mean, rstd, rows_per_segment, blocks_per_segment,
+// weight_stride, C, extra...).
+template <typename T, typename... Extra>
+using PartialsKernel = void (*)(T*, acc_t<T>*, const T*, const T*, const T*, const stat_t<T>*, const stat_t<T>*,
+                                int64_t, int, int64_t, int, Extra...);
+
+// Launches such a kernel on a persistent grid, then finalize_partials over the slots it wrote:
+// `threads` threads and `smem` bytes of dynamic shared memory per block, blocks_per_segment
+// blocks per segment for about `per_sm` blocks on each SM, no more than there are steps of
+// `rows_per_block` rows and no more than the workspace has partial slots.
+template <typename T, typename... Extra, typename... Args>
+cudaError_t launch_with_partials(const LayernormBwdParams& p, PartialsKernel<T, Extra...> kernel, int threads,
+                                 size_t smem, BlocksPerSm per_sm_rule, int rows_per_block, cudaStream_t stream,
+                                 Args... extra) {
+  if (smem > 0) {
+    LNBWD_RETURN_IF_CUDA_ERROR(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  }
+  int sms = 0, per_sm = 1;
+  LNBWD_RETURN_IF_CUDA_ERROR(sm_count(&sms));
+  if (per_sm_rule != BlocksPerSm::kOne) {
+    LNBWD_RETURN_IF_CUDA_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+    if (per_sm < 1) {
+      if (per_sm_rule == BlocksPerSm::kOccupancy) return cudaErrorInvalidConfiguration;
+      per_sm = 1;
+    }
+  }
+  int64_t bps = 0;
+  LNBWD_RETURN_IF_CUDA_ERROR(blocks_per_segment<T>(p, static_cast<int64_t>(per_sm) * sms, rows_per_block, &bps));
+  kernel<<<static_cast<unsigned int>(bps * p.segments), threads, smem, stream>>>(
+      static_cast<T*>(p.dx), partials_of<T>(p), static_cast<const T*>(p.dy), static_cast<const T*>(p.x),
+      static_cast<const T*>(p.weight), static_cast<const stat_t<T>*>(p.mean),
+      static_cast<const stat_t<T>*>(p.rstd), p.rows / p.segments, static_cast<int>(bps), p.weight_stride,
+      static_cast<int>(p.C), extra...);
+  LNBWD_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+  return finalize_partials_launch(p, static_cast<int>(bps), stream);
+}
 
 }  // namespace lnbwd

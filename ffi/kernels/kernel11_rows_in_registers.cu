@@ -25,6 +25,7 @@
 #include "dispatch.cuh"
 #include "kernel11.h"
 #include "partials_finalize.h"
+#include "row_reduce.cuh"
 
 namespace lnbwd {
 namespace {
@@ -37,12 +38,6 @@ constexpr int kMaxThreads = 1024;
 // the compiler use up to 128 registers instead of spilling to local memory.
 constexpr int max_threads(int nv) { return nv >= 2 ? 512 : kMaxThreads; }
 constexpr int kMaxNamedBarrierGroups = 15;   // barrier ids 1..15; id 0 is __syncthreads()
-
-// Synchronizes the `count` threads of one row group on hardware barrier `id`, without stopping
-// the other groups of the block (which __syncthreads would).
-__device__ __forceinline__ void group_barrier(int id, int count) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
-}
 
 template <typename T, int VEC, int NV>
 __device__ __forceinline__ void load_row(Packed<T, VEC> (&dyv)[NV], Packed<T, VEC> (&xv)[NV], const T* dy,
@@ -110,8 +105,8 @@ kernel11_rows(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   }
   int parity = 0;
   for (; row < rows; row += stride) {
-    if (!PREFETCH) load_row<T, VEC, NV>(dyv, xv, dy, x, row, C, tpr, t);
     if (!PREFETCH) {
+      load_row<T, VEC, NV>(dyv, xv, dy, x, row, C, tpr, t);
       m = A(mean[row]);
       s = A(rstd[row]);
     }
@@ -148,12 +143,15 @@ kernel11_rows(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
       // the pairs in warp order (the same order everywhere, so all threads agree bit for bit).
       // Two buffers alternate between rows: a warp can only overwrite a buffer after passing
       // the next row's barrier, by which time every warp has read it.
+      // (Written out here rather than through exchange_row_sums, row_reduce.cuh: that helper's
+      // 8-byte pairs, or any call at this point, cost 5-7 of this file's variants registers or
+      // spills with nvcc 13.)
       A* ex = exchange + parity * warps_per_row * 2;
       if (lane == 0) {
         ex[warp_in_row * 2] = s1;
         ex[warp_in_row * 2 + 1] = s2;
       }
-      group_barrier(1 + g, tpr);
+      group_sync(1 + g, tpr);
       s1 = A(0);
       s2 = A(0);
       for (int w = 0; w < warps_per_row; ++w) {
@@ -201,7 +199,7 @@ kernel11_rows(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   // own), but without it compute-sanitizer's racecheck reported the groups' sums, written
   // before the __syncthreads and read after it, as racing (51 reports on the H200; none with it).
   // (Group 0's rows are this group's minus g, so `row - g < rows` says group 0 had one more.)
-  if (warps_per_row > 1 && row - g < rows) group_barrier(1 + g, tpr);
+  if (warps_per_row > 1 && row - g < rows) group_sync(1 + g, tpr);
 
   // Add the groups' sums in group order and write this block's partial slot. The barrier makes
   // every group's shared-memory sums visible to every thread.
@@ -225,26 +223,11 @@ size_t smem_bytes(const Kernel11Config& cfg, int64_t C, size_t acc_bytes) {
 
 template <typename T, int VEC, int NV, bool PREFETCH>
 cudaError_t launch(const LayernormBwdParams& p, const Kernel11Config& cfg, cudaStream_t stream) {
-  auto kernel = kernel11_rows<T, VEC, NV, PREFETCH>;
-  const int threads = cfg.tpr * cfg.groups;
-  const size_t smem = smem_bytes(cfg, p.C, sizeof(acc_t<T>));
-  LNBWD_RETURN_IF_CUDA_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  int sms = 0, per_sm = 0;
-  LNBWD_RETURN_IF_CUDA_ERROR(sm_count(&sms));
-  LNBWD_RETURN_IF_CUDA_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
-  if (per_sm < 1) return cudaErrorInvalidConfiguration;
   // Persistent grid: as many blocks as fit on the GPU at once, but no more than there are row
   // groups of work, and no more than the workspace has partial slots.
-  int64_t bps = 0;
-  LNBWD_RETURN_IF_CUDA_ERROR(blocks_per_segment<T>(p, static_cast<int64_t>(per_sm) * sms, cfg.groups, &bps));
-  const int64_t grid = bps * p.segments;
-  kernel<<<static_cast<unsigned int>(grid), threads, smem, stream>>>(
-      static_cast<T*>(p.dx), partials_of<T>(p), static_cast<const T*>(p.dy), static_cast<const T*>(p.x),
-      static_cast<const T*>(p.weight), static_cast<const stat_t<T>*>(p.mean),
-      static_cast<const stat_t<T>*>(p.rstd), p.rows / p.segments, static_cast<int>(bps), p.weight_stride,
-      static_cast<int>(p.C), cfg.tpr, cfg.groups);
-  LNBWD_RETURN_IF_CUDA_ERROR(cudaGetLastError());
-  return finalize_partials_launch(p, static_cast<int>(bps), stream);
+  return launch_with_partials<T>(p, kernel11_rows<T, VEC, NV, PREFETCH>, cfg.tpr * cfg.groups,
+                                 smem_bytes(cfg, p.C, sizeof(acc_t<T>)), BlocksPerSm::kOccupancy, cfg.groups, stream,
+                                 cfg.tpr, cfg.groups);
 }
 
 // The (NV, PREFETCH) variants compiled for each vector width. Registers per thread for the row

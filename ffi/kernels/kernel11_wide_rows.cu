@@ -14,6 +14,7 @@
 #include "dispatch.cuh"
 #include "kernel11.h"
 #include "partials_finalize.h"
+#include "row_reduce.cuh"
 
 namespace lnbwd {
 namespace {
@@ -29,7 +30,7 @@ kernel11_wide(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   using A = acc_t<T>;
   using V = Packed<T, VEC>;
   using AV = Packed<A, VEC>;
-  __shared__ A exchange[2][kThreads / 32][2];   // two buffers, alternating rows
+  __shared__ Packed<A, 2> exchange[2][kThreads / 32];   // two buffers of (s1, s2) pairs, alternating rows
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   A* db_slot = partials + static_cast<size_t>(blockIdx.x) * 2 * C;
@@ -69,17 +70,9 @@ kernel11_wide(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
     }
     s1 = warp_sum(s1);
     s2 = warp_sum(s2);
-    if (lane == 0) {
-      exchange[parity][warp][0] = s1;
-      exchange[parity][warp][1] = s2;
-    }
-    __syncthreads();   // all warp sums posted; the other buffer is free for the next row
-    s1 = A(0);
-    s2 = A(0);
-    for (int w = 0; w < kThreads / 32; ++w) {
-      s1 += exchange[parity][w][0];
-      s2 += exchange[parity][w][1];
-    }
+    exchange_row_sums(exchange[parity], kThreads / 32, warp, lane, s1, s2, [] {
+      __syncthreads();   // all warp sums posted; the other buffer is free for the next row
+    });
     parity ^= 1;
     const A a = s1 / A(C);
     const A b = s2 * s / A(C);
@@ -108,19 +101,8 @@ kernel11_wide(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
 
 template <typename T, int VEC>
 cudaError_t launch(const LayernormBwdParams& p, cudaStream_t stream) {
-  auto kernel = kernel11_wide<T, VEC>;
-  int sms = 0, per_sm = 0;
-  LNBWD_RETURN_IF_CUDA_ERROR(sm_count(&sms));
-  LNBWD_RETURN_IF_CUDA_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
-  int64_t bps = 0;
-  LNBWD_RETURN_IF_CUDA_ERROR(blocks_per_segment<T>(p, static_cast<int64_t>(std::max(per_sm, 1)) * sms, 1, &bps));
-  kernel<<<static_cast<unsigned int>(bps * p.segments), kThreads, 0, stream>>>(
-      static_cast<T*>(p.dx), partials_of<T>(p), static_cast<const T*>(p.dy), static_cast<const T*>(p.x),
-      static_cast<const T*>(p.weight), static_cast<const stat_t<T>*>(p.mean),
-      static_cast<const stat_t<T>*>(p.rstd), p.rows / p.segments, static_cast<int>(bps), p.weight_stride,
-      static_cast<int>(p.C));
-  LNBWD_RETURN_IF_CUDA_ERROR(cudaGetLastError());
-  return finalize_partials_launch(p, static_cast<int>(bps), stream);
+  return launch_with_partials<T>(p, kernel11_wide<T, VEC>, kThreads, 0, BlocksPerSm::kOccupancyAtLeastOne, 1,
+                                 stream);
 }
 
 }  // namespace

@@ -30,6 +30,7 @@
 #include "kernel12.h"
 #include "partials_finalize.h"
 #include "row_math.cuh"
+#include "row_reduce.cuh"
 
 #include <type_traits>
 
@@ -42,15 +43,6 @@ namespace {
 constexpr int max_threads(size_t sum_bytes) { return sum_bytes <= 32 ? 1024 : 512; }
 constexpr int kMaxGroups = 15;               // named barriers 1..15
 constexpr size_t kSmemBudget = 227 * 1024;   // the opt-in maximum of sm_90
-
-__device__ __forceinline__ void group_sync(int id, int count) {
-  if (count == 32) {
-    __syncwarp();
-  } else {
-    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
-  }
-}
-
 
 // W: the type the weight row is staged as in shared memory (shared-memory mode): acc_t<T>,
 // converted once; or T itself, half the bytes, converted in every pass, for 16-bit rows so wide
@@ -193,6 +185,8 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
       // Across the group's warps: lane 0 posts the warp's (s1, s2) pair, every thread adds the
       // pairs in warp order, one 8-byte load each. Two exchange buffers alternate between
       // rows: one is overwritten only after the next row's barrier, when all have read it.
+      // (Written out here rather than through exchange_row_sums, row_reduce.cuh: the call cost
+      // the fp64, two-buffer variant a 4-byte spill with nvcc 13.)
       Pair* ex = exchange + parity * warps_per_row;
       if (lane == 0) {
         Pair mine;
@@ -288,23 +282,9 @@ size_t smem_bytes(const Kernel12Config& cfg, int64_t C, size_t item, size_t acc)
 
 template <typename T, int VEC, int NV, int NB, bool REGS, typename W = acc_t<T>>
 cudaError_t launch(const LayernormBwdParams& p, const Kernel12Config& cfg, cudaStream_t stream) {
-  auto kernel = kernel12_ring<T, VEC, NV, NB, REGS, W>;
-  const int threads = cfg.tpr * cfg.groups;
-  const size_t smem = smem_bytes(cfg, p.C, sizeof(T), sizeof(acc_t<T>));
-  LNBWD_RETURN_IF_CUDA_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  int sms = 0, per_sm = 0;
-  LNBWD_RETURN_IF_CUDA_ERROR(sm_count(&sms));
-  LNBWD_RETURN_IF_CUDA_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
-  if (per_sm < 1) return cudaErrorInvalidConfiguration;
-  int64_t bps = 0;
-  LNBWD_RETURN_IF_CUDA_ERROR(blocks_per_segment<T>(p, static_cast<int64_t>(per_sm) * sms, cfg.groups, &bps));
-  kernel<<<static_cast<unsigned int>(bps * p.segments), threads, smem, stream>>>(
-      static_cast<T*>(p.dx), partials_of<T>(p), static_cast<const T*>(p.dy), static_cast<const T*>(p.x),
-      static_cast<const T*>(p.weight), static_cast<const stat_t<T>*>(p.mean),
-      static_cast<const stat_t<T>*>(p.rstd), p.rows / p.segments, static_cast<int>(bps), p.weight_stride,
-      static_cast<int>(p.C), cfg.tpr, cfg.groups);
-  LNBWD_RETURN_IF_CUDA_ERROR(cudaGetLastError());
-  return finalize_partials_launch(p, static_cast<int>(bps), stream);
+  return launch_with_partials<T>(p, kernel12_ring<T, VEC, NV, NB, REGS, W>, cfg.tpr * cfg.groups,
+                                 smem_bytes(cfg, p.C, sizeof(T), sizeof(acc_t<T>)), BlocksPerSm::kOccupancy,
+                                 cfg.groups, stream, cfg.tpr, cfg.groups);
 }
 
 // The compiled variants, chosen from measurements on an H200 (tests/cuda/harness.cu sweep):

@@ -28,6 +28,7 @@
 #include "kernel12.h"
 #include "partials_finalize.h"
 #include "row_math.cuh"
+#include "row_reduce.cuh"
 
 namespace lnbwd {
 namespace {
@@ -156,26 +157,14 @@ kernel12_wide(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
           });
         }
       }
-      // The block's sums: warps post their pairs, every thread adds them in warp order. Two
+      // The block's sums: warps post their pairs, every thread adds them in warp order
+      // (row_reduce.cuh), on the consumers' barrier (the producer warp does not take part). Two
       // exchange buffers alternate between rows: one is overwritten only after the next row's
       // barrier, when every thread has read it.
       s1 = warp_sum(s1);
       s2 = warp_sum(s2);
-      Pair* ex = exchange + parity * kConsumerWarps;
-      if (lane == 0) {
-        Pair mine;
-        mine[0] = s1;
-        mine[1] = s2;
-        ex[warp] = mine;
-      }
-      consumers_sync();
-      s1 = A(0);
-      s2 = A(0);
-      for (int w = 0; w < kConsumerWarps; ++w) {
-        const Pair p = ex[w];
-        s1 += p[0];
-        s2 += p[1];
-      }
+      exchange_row_sums(exchange + parity * kConsumerWarps, kConsumerWarps, warp, lane, s1, s2,
+                        [] { consumers_sync(); });
       parity ^= 1;
       const RowCoefficients<A> coef(s1, s2, s, inv_c);
 
@@ -264,21 +253,10 @@ cudaError_t layernorm_bwd_kernel12_wide(const LayernormBwdParams& p, cudaStream_
     } else {
       if (!can_vectorize<T>(p)) return cudaErrorInvalidValue;
       constexpr int vec = kVec<T>;
-      auto kernel = kernel12_wide<T, vec, kNV<T>, kNVC>;
-      const size_t smem = smem_bytes(p.C, sizeof(T), sizeof(acc_t<T>), kConsumers * kNVC * vec);
-      LNBWD_RETURN_IF_CUDA_ERROR(
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-      int sms = 0;
-      LNBWD_RETURN_IF_CUDA_ERROR(sm_count(&sms));
-      int64_t bps = 0;   // one block per SM (the shared memory allows no more), one row per step
-      LNBWD_RETURN_IF_CUDA_ERROR(blocks_per_segment<T>(p, sms, 1, &bps));
-      kernel<<<static_cast<unsigned int>(bps * p.segments), kThreads, smem, stream>>>(
-          static_cast<T*>(p.dx), partials_of<T>(p), static_cast<const T*>(p.dy), static_cast<const T*>(p.x),
-          static_cast<const T*>(p.weight), static_cast<const stat_t<T>*>(p.mean),
-          static_cast<const stat_t<T>*>(p.rstd), p.rows / p.segments, static_cast<int>(bps), p.weight_stride,
-          static_cast<int>(p.C));
-      LNBWD_RETURN_IF_CUDA_ERROR(cudaGetLastError());
-      return finalize_partials_launch(p, static_cast<int>(bps), stream);
+      // One block per SM (the shared memory allows no more), one row per step.
+      return launch_with_partials<T>(p, kernel12_wide<T, vec, kNV<T>, kNVC>, kThreads,
+                                     smem_bytes(p.C, sizeof(T), sizeof(acc_t<T>), kConsumers * kNVC * vec),
+                                     BlocksPerSm::kOne, 1, stream);
     }
   });
 }

@@ -33,7 +33,7 @@ controls() {
   sed 's|store_cs(reinterpret_cast<V\*>(dx + row \* C + col), dxv);|store_cs(reinterpret_cast<V*>(dx + row * C + col + (row + 1 == rows ? C : 0)), dxv);|' \
     ffi/kernels/kernel11_rows_in_registers.cu > "$ctl/kernel11_oob.cu"
   # 2) No barrier between posting the warps' row sums and reading them.
-  sed 's|      group_barrier(1 + g, tpr);||' ffi/kernels/kernel11_rows_in_registers.cu > "$ctl/kernel11_race.cu"
+  sed 's|      group_sync(1 + g, tpr);||' ffi/kernels/kernel11_rows_in_registers.cu > "$ctl/kernel11_race.cu"
   for planted in oob race; do
     grep -q . "$ctl/kernel11_$planted.cu" && ! cmp -s "$ctl/kernel11_$planted.cu" ffi/kernels/kernel11_rows_in_registers.cu \
       || { echo "control $planted: the planted change did not apply"; continue; }
