@@ -25,16 +25,12 @@
 //    C = 1 gives dx = 0 exactly; 64-bit row offsets.
 //  * The grid never has more blocks than the rows have warps (idle blocks would only add zeros).
 //  * More than 48 KB of shared memory (C > 6144) is opted in to; C up to 29056 fits Hopper.
-#include <cooperative_groups.h>
-#include <cooperative_groups/reduce.h>
 
 #include "seed_common.cuh"
-#include "seed_device.cuh"
+#include "seed_persistent_warps.cuh"
 
 namespace lnbwd {
 namespace {
-
-namespace cg = cooperative_groups;
 
 // The fastest block size on the H200 at 8192x1600, bf16 and fp32 (tests/cuda/harness.cu blocks).
 constexpr int kDefaultBlockSize = 1024;
@@ -75,24 +71,8 @@ kernel3(T* __restrict__ dx, T* __restrict__ dweight, T* __restrict__ dbias, cons
   extern __shared__ float shared[];   // [dbias sums | dweight sums], C floats each
   float* dbias_sh = shared;
   float* dweight_sh = shared + C;
-  cg::thread_block block = cg::this_thread_block();
-  cg::thread_block_tile<32> warp = cg::tiled_partition<32>(block);
-
-  zero_block_sums(dbias_sh, dweight_sh, C);
-  __syncthreads();   // sums zeroed before any warp adds to them
-
-  // Each warp's rows (seed_device.cuh): pass 1 sums g = weight * dy and g * xhat over each lane's
-  // columns, row_sum adds them across the tile into a = mean(g) and b = mean(g * xhat); pass 2
-  // reads the row again with streaming loads, writes dx and adds dy and dy * xhat to the block's
-  // shared sums. No barrier inside the row loop, so warps may take different numbers of rows.
-  auto row_sum = [&](float v) { return cg::reduce(warp, v, cg::plus<float>{}); };
-  const int64_t warps_in_grid = static_cast<int64_t>(gridDim.x) * warp.meta_group_size();
-  for (int64_t row = static_cast<int64_t>(blockIdx.x) * warp.meta_group_size() + warp.meta_group_rank(); row < rows;
-       row += warps_in_grid) {
-    warp_row_to_shared_sums<true>(row, warp.thread_rank(), warp.size(), row_sum, dx, dy, x, weight, mean, rstd, C,
-                                  dbias_sh, dweight_sh);
-  }
-  __syncthreads();   // every warp's shared atomics done before the block's sums are read
+  // Every warp's rows, into the block's shared sums (seed_persistent_warps.cuh).
+  persistent_warps_to_block_sums(dx, dy, x, weight, mean, rstd, rows, C, dbias_sh, dweight_sh);
 
   // The block's sums, rounded to T, added to the running sums in dweight/dbias.
   for (int i = threadIdx.x; i < C; i += blockDim.x) {

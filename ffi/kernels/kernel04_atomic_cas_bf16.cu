@@ -23,16 +23,12 @@
 //  * More than 48 KB of shared memory (C > 6144) is opted in to; C up to 29056 fits Hopper.
 // The pairs are 32-bit words, so dweight and dbias must be 4-byte aligned (XLA's buffers are):
 // the launcher returns cudaErrorMisalignedAddress otherwise.
-#include <cooperative_groups.h>
-#include <cooperative_groups/reduce.h>
 
 #include "seed_common.cuh"
-#include "seed_device.cuh"
+#include "seed_persistent_warps.cuh"
 
 namespace lnbwd {
 namespace {
-
-namespace cg = cooperative_groups;
 
 // The fastest block size on the H200 at 8192x1600, bf16 and fp32 (tests/cuda/harness.cu blocks).
 constexpr int kDefaultBlockSize = 1024;
@@ -78,24 +74,8 @@ kernel4(__nv_bfloat16* __restrict__ dx, __nv_bfloat16* __restrict__ dweight, __n
   extern __shared__ float shared[];   // [dbias sums | dweight sums], C floats each
   float* dbias_sh = shared;
   float* dweight_sh = shared + C;
-  cg::thread_block block = cg::this_thread_block();
-  cg::thread_block_tile<32> warp = cg::tiled_partition<32>(block);
-
-  zero_block_sums(dbias_sh, dweight_sh, C);
-  __syncthreads();   // sums zeroed before any warp adds to them
-
-  // Each warp's rows (seed_device.cuh): pass 1 sums g = weight * dy and g * xhat over each lane's
-  // columns, row_sum adds them across the tile into a = mean(g) and b = mean(g * xhat); pass 2
-  // reads the row again with streaming loads, writes dx and adds dy and dy * xhat to the block's
-  // shared sums. No barrier inside the row loop, so warps may take different numbers of rows.
-  auto row_sum = [&](float v) { return cg::reduce(warp, v, cg::plus<float>{}); };
-  const int64_t warps_in_grid = static_cast<int64_t>(gridDim.x) * warp.meta_group_size();
-  for (int64_t row = static_cast<int64_t>(blockIdx.x) * warp.meta_group_size() + warp.meta_group_rank(); row < rows;
-       row += warps_in_grid) {
-    warp_row_to_shared_sums<true>(row, warp.thread_rank(), warp.size(), row_sum, dx, dy, x, weight, mean, rstd, C,
-                                  dbias_sh, dweight_sh);
-  }
-  __syncthreads();   // every warp's shared atomics done before the block's sums are read
+  // Every warp's rows, into the block's shared sums (seed_persistent_warps.cuh).
+  persistent_warps_to_block_sums(dx, dy, x, weight, mean, rstd, rows, C, dbias_sh, dweight_sh);
 
   // The block's sums, rounded to bf16, added pair by pair to dweight/dbias.
   __nv_bfloat162* dbias2 = reinterpret_cast<__nv_bfloat162*>(dbias);
