@@ -261,7 +261,7 @@ cudaError_t launch_variant(const LayernormBwdParams& p, const Kernel11Config& cf
 }  // namespace
 
 std::vector<Kernel11Config> kernel11_candidates(Dtype dtype, int64_t C, bool vectorized) {
-  const int item = dtype == Dtype::kF64 ? 8 : (dtype == Dtype::kF32 ? 4 : 2);
+  const int item = dtype_bytes(dtype);
   const int vec = vectorized ? 16 / item : 1;
   const size_t acc = dtype == Dtype::kF64 ? 8 : 4;
   std::vector<std::pair<int, bool>> variants;

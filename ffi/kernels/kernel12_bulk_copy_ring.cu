@@ -312,7 +312,7 @@ cudaError_t launch_variant(const LayernormBwdParams& p, const Kernel12Config& cf
 }  // namespace
 
 std::vector<Kernel12Config> kernel12_candidates(Dtype dtype, int64_t C) {
-  const int item = dtype == Dtype::kF64 ? 8 : (dtype == Dtype::kF32 ? 4 : 2);
+  const int item = dtype_bytes(dtype);
   const int vec = 16 / item;
   const size_t acc = dtype == Dtype::kF64 ? 8 : 4;
   std::vector<Kernel12Config> out;
@@ -346,13 +346,14 @@ bool kernel12_pick(Dtype dtype, int64_t C, Kernel12Config* cfg) {
   //    weight row leaves no room for three, the weight is staged as T (raw_weight).
   //  * fp32 measured within 1% either way; fp64 follows the same rule.
   // Four buffers measured no better (5-7% slower in 16-bit at C = 1600..8192).
+  // kernel12_candidates lists three buffers with an fp32 weight before three with a raw one.
   const std::vector<Kernel12Config> all = kernel12_candidates(dtype, C);
-  const size_t row_bytes = static_cast<size_t>(C) * (dtype == Dtype::kF64 ? 8 : dtype == Dtype::kF32 ? 4 : 2);
+  const size_t row_bytes = static_cast<size_t>(C) * dtype_bytes(dtype);
   const Kernel12Config* two = nullptr;
   const Kernel12Config* three = nullptr;
   for (const Kernel12Config& c : all) {
     if (c.nb == 2 && !two) two = &c;
-    if (c.nb == 3 && (!three || (three->raw_weight && c.groups > three->groups))) three = &c;
+    if (c.nb == 3 && !three) three = &c;
   }
   const bool two_enough = two && two->groups >= 2 && two->groups * 2 * row_bytes >= 56 * 1024;
   const Kernel12Config* pick = two_enough || !three ? two : three;

@@ -17,10 +17,6 @@ template <> constexpr Dtype dtype_of<__nv_bfloat16>() { return Dtype::kBF16; }
 template <> constexpr Dtype dtype_of<__half>() { return Dtype::kF16; }
 template <> constexpr Dtype dtype_of<double>() { return Dtype::kF64; }
 
-inline int64_t dtype_bytes(Dtype dtype) {
-  return dtype == Dtype::kF64 ? 8 : dtype == Dtype::kF32 ? 4 : 2;
-}
-
 // Calls f(T{}) with the C++ type of `dtype` when it is one of Ts (the dtypes the kernel is built
 // for), else returns cudaErrorInvalidValue. Only the Ts are instantiated: each dtype costs a
 // full compile of the kernel for every architecture.
