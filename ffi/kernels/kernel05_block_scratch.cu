@@ -56,18 +56,8 @@ kernel5(T* __restrict__ dx, T* __restrict__ dweight, T* __restrict__ dbias, floa
 
 template <typename T>
 cudaError_t launch(const LayernormBwdParams& p, const SeedKernelLimits& l, cudaStream_t stream) {
-  int64_t grid = 0;
-  LNBWD_RETURN_IF_CUDA_ERROR(persistent_grid(p, 1, l.block_size, &grid));   // one block per SM
-  grid = std::min<int64_t>(grid, partial_slots<T>(p));                       // one slot per block
-  if (grid < 1) return cudaErrorInvalidValue;
-  auto kernel = kernel5<T>;
-  LNBWD_RETURN_IF_CUDA_ERROR(opt_in_smem(kernel, l.smem_bytes));
-  LNBWD_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(flag_of(p), 0, sizeof(unsigned int), stream));
-  kernel<<<static_cast<unsigned int>(grid), l.block_size, l.smem_bytes, stream>>>(
-      static_cast<T*>(p.dx), static_cast<T*>(p.dweight), static_cast<T*>(p.dbias), partials_of<T>(p), flag_of(p),
-      static_cast<const T*>(p.dy), static_cast<const T*>(p.x), static_cast<const T*>(p.weight),
-      static_cast<const float*>(p.mean), static_cast<const float*>(p.rstd), p.rows, static_cast<int>(p.C));
-  return cudaGetLastError();
+  // One block per SM, as in the seed ("1024 threads is best anyway").
+  return launch_last_block_kernel<T>(kernel5<T>, SeedSums::kSlotPerBlock, p, 1, l.block_size, l.smem_bytes, stream);
 }
 
 }  // namespace

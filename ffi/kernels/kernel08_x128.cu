@@ -129,19 +129,8 @@ kernel8(T* __restrict__ dx, T* __restrict__ dweight, T* __restrict__ dbias, floa
 template <typename T>
 cudaError_t launch(const LayernormBwdParams& p, const SeedKernelLimits& l, cudaStream_t stream) {
   if (!can_vectorize<T>(p)) return cudaErrorMisalignedAddress;
-  if (partial_slots<T>(p) < 1) return cudaErrorInvalidValue;   // the scratch row is slot 0
-  int64_t grid = 0;
-  LNBWD_RETURN_IF_CUDA_ERROR(persistent_grid(p, 1024 / l.block_size, l.block_size, &grid));
-  auto kernel = kernel8<T>;
-  LNBWD_RETURN_IF_CUDA_ERROR(opt_in_smem(kernel, l.smem_bytes));
-  // The counter (header) and the scratch row (slot 0) are contiguous: one memset zeroes both.
-  LNBWD_RETURN_IF_CUDA_ERROR(
-      cudaMemsetAsync(p.workspace, 0, kWorkspaceHeaderBytes + 2 * p.C * sizeof(float), stream));
-  kernel<<<static_cast<unsigned int>(grid), l.block_size, l.smem_bytes, stream>>>(
-      static_cast<T*>(p.dx), static_cast<T*>(p.dweight), static_cast<T*>(p.dbias), partials_of<T>(p), flag_of(p),
-      static_cast<const T*>(p.dy), static_cast<const T*>(p.x), static_cast<const T*>(p.weight),
-      static_cast<const float*>(p.mean), static_cast<const float*>(p.rstd), p.rows, static_cast<int>(p.C));
-  return cudaGetLastError();
+  return launch_last_block_kernel<T>(kernel8<T>, SeedSums::kSharedRow, p,
+                                     1024 / l.block_size, l.block_size, l.smem_bytes, stream);
 }
 
 }  // namespace

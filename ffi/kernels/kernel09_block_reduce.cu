@@ -172,18 +172,8 @@ kernel9(T* __restrict__ dx, T* __restrict__ dweight, T* __restrict__ dbias, floa
 template <typename T>
 cudaError_t launch(const LayernormBwdParams& p, const SeedKernelLimits& l, cudaStream_t stream) {
   if (!can_vectorize<T>(p) || reinterpret_cast<uintptr_t>(p.workspace) % 16 != 0) return cudaErrorMisalignedAddress;
-  int64_t grid = 0;
-  LNBWD_RETURN_IF_CUDA_ERROR(persistent_grid(p, 1024 / l.block_size, l.block_size, &grid));
-  grid = std::min<int64_t>(grid, partial_slots<T>(p));   // one slot per block
-  if (grid < 1) return cudaErrorInvalidValue;
-  auto kernel = kernel9<T>;
-  LNBWD_RETURN_IF_CUDA_ERROR(opt_in_smem(kernel, l.smem_bytes));
-  LNBWD_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(flag_of(p), 0, sizeof(unsigned int), stream));
-  kernel<<<static_cast<unsigned int>(grid), l.block_size, l.smem_bytes, stream>>>(
-      static_cast<T*>(p.dx), static_cast<T*>(p.dweight), static_cast<T*>(p.dbias), partials_of<T>(p), flag_of(p),
-      static_cast<const T*>(p.dy), static_cast<const T*>(p.x), static_cast<const T*>(p.weight),
-      static_cast<const float*>(p.mean), static_cast<const float*>(p.rstd), p.rows, static_cast<int>(p.C));
-  return cudaGetLastError();
+  return launch_last_block_kernel<T>(kernel9<T>, SeedSums::kSlotPerBlock, p,
+                                     1024 / l.block_size, l.block_size, l.smem_bytes, stream);
 }
 
 }  // namespace

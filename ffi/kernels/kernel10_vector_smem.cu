@@ -165,20 +165,8 @@ template <typename T, int VEC>
 cudaError_t launch(const LayernormBwdParams& p, int block_size, cudaStream_t stream) {
   // The seed's grid: 1024 / block_size blocks per SM, never more blocks than the rows have warps,
   // nor than the workspace has partial slots.
-  int64_t grid = 0;
-  LNBWD_RETURN_IF_CUDA_ERROR(persistent_grid(p, 1024 / block_size, block_size, &grid));
-  grid = std::min<int64_t>(grid, partial_slots<T>(p));   // one slot per block
-  if (grid < 1) return cudaErrorInvalidValue;
-
-  const size_t smem = smem_bytes<T, VEC>(p.C, block_size);
-  auto kernel = kernel10<T, VEC>;
-  LNBWD_RETURN_IF_CUDA_ERROR(opt_in_smem(kernel, smem));
-  LNBWD_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(flag_of(p), 0, sizeof(unsigned int), stream));
-  kernel<<<static_cast<unsigned int>(grid), block_size, smem, stream>>>(
-      static_cast<T*>(p.dx), static_cast<T*>(p.dweight), static_cast<T*>(p.dbias), partials_of<T>(p),
-      flag_of(p), static_cast<const T*>(p.dy), static_cast<const T*>(p.x), static_cast<const T*>(p.weight),
-      static_cast<const stat_t<T>*>(p.mean), static_cast<const stat_t<T>*>(p.rstd), p.rows, static_cast<int>(p.C));
-  return cudaGetLastError();
+  return launch_last_block_kernel<T>(kernel10<T, VEC>, SeedSums::kSlotPerBlock, p, 1024 / block_size, block_size,
+                                     smem_bytes<T, VEC>(p.C, block_size), stream);
 }
 
 }  // namespace

@@ -72,4 +72,36 @@ cudaError_t opt_in_smem(Kernel kernel, size_t bytes) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
 }
 
+// How seed kernels 5-10 hand their block sums to the last block to finish
+// (last_block_to_finish in seed_device.cuh): each block writes its own partial slot (kernels 5,
+// 9, 10), or all blocks add into one shared fp32 scratch row, slot 0 (kernels 6, 7, 8).
+enum class SeedSums { kSlotPerBlock, kSharedRow };
+
+// Launches one of seed kernels 5-10, which all take (dx, dweight, dbias, scratch, counter, dy, x,
+// weight, mean, rstd, rows, C): blocks_per_sm blocks on every SM (fewer when the rows have fewer
+// warps; with a slot per block, no more than the workspace has slots), after zeroing what the
+// kernel counts on being zero.
+template <typename T, typename Kernel>
+cudaError_t launch_last_block_kernel(Kernel kernel, SeedSums sums, const LayernormBwdParams& p, int blocks_per_sm,
+                                     int block_size, size_t smem, cudaStream_t stream) {
+  if (sums == SeedSums::kSharedRow && partial_slots<T>(p) < 1) return cudaErrorInvalidValue;   // the row is slot 0
+  int64_t grid = 0;
+  LNBWD_RETURN_IF_CUDA_ERROR(persistent_grid(p, blocks_per_sm, block_size, &grid));
+  if (sums == SeedSums::kSlotPerBlock) {
+    grid = std::min<int64_t>(grid, partial_slots<T>(p));   // one slot per block
+    if (grid < 1) return cudaErrorInvalidValue;
+  }
+  LNBWD_RETURN_IF_CUDA_ERROR(opt_in_smem(kernel, smem));
+  // A slot per block: only the counter (every slot is written before it is read). A shared row:
+  // the counter (header) and the row (slot 0) are contiguous, so one memset zeroes both.
+  const size_t zeroed = sums == SeedSums::kSlotPerBlock ? sizeof(unsigned int)
+                                                        : kWorkspaceHeaderBytes + 2 * p.C * sizeof(acc_t<T>);
+  LNBWD_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(p.workspace, 0, zeroed, stream));
+  kernel<<<static_cast<unsigned int>(grid), block_size, smem, stream>>>(
+      static_cast<T*>(p.dx), static_cast<T*>(p.dweight), static_cast<T*>(p.dbias), partials_of<T>(p), flag_of(p),
+      static_cast<const T*>(p.dy), static_cast<const T*>(p.x), static_cast<const T*>(p.weight),
+      static_cast<const stat_t<T>*>(p.mean), static_cast<const stat_t<T>*>(p.rstd), p.rows, static_cast<int>(p.C));
+  return cudaGetLastError();
+}
+
 }  // namespace lnbwd
