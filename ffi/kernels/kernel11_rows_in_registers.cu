@@ -6,8 +6,10 @@
 // owns one row at a time; thread t of a group owns NV vectors of VEC elements, at columns
 //   col(j) = (j * tpr + t) * VEC,  j = 0..NV-1,
 // so for every j the group's loads cover one contiguous, fully coalesced span of the row.
-// Groups walk rows blockIdx.x * groups + g, then + gridDim.x * groups, ... (a persistent grid
-// sized from the SM count), so each thread keeps owning the same columns for every row.
+// Block b of a segment's B blocks (a persistent grid sized from the SM count) owns rows b, b + B,
+// b + 2B, ..., dealt to its groups in turn: group g walks rows b + g*B, then + groups*B, ...
+// Blocks' row counts then differ by at most one, and each thread keeps owning the same columns
+// for every row.
 //
 // Per row, with g_i = weight_i * dy_i and xhat_i = (x_i - mean) * rstd (centered):
 //   pass 1 (registers only): s1 = sum g_i, s2 = sum g_i * (x_i - mean), reduced over the group:
@@ -95,7 +97,7 @@ kernel11_rows(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   const int64_t rows = (segment + 1) * rows_per_segment;   // end of this block's segment
   weight += segment * weight_stride;
   const int64_t stride = static_cast<int64_t>(bps) * groups;
-  int64_t row = segment * rows_per_segment + static_cast<int64_t>(blockIdx.x % bps) * groups + g;
+  int64_t row = segment * rows_per_segment + blockIdx.x % bps + static_cast<int64_t>(g) * bps;
   V dyv[NV], xv[NV];
   A m = A(0), s = A(0);
   if (PREFETCH && row < rows) {
@@ -198,8 +200,8 @@ kernel11_rows(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   // all meet at __syncthreads below. The hardware does not need this (each group's barrier is its
   // own), but without it compute-sanitizer's racecheck reported the groups' sums, written
   // before the __syncthreads and read after it, as racing (51 reports on the H200; none with it).
-  // (Group 0's rows are this group's minus g, so `row - g < rows` says group 0 had one more.)
-  if (warps_per_row > 1 && row - g < rows) group_sync(1 + g, tpr);
+  // (Group 0's rows are this group's minus g*B, so `row - g*B < rows` says group 0 had one more.)
+  if (warps_per_row > 1 && row - static_cast<int64_t>(g) * bps < rows) group_sync(1 + g, tpr);
 
   // Add the groups' sums in group order and write this block's partial slot. The barrier makes
   // every group's shared-memory sums visible to every thread.

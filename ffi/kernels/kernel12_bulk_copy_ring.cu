@@ -7,8 +7,11 @@
 // shared-memory buffers, so each row group always has the next NB-1 rows on their way while it
 // computes on the current one.
 //
-// Work split (as kernel 11): a block holds `groups` row groups of `tpr` threads; group g walks
-// rows blockIdx*groups + g, + grid*groups, ... within its segment; thread t owns the columns
+// Work split (as kernel 11): a block holds `groups` row groups of `tpr` threads; block b of a
+// segment's B blocks owns the rows b, b + B, b + 2B, ..., dealt to its groups in turn, so group g
+// walks rows b + g*B, then + groups*B, ... (blocks' row counts differ by at most one: rows
+// handed out group-major, b*groups + g, left a third of the SMs a whole row per group more at
+// 16384 rows of 1600); thread t owns the columns
 // col(j) = (j * tpr + t) * VEC, j < NV, for every row, so its dweight/dbias sums stay in
 // registers (no atomics, no shared-memory traffic) until the end.
 //
@@ -87,7 +90,7 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   const int64_t rows = (segment + 1) * rows_per_segment;
   weight += segment * weight_stride;
   const int64_t stride = static_cast<int64_t>(blocks_per_segment) * groups;
-  const int64_t first = segment * rows_per_segment + static_cast<int64_t>(blockIdx.x % blocks_per_segment) * groups + g;
+  const int64_t first = segment * rows_per_segment + blockIdx.x % blocks_per_segment + static_cast<int64_t>(g) * blocks_per_segment;
 
   // The weight loads go out first. Issued after the ring's first copies, they would queue behind
   // every SM's first rows (tens of MB) and hold the whole block at the barrier that publishes the
@@ -235,9 +238,9 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   // row's named barrier here, so that every warp has passed as many barriers as every other when
   // all meet at __syncthreads below. The hardware does not need this (each group's barrier is its
   // own), but without it compute-sanitizer's racecheck reported the sums exchanged below as
-  // racing (52 reports on the H200; none with it). Group 0's rows are this group's minus g, so
-  // group 0 had one row more if its next row, row - g, is still below `rows`.
-  if (row - g < rows) group_sync(1 + g, tpr);
+  // racing (52 reports on the H200; none with it). Group 0's rows are this group's minus g*B, so
+  // group 0 had one row more if its next row, row - g*B, is still below `rows`.
+  if (row - static_cast<int64_t>(g) * blocks_per_segment < rows) group_sync(1 + g, tpr);
 
   // The groups' sums meet in shared memory (the ring is idle now: every copy that was issued
   // has been waited for), then are added in group order into this block's partial slot. Past
