@@ -63,6 +63,7 @@ kernel11_rows(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
               const stat_t<T>* __restrict__ rstd, int64_t rows_per_segment, int blocks_per_segment,
               int64_t weight_stride, int C, int tpr, int groups) {
   using A = acc_t<T>;
+  allow_finalize_launch();
   using V = Packed<T, VEC>;
   using AV = Packed<A, VEC>;
   const int g = threadIdx.x / tpr;

@@ -28,6 +28,7 @@ kernel11_wide(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
               const stat_t<T>* __restrict__ rstd, int64_t rows_per_segment, int blocks_per_segment,
               int64_t weight_stride, int C) {
   using A = acc_t<T>;
+  allow_finalize_launch();
   using V = Packed<T, VEC>;
   using AV = Packed<A, VEC>;
   __shared__ Packed<A, 2> exchange[2][kThreads / 32];   // two buffers of (s1, s2) pairs, alternating rows

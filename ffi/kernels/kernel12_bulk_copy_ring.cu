@@ -57,6 +57,7 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
               const stat_t<T>* __restrict__ rstd, int64_t rows_per_segment, int blocks_per_segment,
               int64_t weight_stride, int C, int tpr, int groups) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  allow_finalize_launch();
   using A = acc_t<T>;
   using V = Packed<T, VEC>;
   using AV = Packed<A, VEC>;

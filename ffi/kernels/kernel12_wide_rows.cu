@@ -51,6 +51,7 @@ kernel12_wide(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
               const stat_t<T>* __restrict__ rstd, int64_t rows_per_segment, int blocks_per_segment,
               int64_t weight_stride, int C) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  allow_finalize_launch();
   using A = acc_t<T>;
   using S = stat_t<T>;
   using V = Packed<T, VEC>;

@@ -8,4 +8,16 @@ namespace lnbwd {
 
 cudaError_t finalize_partials_launch(const LayernormBwdParams& p, int slots, cudaStream_t stream);
 
+#ifdef __CUDACC__
+// Called by a kernel whose partials finalize_partials sums, once per thread, at its start: from
+// the moment every block of the grid has called it, the finalize kernel may launch and wait on
+// the GPU for this grid to finish, so its launch overlaps this grid's work (see
+// partials_finalize.cu). A no-op before sm_90.
+__device__ __forceinline__ void allow_finalize_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+#endif
+
 }  // namespace lnbwd
