@@ -47,11 +47,15 @@ static size_t acc_bytes(Dtype d) { return d == Dtype::kF64 ? 8 : 4; }
 static const char* dtype_name(Dtype d) {
   return d == Dtype::kF64 ? "float64" : d == Dtype::kF32 ? "float32" : d == Dtype::kBF16 ? "bfloat16" : "float16";
 }
+// jax's names (float32) or the short ones (f32, bf16); anything else stops the harness, so that
+// a typo is never measured as another dtype.
 static Dtype parse_dtype(const std::string& s) {
-  if (s == "float64") return Dtype::kF64;
-  if (s == "float32") return Dtype::kF32;
-  if (s == "bfloat16") return Dtype::kBF16;
-  return Dtype::kF16;
+  if (s == "float64" || s == "f64") return Dtype::kF64;
+  if (s == "float32" || s == "f32") return Dtype::kF32;
+  if (s == "bfloat16" || s == "bf16") return Dtype::kBF16;
+  if (s == "float16" || s == "f16") return Dtype::kF16;
+  std::fprintf(stderr, "harness: unknown dtype '%s' (float64, float32, bfloat16, float16)\n", s.c_str());
+  std::exit(2);
 }
 
 // Host values are doubles; these store them in the device dtype and read them back.
