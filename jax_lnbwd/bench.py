@@ -237,7 +237,10 @@ def time_torch(step, d0, k: int, reps: int, min_run_s: float) -> tuple[float, bo
             chain()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: only this thread's capture-unsafe CUDA calls are refused. With torch's
+        # default (global), a call from one of JAX's threads during the capture failed, and
+        # left JAX's stream in an error state for the rest of the run.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             chain()
         replay, graphed = graph.replay, True
     except Exception:
