@@ -69,18 +69,18 @@ acc_t<T>* partials_of(const LayernormBwdParams& p) {
 
 inline unsigned int* flag_of(const LayernormBwdParams& p) { return static_cast<unsigned int*>(p.workspace); }
 
-inline cudaError_t sm_count(int* out) {
+// An attribute of the current device (the one XLA's stream belongs to).
+inline cudaError_t device_attribute(cudaDeviceAttr attr, int* out) {
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return err;
-  return cudaDeviceGetAttribute(out, cudaDevAttrMultiProcessorCount, dev);
+  return cudaDeviceGetAttribute(out, attr, dev);
 }
 
-inline cudaError_t max_dynamic_smem(int* out) {
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err != cudaSuccess) return err;
-  return cudaDeviceGetAttribute(out, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+inline cudaError_t sm_count(int* out) { return device_attribute(cudaDevAttrMultiProcessorCount, out); }
+inline cudaError_t max_dynamic_smem(int* out) { return device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, out); }
+inline cudaError_t compute_capability_major(int* out) {
+  return device_attribute(cudaDevAttrComputeCapabilityMajor, out);
 }
 
 #define LNBWD_RETURN_IF_CUDA_ERROR(expr)          \

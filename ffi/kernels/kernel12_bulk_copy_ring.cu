@@ -376,9 +376,8 @@ cudaError_t layernorm_bwd_kernel12_config(const LayernormBwdParams& p, const Ker
 }
 
 cudaError_t layernorm_bwd_kernel12(const LayernormBwdParams& p, cudaStream_t stream) {
-  int dev = 0, major = 0;
-  LNBWD_RETURN_IF_CUDA_ERROR(cudaGetDevice(&dev));
-  LNBWD_RETURN_IF_CUDA_ERROR(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  int major = 0;
+  LNBWD_RETURN_IF_CUDA_ERROR(compute_capability_major(&major));
   bool vectorized = false;
   dispatch_dtype(p.dtype, [&](auto t) {
     vectorized = can_vectorize<decltype(t)>(p);

@@ -83,9 +83,8 @@ finalize_partials(T* __restrict__ dweight, T* __restrict__ dbias, const acc_t<T>
 
 template <typename T, int LANES, int BATCH>
 cudaError_t launch(const LayernormBwdParams& p, int slots, cudaStream_t stream) {
-  int dev = 0, major = 0;
-  LNBWD_RETURN_IF_CUDA_ERROR(cudaGetDevice(&dev));
-  LNBWD_RETURN_IF_CUDA_ERROR(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  int major = 0;
+  LNBWD_RETURN_IF_CUDA_ERROR(compute_capability_major(&major));
   cudaLaunchAttribute dependent;
   dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   dependent.val.programmaticStreamSerializationAllowed = 1;
