@@ -110,6 +110,23 @@ def test_nested_vmap_of_grad(platform):
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_vmap_of_grad_more_examples_than_resident_blocks(platform, dtype):
+    # 1500 examples: one segment each, so the GPU grid has at least 1500 blocks, more than fit on
+    # the GPU at once (at most 2048 threads of 132 SMs on an H200). The kernel then cannot
+    # finish the sums at a grid-wide barrier (a cooperative launch must fit); it is launched
+    # plainly and finalize_partials sums the slots (launch_with_partials, ffi/kernels/dispatch.cuh).
+    x, w, b, r = _batch((2, 64), 1500, seed=45, dtype=dtype)
+    got = jax.jit(jax.vmap(_grads(layernorm)))(*put(platform, x, w, b, r))
+    want = on_cpu_f64(jax.vmap(_grads(reference.layernorm)))(x, w, b, r)
+    assert got[1].shape == (1500, 64)
+    assert_all_close(got, want, dtype)
+    for name, g, w in zip(("dweight", "dbias"), got[1:], want[1:]):  # every example, not the norm of all
+        for i in (0, 749, 1499):
+            assert_close(f"{name}[{i}]", g[i], w[i], dtype)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
 def test_grad_of_vmap_sums_over_the_batch(platform):
     # A weight shared by the batch gets the sum of the per-example gradients.
     x, w, b, r = _batch((5, 24), 3, seed=50)

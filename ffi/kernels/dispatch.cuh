@@ -12,6 +12,7 @@
 
 #include "layernorm_bwd.h"
 #include "partials_finalize.h"
+#include "partials_sum.cuh"
 #include "vec.cuh"
 
 namespace lnbwd {
@@ -98,41 +99,65 @@ enum class BlocksPerSm {
 
 // The signature of the kernels that write per-block partial sums of dbias/dweight into the
 // workspace: (dx, partials, dy, x, weight, mean, rstd, rows_per_segment, blocks_per_segment,
-// weight_stride, C, extra...).
+// weight_stride, C, finish, extra...). Each ends with
+//   if (finish.dweight) finish_partials_in_grid(finish, partials, blocks_per_segment, C, smem);
+// with at least grid_finish_smem bytes of dynamic shared memory free by then.
 template <typename T, typename... Extra>
 using PartialsKernel = void (*)(T*, acc_t<T>*, const T*, const T*, const T*, const stat_t<T>*, const stat_t<T>*,
-                                int64_t, int, int64_t, int, Extra...);
+                                int64_t, int, int64_t, int, GridFinish<T>, Extra...);
 
-// Launches such a kernel on a persistent grid, then finalize_partials over the slots it wrote:
-// `threads` threads and `smem` bytes of dynamic shared memory per block, blocks_per_segment
-// blocks per segment for about `per_sm` blocks on each SM, no more than there are steps of
-// `rows_per_block` rows and no more than the workspace has partial slots.
+template <typename T>
+constexpr size_t grid_finish_smem(int threads) { return 2 * static_cast<size_t>(threads) * sizeof(acc_t<T>); }
+
+// Launches such a kernel on a persistent grid: `threads` threads and `smem` bytes of dynamic
+// shared memory per block, blocks_per_segment blocks per segment for about `per_sm` blocks on
+// each SM, no more than there are steps of `rows_per_block` rows and no more than the workspace
+// has partial slots. Then dweight and dbias are summed from the slots, in one of two ways:
+//  * the grid fits on the GPU at once (the usual case: it was sized to): a cooperative launch,
+//    whose blocks meet at a grid-wide barrier and sum the slots themselves;
+//  * it does not (more segments than resident blocks): a plain launch, then finalize_partials.
+// Both sum in a fixed order, so either is deterministic; a given shape always takes the same one.
 template <typename T, typename... Extra, typename... Args>
 cudaError_t launch_with_partials(const LayernormBwdParams& p, PartialsKernel<T, Extra...> kernel, int threads,
                                  size_t smem, BlocksPerSm per_sm_rule, int rows_per_block, cudaStream_t stream,
                                  Args... extra) {
-  if (smem > 0) {
-    LNBWD_RETURN_IF_CUDA_ERROR(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  }
-  int sms = 0, per_sm = 1;
+  smem = std::max(smem, grid_finish_smem<T>(threads));
+  LNBWD_RETURN_IF_CUDA_ERROR(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  int sms = 0, resident = 0;
   LNBWD_RETURN_IF_CUDA_ERROR(sm_count(&sms));
-  if (per_sm_rule != BlocksPerSm::kOne) {
-    LNBWD_RETURN_IF_CUDA_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
-    if (per_sm < 1) {
-      if (per_sm_rule == BlocksPerSm::kOccupancy) return cudaErrorInvalidConfiguration;
-      per_sm = 1;
-    }
+  LNBWD_RETURN_IF_CUDA_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, threads, smem));
+  int per_sm = per_sm_rule == BlocksPerSm::kOne ? 1 : resident;
+  if (per_sm < 1) {
+    if (per_sm_rule == BlocksPerSm::kOccupancy) return cudaErrorInvalidConfiguration;
+    per_sm = 1;
   }
   int64_t bps = 0;
   LNBWD_RETURN_IF_CUDA_ERROR(blocks_per_segment<T>(p, static_cast<int64_t>(per_sm) * sms, rows_per_block, &bps));
-  kernel<<<static_cast<unsigned int>(bps * p.segments), threads, smem, stream>>>(
-      static_cast<T*>(p.dx), partials_of<T>(p), static_cast<const T*>(p.dy), static_cast<const T*>(p.x),
-      static_cast<const T*>(p.weight), static_cast<const stat_t<T>*>(p.mean),
+  const int64_t blocks = bps * p.segments;
+  const bool in_grid = blocks <= static_cast<int64_t>(resident) * sms;
+  GridFinish<T> finish;
+  if (in_grid) {
+    finish.dweight = static_cast<T*>(p.dweight);
+    finish.dbias = static_cast<T*>(p.dbias);
+    finish.segments = static_cast<int>(p.segments);
+  }
+  cudaLaunchAttribute cooperative;
+  cooperative.id = cudaLaunchAttributeCooperative;
+  cooperative.val.cooperative = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned int>(blocks));
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = &cooperative;
+  cfg.numAttrs = in_grid ? 1 : 0;
+  LNBWD_RETURN_IF_CUDA_ERROR(cudaLaunchKernelEx(
+      &cfg, kernel, static_cast<T*>(p.dx), partials_of<T>(p), static_cast<const T*>(p.dy),
+      static_cast<const T*>(p.x), static_cast<const T*>(p.weight), static_cast<const stat_t<T>*>(p.mean),
       static_cast<const stat_t<T>*>(p.rstd), p.rows / p.segments, static_cast<int>(bps), p.weight_stride,
-      static_cast<int>(p.C), extra...);
-  LNBWD_RETURN_IF_CUDA_ERROR(cudaGetLastError());
-  return finalize_partials_launch(p, static_cast<int>(bps), stream);
+      static_cast<int>(p.C), finish, extra...));
+  return in_grid ? cudaSuccess : finalize_partials_launch(p, static_cast<int>(bps), stream);
 }
 
 }  // namespace lnbwd

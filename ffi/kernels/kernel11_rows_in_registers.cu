@@ -18,7 +18,8 @@
 //          dbias_i += dy_i and dweight_i += dy_i * xhat_i in the group's shared-memory sums.
 // Because a thread owns its columns, its shared-memory sums need no atomics and no barriers.
 // At the end the block adds its groups' sums (in group order) and writes them to its partial
-// slot; finalize_partials adds the slots (in slot order).
+// slot; the slots are then added in slot order (launch_with_partials, dispatch.cuh: by the grid
+// itself after a grid-wide barrier, or by finalize_partials).
 //
 // Bytes in flight. Memory-bound code is fast only if enough loads are outstanding: each thread
 // issues all 2*NV of its 16-byte loads for a row before using any. With PREFETCH, the loads of
@@ -61,7 +62,7 @@ __global__ void __launch_bounds__(max_threads(NV), 1)
 kernel11_rows(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __restrict__ dy,
               const T* __restrict__ x, const T* __restrict__ weight, const stat_t<T>* __restrict__ mean,
               const stat_t<T>* __restrict__ rstd, int64_t rows_per_segment, int blocks_per_segment,
-              int64_t weight_stride, int C, int tpr, int groups) {
+              int64_t weight_stride, int C, GridFinish<T> finish, int tpr, int groups) {
   using A = acc_t<T>;
   allow_finalize_launch();
   using V = Packed<T, VEC>;
@@ -215,9 +216,10 @@ kernel11_rows(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
       sb += sums[static_cast<size_t>(q) * 2 * C + c];
       sw += sums[static_cast<size_t>(q) * 2 * C + C + c];
     }
-    __stcg(slot + c, sb);       // .cg: keep in L2 for the finalize kernel that reads it next
+    __stcg(slot + c, sb);       // .cg: keep in L2 for the finalize that reads it next
     __stcg(slot + C + c, sw);
   }
+  if (finish.dweight) finish_partials_in_grid(finish, partials, bps, C, reinterpret_cast<A*>(smem));
 }
 
 size_t smem_bytes(const Kernel11Config& cfg, int64_t C, size_t acc_bytes) {

@@ -26,7 +26,7 @@ __global__ void __launch_bounds__(kThreads)
 kernel11_wide(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __restrict__ dy,
               const T* __restrict__ x, const T* __restrict__ weight, const stat_t<T>* __restrict__ mean,
               const stat_t<T>* __restrict__ rstd, int64_t rows_per_segment, int blocks_per_segment,
-              int64_t weight_stride, int C) {
+              int64_t weight_stride, int C, GridFinish<T> finish) {
   using A = acc_t<T>;
   allow_finalize_launch();
   using V = Packed<T, VEC>;
@@ -98,6 +98,8 @@ kernel11_wide(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
       store_cs(reinterpret_cast<V*>(dx + row * C + col), dxv);
     }
   }
+  extern __shared__ __align__(16) unsigned char smem[];   // only for the grid's finish
+  if (finish.dweight) finish_partials_in_grid(finish, partials, blocks_per_segment, C, reinterpret_cast<A*>(smem));
 }
 
 template <typename T, int VEC>

@@ -27,7 +27,8 @@
 //   pass 2: dx_i = (g_i - s1/C - xhat_i s2 rstd/C) rstd, straight to global memory;
 //           dbias_i += dy_i, dweight_i += dy_i xhat_i in registers.
 // At the end the groups' sums meet in shared memory (in group order) and the block writes its
-// partial slot; finalize_partials adds the slots in slot order. Deterministic.
+// partial slot; the slots are then added in slot order (launch_with_partials, dispatch.cuh: by the
+// grid itself after a grid-wide barrier, or by finalize_partials). Deterministic.
 #include "bulk_copy.cuh"
 #include "dispatch.cuh"
 #include "kernel12.h"
@@ -55,7 +56,7 @@ __global__ void __launch_bounds__(max_threads(NV * VEC * sizeof(acc_t<T>)), 1)
 kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __restrict__ dy,
               const T* __restrict__ x, const T* __restrict__ weight, const stat_t<T>* __restrict__ mean,
               const stat_t<T>* __restrict__ rstd, int64_t rows_per_segment, int blocks_per_segment,
-              int64_t weight_stride, int C, int tpr, int groups) {
+              int64_t weight_stride, int C, GridFinish<T> finish, int tpr, int groups) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   allow_finalize_launch();
   using A = acc_t<T>;
@@ -270,6 +271,7 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
     __stcg(slot + c, sb);
     __stcg(slot + C + c, sw);
   }
+  if (finish.dweight) finish_partials_in_grid(finish, partials, blocks_per_segment, C, reinterpret_cast<A*>(smem));
 #endif
 }
 

@@ -21,8 +21,8 @@
 //
 // Work split: consumer thread t owns the columns (j * 512 + t) * VEC for j < NV, so its sums
 // stay in registers for the whole kernel; chunk c holds j in [c * NVC, (c + 1) * NVC). At the
-// end each thread writes its columns of the block's partial slot; finalize_partials adds the
-// slots in slot order. Deterministic.
+// end each thread writes its columns of the block's partial slot; the slots are then added in
+// slot order (launch_with_partials, dispatch.cuh). Deterministic.
 #include "bulk_copy.cuh"
 #include "dispatch.cuh"
 #include "kernel12.h"
@@ -49,7 +49,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 kernel12_wide(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __restrict__ dy,
               const T* __restrict__ x, const T* __restrict__ weight, const stat_t<T>* __restrict__ mean,
               const stat_t<T>* __restrict__ rstd, int64_t rows_per_segment, int blocks_per_segment,
-              int64_t weight_stride, int C) {
+              int64_t weight_stride, int C, GridFinish<T> finish) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   allow_finalize_launch();
   using A = acc_t<T>;
@@ -218,6 +218,7 @@ kernel12_wide(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
       mbar_inval(&empty[b]);
     }
   }
+  if (finish.dweight) finish_partials_in_grid(finish, partials, blocks_per_segment, C, reinterpret_cast<A*>(smem));
 #endif
 }
 

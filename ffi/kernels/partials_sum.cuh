@@ -1,0 +1,105 @@
+// Device code shared by the two ways the per-block partial slots become dweight and dbias: the
+// finalize_partials kernel (partials_finalize.cu) and a cooperative grid that finishes its own
+// sums after a grid-wide barrier (finish_partials_in_grid, kernel 12). Both add every column
+// over the slots in the same fixed order every run: deterministic.
+//   dbias[c]   = sum over slots s of partials[s][0][c]
+//   dweight[c] = sum over slots s of partials[s][1][c]
+#pragma once
+
+#include <cooperative_groups.h>
+
+#include "vec.cuh"
+
+namespace lnbwd {
+
+// One tile: 32 columns c0 .. c0 + 31 (one per lane, so every load of a warp is one 128-byte
+// line) of one segment, summed by `lanes` warps of the block: warp j adds slots j, j + lanes, ...
+// and the warps' sums are then added in warp order through shared memory (`sums`, 2 * lanes * 32
+// accumulators). Every thread of the block calls it (it has a barrier); warps past `lanes` only
+// pass the barrier.
+//
+// Why BATCH slots per load round: the tile reads 2 * 32 * slots accumulators, and each round
+// trip to L2 costs about a microsecond under load. With one load in flight per thread the sum is
+// a chain of such round trips (6 us at C = 1600 with 132 slots, against 44 us for the main
+// kernel, ncu). A thread loads BATCH slots of both sums before it adds any of them (the loads
+// are hoisted, not the additions: each sum still runs over its slots in order).
+template <typename T, int BATCH>
+__device__ __forceinline__ void sum_partials_tile(T* __restrict__ dweight, T* __restrict__ dbias,
+                                                  const acc_t<T>* __restrict__ partials, int slots, int C, int c0,
+                                                  int lanes, acc_t<T>* sums) {
+  using A = acc_t<T>;
+  const int lane = threadIdx.x % 32;
+  const int j = threadIdx.x / 32;
+  const int c = c0 + lane;
+  if (j < lanes) {
+    A sb = A(0), sw = A(0);
+    if (c < C) {
+      for (int s0 = j; s0 < slots; s0 += BATCH * lanes) {
+        A b[BATCH], w[BATCH];
+#pragma unroll
+        for (int u = 0; u < BATCH; ++u) {
+          const int s = s0 + u * lanes;
+          if (s < slots) {
+            const A* slot = partials + static_cast<size_t>(s) * 2 * C;
+            b[u] = __ldcg(slot + c);   // .cg: the slots were written by other blocks, L2 is the truth
+            w[u] = __ldcg(slot + C + c);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < BATCH; ++u) {
+          if (s0 + u * lanes < slots) {
+            sb += b[u];
+            sw += w[u];
+          }
+        }
+      }
+    }
+    sums[j * 32 + lane] = sb;
+    sums[(lanes + j) * 32 + lane] = sw;
+  }
+  __syncthreads();
+  // Warp 0 adds the dbias lanes, warp 1 the dweight lanes, each in warp order.
+  if (j < 2 && c < C) {
+    A t = A(0);
+    for (int k = 0; k < lanes; ++k) t += sums[(j * lanes + k) * 32 + lane];
+    (j == 0 ? dbias : dweight)[c] = from_acc<T>(t);
+  }
+}
+
+// Where a cooperative grid's blocks put dweight and dbias when they finish the sums themselves.
+template <typename T>
+struct GridFinish {
+  T* dweight = nullptr;   // [segments, C]; null: a finalize_partials launch follows instead
+  T* dbias = nullptr;     // [segments, C]
+  int segments = 1;
+};
+
+// The end of a kernel launched cooperatively (cudaLaunchAttributeCooperative) that has written
+// its `slots` partial slots per segment: wait at a grid-wide barrier until every block's slot is
+// written, then the blocks share the tiles of all segments and sum them as finalize_partials
+// would, with one kernel launch and its drain fewer. `sums` is shared memory for
+// 2 * blockDim.x accumulators, free by now. Every thread of every block calls it.
+//
+// Each warp of the block takes every (blockDim.x / 32)-th slot and loads 8 at a time: a block of
+// 512 threads covers 128 slots per round, about one block per SM.
+// Measured on an H200 (tests/cuda/harness.cu sweep, whole backward, against a plain launch
+// followed by finalize_partials): bf16 16384x1600 49.7 -> 48.5 us, fp32 16384x2048 112.5 ->
+// 109.9 us, fp32 8192x8192 220.3 -> 216.9 us; bf16 4096x16384 131.3 -> 131.0 us (17 MB of slots
+// to read cost the same either way).
+template <typename T>
+__device__ void finish_partials_in_grid(const GridFinish<T>& f, const acc_t<T>* partials, int slots, int C,
+                                        acc_t<T>* sums) {
+  // grid.sync() fences every thread's writes before it arrives, so the slots are visible in L2.
+  cooperative_groups::this_grid().sync();
+  const int lanes = blockDim.x / 32;
+  const int tiles = ceil_div(C, 32);
+  for (int64_t tile = blockIdx.x; tile < static_cast<int64_t>(tiles) * f.segments; tile += gridDim.x) {
+    const int64_t segment = tile / tiles;
+    const int c0 = static_cast<int>(tile % tiles) * 32;
+    sum_partials_tile<T, 8>(f.dweight + segment * C, f.dbias + segment * C,
+                            partials + segment * slots * 2 * static_cast<size_t>(C), slots, C, c0, lanes, sums);
+    __syncthreads();   // warps 0 and 1 have read `sums` before the next tile overwrites it
+  }
+}
+
+}  // namespace lnbwd
