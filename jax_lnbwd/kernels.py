@@ -232,8 +232,8 @@ KERNELS: Mapping[int, KernelInfo] = {
         id=11,
         name="rows_in_registers",
         description=("kernel 12's fallback: each row read once and kept in registers for both "
-                     "passes, 16-byte streaming loads, persistent grid, per-block fp32 partials + "
-                     "finalize kernel"),
+                     "passes, 16-byte streaming loads, persistent grid, per-block fp32 partials "
+                     "summed by the grid itself after a grid-wide barrier"),
         dtypes=ALL_DTYPES,
         block_sizes=(0,),
         default_block_size=0,
@@ -250,7 +250,7 @@ KERNELS: Mapping[int, KernelInfo] = {
         name="bulk_copy_ring",
         description=("default on Hopper: rows streamed into a shared-memory ring by the bulk copy "
                      "engine (cp.async.bulk), several rows ahead; sums in registers; per-block "
-                     "fp32 partials + finalize"),
+                     "fp32 partials summed by the grid itself after a grid-wide barrier"),
         dtypes=ALL_DTYPES,
         block_sizes=(0,),
         default_block_size=0,

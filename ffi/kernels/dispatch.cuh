@@ -100,7 +100,7 @@ enum class BlocksPerSm {
 // The signature of the kernels that write per-block partial sums of dbias/dweight into the
 // workspace: (dx, partials, dy, x, weight, mean, rstd, rows_per_segment, blocks_per_segment,
 // weight_stride, C, finish, extra...). Each ends with
-//   if (finish.dweight) finish_partials_in_grid(finish, partials, blocks_per_segment, C, smem);
+//   if (finish.dweight) finish_partials_in_grid(finish, partials, blocks_per_segment, C, warps, smem);
 // with at least grid_finish_smem bytes of dynamic shared memory free by then.
 template <typename T, typename... Extra>
 using PartialsKernel = void (*)(T*, acc_t<T>*, const T*, const T*, const T*, const stat_t<T>*, const stat_t<T>*,

@@ -219,7 +219,7 @@ kernel11_rows(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
     __stcg(slot + c, sb);       // .cg: keep in L2 for the finalize that reads it next
     __stcg(slot + C + c, sw);
   }
-  if (finish.dweight) finish_partials_in_grid(finish, partials, bps, C, reinterpret_cast<A*>(smem));
+  if (finish.dweight) finish_partials_in_grid(finish, partials, bps, C, blockDim.x / 32, reinterpret_cast<A*>(smem));
 }
 
 size_t smem_bytes(const Kernel11Config& cfg, int64_t C, size_t acc_bytes) {

@@ -99,7 +99,7 @@ kernel11_wide(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
     }
   }
   extern __shared__ __align__(16) unsigned char smem[];   // only for the grid's finish
-  if (finish.dweight) finish_partials_in_grid(finish, partials, blocks_per_segment, C, reinterpret_cast<A*>(smem));
+  if (finish.dweight) finish_partials_in_grid(finish, partials, blocks_per_segment, C, blockDim.x / 32, reinterpret_cast<A*>(smem));
 }
 
 template <typename T, int VEC>

@@ -271,7 +271,7 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
     __stcg(slot + c, sb);
     __stcg(slot + C + c, sw);
   }
-  if (finish.dweight) finish_partials_in_grid(finish, partials, blocks_per_segment, C, reinterpret_cast<A*>(smem));
+  if (finish.dweight) finish_partials_in_grid(finish, partials, blocks_per_segment, C, blockDim.x / 32, reinterpret_cast<A*>(smem));
 #endif
 }
 

@@ -218,7 +218,13 @@ kernel12_wide(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
       mbar_inval(&empty[b]);
     }
   }
-  if (finish.dweight) finish_partials_in_grid(finish, partials, blocks_per_segment, C, reinterpret_cast<A*>(smem));
+  // The consumer warps add; the producer warp only passes the barriers. (As far as the hardware
+  // goes it could add too: __syncthreads orders its writes before warp 0's reads. But with it
+  // adding, racecheck reported those writes and reads as racing, 2 reports on the H200, none
+  // without; the likely cause is that it passed none of the consumers' named barriers.)
+  if (finish.dweight) {
+    finish_partials_in_grid(finish, partials, blocks_per_segment, C, kConsumerWarps, reinterpret_cast<A*>(smem));
+  }
 #endif
 }
 

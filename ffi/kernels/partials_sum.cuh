@@ -77,27 +77,27 @@ struct GridFinish {
 // The end of a kernel launched cooperatively (cudaLaunchAttributeCooperative) that has written
 // its `slots` partial slots per segment: wait at a grid-wide barrier until every block's slot is
 // written, then the blocks share the tiles of all segments and sum them as finalize_partials
-// would, with one kernel launch and its drain fewer. `sums` is shared memory for
-// 2 * blockDim.x accumulators, free by now. Every thread of every block calls it.
+// would, with one kernel launch and its drain fewer. The first `warps` warps of each block add
+// (the others only pass the barriers); `sums` is shared memory for 2 * 32 * warps accumulators,
+// free by now. Every thread of every block calls it.
 //
-// Each warp of the block takes every (blockDim.x / 32)-th slot and loads 8 at a time: a block of
-// 512 threads covers 128 slots per round, about one block per SM.
+// Each warp takes every warps-th slot and loads 8 at a time: 16 warps (512 threads) cover 128
+// slots per round, about one block per SM.
 // Measured on an H200 (tests/cuda/harness.cu sweep, whole backward, against a plain launch
 // followed by finalize_partials): bf16 16384x1600 49.7 -> 48.5 us, fp32 16384x2048 112.5 ->
 // 109.9 us, fp32 8192x8192 220.3 -> 216.9 us; bf16 4096x16384 131.3 -> 131.0 us (17 MB of slots
 // to read cost the same either way).
 template <typename T>
 __device__ void finish_partials_in_grid(const GridFinish<T>& f, const acc_t<T>* partials, int slots, int C,
-                                        acc_t<T>* sums) {
+                                        int warps, acc_t<T>* sums) {
   // grid.sync() fences every thread's writes before it arrives, so the slots are visible in L2.
   cooperative_groups::this_grid().sync();
-  const int lanes = blockDim.x / 32;
   const int tiles = ceil_div(C, 32);
   for (int64_t tile = blockIdx.x; tile < static_cast<int64_t>(tiles) * f.segments; tile += gridDim.x) {
     const int64_t segment = tile / tiles;
     const int c0 = static_cast<int>(tile % tiles) * 32;
     sum_partials_tile<T, 8>(f.dweight + segment * C, f.dbias + segment * C,
-                            partials + segment * slots * 2 * static_cast<size_t>(C), slots, C, c0, lanes, sums);
+                            partials + segment * slots * 2 * static_cast<size_t>(C), slots, C, c0, warps, sums);
     __syncthreads();   // warps 0 and 1 have read `sums` before the next tile overwrites it
   }
 }
