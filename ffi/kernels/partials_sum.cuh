@@ -1,7 +1,7 @@
 // Device code shared by the two ways the per-block partial slots become dweight and dbias: the
 // finalize_partials kernel (partials_finalize.cu) and a cooperative grid that finishes its own
-// sums after a grid-wide barrier (finish_partials_in_grid, kernel 12). Both add every column
-// over the slots in the same fixed order every run: deterministic.
+// sums after a grid-wide barrier (finish_partials_in_grid, kernels 11 and 12). Both add every
+// column over the slots in the same fixed order every run: deterministic.
 //   dbias[c]   = sum over slots s of partials[s][0][c]
 //   dweight[c] = sum over slots s of partials[s][1][c]
 #pragma once
@@ -13,10 +13,10 @@
 namespace lnbwd {
 
 // One tile: 32 columns c0 .. c0 + 31 (one per lane, so every load of a warp is one 128-byte
-// line) of one segment, summed by `lanes` warps of the block: warp j adds slots j, j + lanes, ...
-// and the warps' sums are then added in warp order through shared memory (`sums`, 2 * lanes * 32
-// accumulators). Every thread of the block calls it (it has a barrier); warps past `lanes` only
-// pass the barrier.
+// line) of one segment, summed by `warps` warps of the block: warp j adds slots j, j + warps, ...
+// and the warps' sums are then added in warp order through shared memory (`sums`, 2 * warps * 32
+// accumulators). Every thread of the block calls it (it has a barrier); the block's other warps
+// only pass the barrier.
 //
 // Why BATCH slots per load round: the tile reads 2 * 32 * slots accumulators, and each round
 // trip to L2 costs about a microsecond under load. With one load in flight per thread the sum is
@@ -26,19 +26,19 @@ namespace lnbwd {
 template <typename T, int BATCH>
 __device__ __forceinline__ void sum_partials_tile(T* __restrict__ dweight, T* __restrict__ dbias,
                                                   const acc_t<T>* __restrict__ partials, int slots, int C, int c0,
-                                                  int lanes, acc_t<T>* sums) {
+                                                  int warps, acc_t<T>* sums) {
   using A = acc_t<T>;
   const int lane = threadIdx.x % 32;
   const int j = threadIdx.x / 32;
   const int c = c0 + lane;
-  if (j < lanes) {
+  if (j < warps) {
     A sb = A(0), sw = A(0);
     if (c < C) {
-      for (int s0 = j; s0 < slots; s0 += BATCH * lanes) {
+      for (int s0 = j; s0 < slots; s0 += BATCH * warps) {
         A b[BATCH], w[BATCH];
 #pragma unroll
         for (int u = 0; u < BATCH; ++u) {
-          const int s = s0 + u * lanes;
+          const int s = s0 + u * warps;
           if (s < slots) {
             const A* slot = partials + static_cast<size_t>(s) * 2 * C;
             b[u] = __ldcg(slot + c);   // .cg: the slots were written by other blocks, L2 is the truth
@@ -47,7 +47,7 @@ __device__ __forceinline__ void sum_partials_tile(T* __restrict__ dweight, T* __
         }
 #pragma unroll
         for (int u = 0; u < BATCH; ++u) {
-          if (s0 + u * lanes < slots) {
+          if (s0 + u * warps < slots) {
             sb += b[u];
             sw += w[u];
           }
@@ -55,13 +55,13 @@ __device__ __forceinline__ void sum_partials_tile(T* __restrict__ dweight, T* __
       }
     }
     sums[j * 32 + lane] = sb;
-    sums[(lanes + j) * 32 + lane] = sw;
+    sums[(warps + j) * 32 + lane] = sw;
   }
   __syncthreads();
-  // Warp 0 adds the dbias lanes, warp 1 the dweight lanes, each in warp order.
+  // Warp 0 adds the warps' dbias sums, warp 1 their dweight sums, each in warp order.
   if (j < 2 && c < C) {
     A t = A(0);
-    for (int k = 0; k < lanes; ++k) t += sums[(j * lanes + k) * 32 + lane];
+    for (int k = 0; k < warps; ++k) t += sums[(j * warps + k) * 32 + lane];
     (j == 0 ? dbias : dweight)[c] = from_acc<T>(t);
   }
 }
@@ -90,7 +90,7 @@ struct GridFinish {
 template <typename T>
 __device__ void finish_partials_in_grid(const GridFinish<T>& f, const acc_t<T>* partials, int slots, int C,
                                         int warps, acc_t<T>* sums) {
-  // grid.sync() fences every thread's writes before it arrives, so the slots are visible in L2.
+  // grid.sync() orders every block's slot writes before any block's reads past it (.cg: in L2).
   cooperative_groups::this_grid().sync();
   const int tiles = ceil_div(C, 32);
   for (int64_t tile = blockIdx.x; tile < static_cast<int64_t>(tiles) * f.segments; tile += gridDim.x) {
