@@ -53,7 +53,9 @@ uint32 array (a real read+write pass; a plain copy or ``x * 1`` could be elided 
 
 ``--out DIR`` writes DIR/bench.json (all rows and metadata) and DIR/bench.png (GB/s bars per
 shape, one panel per dtype, the copy ceiling as a dashed line), the latter if matplotlib
-imports.
+imports. A run cut short (a time limit on a shared GPU) keeps what it measured: bench.json is
+rewritten after every (shape, dtype) group, with "complete": false until the last, and our
+kernels' lines are printed as each group finishes; the full table comes at the end.
 """
 from __future__ import annotations
 
@@ -533,24 +535,39 @@ def main(argv=None):
     prog = Progress(sum(len(p[3]) + len(peers) for p in plans), not args.no_progress)
     log = {"failures": [], "refused": []}
     table = []
+    meta = {"date": date, "device": device_name, "platform": device.platform, "jax": jax.__version__,
+            "jax_lnbwd": __version__, "python": platform.python_version(),
+            "argv": sys.argv[1:] if argv is None else list(argv), "chain": args.chain, "reps": args.reps,
+            "min_run_ms": args.min_run_s * 1e3, "peers": peers, "tolerance": TOLERANCE,
+            "kernels": {k: KERNELS[k].name for k in args.kernels}}
+
+    def write_json(complete: bool):
+        # Rewritten after every (shape, dtype) group, so that a run cut short (a time limit on a
+        # shared GPU) leaves what it measured: "complete" says whether every group is in.
+        meta["torch"] = getattr(sys.modules.get("torch"), "__version__", None)
+        with open(os.path.join(args.out, "bench.json"), "w") as fh:
+            json.dump({"meta": meta, "complete": complete, "rows": table, **log}, fh, indent=1, default=str)
+
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
     key = jax.random.key(args.seed)
     for i, (dtype, rows, C, combos, refused) in enumerate(plans):
         for why in refused:
             prog.write(f"{GREY}refused: {dtype} {rows}x{C} {why}{RESET}")
             log["refused"].append({"shape": f"{rows}x{C}", "dtype": dtype, "reason": why})
-        table += bench_group(rows, C, dtype, combos, peers, args, jax.random.fold_in(key, i), prog, log)
+        group = bench_group(rows, C, dtype, combos, peers, args, jax.random.fold_in(key, i), prog, log)
+        table += group
+        for r in group:  # ours as soon as the group is done; the full table comes at the end
+            if not r["peer"]:
+                prog.write(f"{dtype} {rows}x{C} {r['impl']}: {r['us']:.2f} µs" +
+                           (f", {r['pct_copy']:.1f}% of copy" if r["pct_copy"] else "") +
+                           (f", {r['vs_best']:.2f}x the best peer" if r["vs_best"] else ""))
+        if args.out:
+            write_json(complete=False)
     prog.close()
 
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        meta = {"date": date, "device": device_name, "platform": device.platform, "jax": jax.__version__,
-                "jax_lnbwd": __version__, "python": platform.python_version(),
-                "argv": sys.argv[1:] if argv is None else list(argv), "chain": args.chain, "reps": args.reps,
-                "min_run_ms": args.min_run_s * 1e3, "peers": peers, "tolerance": TOLERANCE,
-                "kernels": {k: KERNELS[k].name for k in args.kernels},
-                "torch": getattr(sys.modules.get("torch"), "__version__", None)}
-        with open(os.path.join(args.out, "bench.json"), "w") as fh:
-            json.dump({"meta": meta, "rows": table, **log}, fh, indent=1, default=str)
+        write_json(complete=True)
         png = os.path.join(args.out, "bench.png")
         try:
             made = plot(table, png, f"layernorm backward, {device_name}") if table else False
