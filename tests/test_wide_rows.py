@@ -3,9 +3,10 @@
 On an H200 these take different paths of kernel 12 (see jax_lnbwd.KERNELS[12].constraints):
 fp32 12288 and 16384 the wide-row path (a row streamed through a chunk ring, once per pass),
 bf16/fp16 12288 and 16384 the per-group row ring, fp64 kernel 11 (its rows in registers up to
-about 25000 columns), and every dtype at 65536 kernel 11's two-pass path. Each is checked against the float64 reference, with more rows than the GPU has SMs (so a
-block of the wide-row path takes several rows and its ring wraps across rows and passes), and
-for bit-identical results run to run.
+about 25000 columns), and every dtype at 65536 kernel 11's two-pass path. Each is checked
+against the float64 reference, with more rows than the GPU has SMs (so a block of the wide-row
+path takes several rows and its ring wraps across rows and passes), and for bit-identical
+results run to run.
 """
 import jax
 import numpy as np

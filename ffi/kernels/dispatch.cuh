@@ -17,10 +17,10 @@
 
 namespace lnbwd {
 
-// Calls f(T{}) with the C++ type of p.dtype. An unknown dtype is an error, never a default.
 // Bytes of one element of `dtype`.
 inline int dtype_bytes(Dtype dtype) { return dtype == Dtype::kF64 ? 8 : dtype == Dtype::kF32 ? 4 : 2; }
 
+// Calls f(T{}) with the C++ type of p.dtype. An unknown dtype is an error, never a default.
 template <typename F>
 cudaError_t dispatch_dtype(Dtype dtype, F&& f) {
   switch (dtype) {

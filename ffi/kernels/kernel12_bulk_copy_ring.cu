@@ -18,9 +18,10 @@
 // The ring, per group: NB buffers, each one row of dy and one row of x plus that row's mean and
 // rstd, each with an mbarrier ("full"). The group's leader thread starts the copy of row k into
 // buffer k % NB and tells the barrier how many bytes to expect; the copy engine counts them
-// down; the group's threads wait on the barrier's phase (k / NB) & 1. A buffer is refilled only after every thread of the
-// group has finished with the row in it: the leader refills buffer (k-1) % NB right after the
-// group's barrier of row k, which every thread reaches only after finishing row k-1.
+// down; the group's threads wait on the barrier's phase (k / NB) & 1. A buffer is refilled only
+// after every thread of the group has finished with the row in it: the leader refills buffer
+// (k-1) % NB right after the group's barrier of row k, which every thread reaches only after
+// finishing row k-1.
 //
 // Per row (g_i = weight_i * dy_i, xhat_i = (x_i - mean) * rstd, centered; row_math.cuh):
 //   pass 1: s1 = sum g_i, s2 = sum g_i (x_i - mean): shuffles, then across the group's warps;

@@ -88,13 +88,13 @@ SeedKernelLimits layernorm_bwd_kernel8_limits(Dtype dtype, int64_t C, int block_
 SeedKernelLimits layernorm_bwd_kernel9_limits(Dtype dtype, int64_t C, int block_size);
 SeedKernelLimits layernorm_bwd_kernel10_limits(Dtype dtype, int64_t C, int block_size);
 
-// Kernel 11: rows kept in registers between the two passes, per-block fp32
-// partial sums of dweight/dbias and a finalize kernel (see kernel11_rows_in_registers.cu).
+// Kernel 11: rows kept in registers between the two passes, per-block fp32 partial sums of
+// dweight/dbias added up in a fixed order (see kernel11_rows_in_registers.cu).
 // Any C >= 1, any number of segments; block shape is chosen from C (p.block_size is ignored).
 cudaError_t layernorm_bwd_kernel11(const LayernormBwdParams& p, cudaStream_t stream);
 
 // Kernel 12: rows streamed into a shared-memory ring by the bulk copy engine (sm_90), sums in
-// registers, per-block partials + finalize (see kernel12_bulk_copy_ring.cu). Falls back to
+// registers, per-block partials as kernel 11 (see kernel12_bulk_copy_ring.cu). Falls back to
 // kernel 11 for misaligned rows, rows too wide for the ring, and GPUs before sm_90.
 cudaError_t layernorm_bwd_kernel12(const LayernormBwdParams& p, cudaStream_t stream);
 
