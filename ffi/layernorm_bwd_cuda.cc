@@ -32,19 +32,6 @@ ffi::Error CheckOneSegment(int32_t kernel, const LayernormBwdParams& p, const ff
   return ffi::Error::Success();
 }
 
-// Seed kernels 1-10, by id - 1: the launcher and the limits it checks before launching.
-struct SeedKernel {
-  cudaError_t (*launch)(const LayernormBwdParams&, cudaStream_t);
-  SeedKernelLimits (*limits)(Dtype, int64_t, int);
-};
-constexpr SeedKernel kSeedKernels[] = {
-    {layernorm_bwd_kernel1, layernorm_bwd_kernel1_limits}, {layernorm_bwd_kernel2, layernorm_bwd_kernel2_limits},
-    {layernorm_bwd_kernel3, layernorm_bwd_kernel3_limits}, {layernorm_bwd_kernel4, layernorm_bwd_kernel4_limits},
-    {layernorm_bwd_kernel5, layernorm_bwd_kernel5_limits}, {layernorm_bwd_kernel6, layernorm_bwd_kernel6_limits},
-    {layernorm_bwd_kernel7, layernorm_bwd_kernel7_limits}, {layernorm_bwd_kernel8, layernorm_bwd_kernel8_limits},
-    {layernorm_bwd_kernel9, layernorm_bwd_kernel9_limits}, {layernorm_bwd_kernel10, layernorm_bwd_kernel10_limits},
-};
-
 // What a seed kernel would refuse (its launcher returns a bare cudaError_t), as a message that
 // names the kernel, the setting and what it accepts. Python refuses the same at trace time.
 ffi::Error CheckSeedKernel(int32_t kernel, const LayernormBwdParams& p, ffi::DataType dtype) {

@@ -88,6 +88,20 @@ SeedKernelLimits layernorm_bwd_kernel8_limits(Dtype dtype, int64_t C, int block_
 SeedKernelLimits layernorm_bwd_kernel9_limits(Dtype dtype, int64_t C, int block_size);
 SeedKernelLimits layernorm_bwd_kernel10_limits(Dtype dtype, int64_t C, int block_size);
 
+// Seed kernels 1-10 by id - 1: the launcher and its limits (the FFI glue and the standalone CUDA
+// harness, tests/cuda/harness.cu, both dispatch through this table).
+struct SeedKernel {
+  cudaError_t (*launch)(const LayernormBwdParams&, cudaStream_t);
+  SeedKernelLimits (*limits)(Dtype, int64_t, int);
+};
+inline constexpr SeedKernel kSeedKernels[] = {
+    {layernorm_bwd_kernel1, layernorm_bwd_kernel1_limits}, {layernorm_bwd_kernel2, layernorm_bwd_kernel2_limits},
+    {layernorm_bwd_kernel3, layernorm_bwd_kernel3_limits}, {layernorm_bwd_kernel4, layernorm_bwd_kernel4_limits},
+    {layernorm_bwd_kernel5, layernorm_bwd_kernel5_limits}, {layernorm_bwd_kernel6, layernorm_bwd_kernel6_limits},
+    {layernorm_bwd_kernel7, layernorm_bwd_kernel7_limits}, {layernorm_bwd_kernel8, layernorm_bwd_kernel8_limits},
+    {layernorm_bwd_kernel9, layernorm_bwd_kernel9_limits}, {layernorm_bwd_kernel10, layernorm_bwd_kernel10_limits},
+};
+
 // Kernel 11: rows kept in registers between the two passes, per-block fp32 partial sums of
 // dweight/dbias added up in a fixed order (see kernel11_rows_in_registers.cu).
 // Any C >= 1, any number of segments; block shape is chosen from C (p.block_size is ignored).

@@ -140,18 +140,8 @@ struct Problem {
 
 struct Outputs { std::vector<unsigned char> dx, dw, db; };
 
-// Seed kernels 1-9, by id - 1: the launcher and its limits (as the FFI glue has them).
-struct SeedKernel {
-  cudaError_t (*launch)(const LayernormBwdParams&, cudaStream_t);
-  SeedKernelLimits (*limits)(Dtype, int64_t, int);
-};
-static const SeedKernel kSeedKernels[] = {
-    {layernorm_bwd_kernel1, layernorm_bwd_kernel1_limits}, {layernorm_bwd_kernel2, layernorm_bwd_kernel2_limits},
-    {layernorm_bwd_kernel3, layernorm_bwd_kernel3_limits}, {layernorm_bwd_kernel4, layernorm_bwd_kernel4_limits},
-    {layernorm_bwd_kernel5, layernorm_bwd_kernel5_limits}, {layernorm_bwd_kernel6, layernorm_bwd_kernel6_limits},
-    {layernorm_bwd_kernel7, layernorm_bwd_kernel7_limits}, {layernorm_bwd_kernel8, layernorm_bwd_kernel8_limits},
-    {layernorm_bwd_kernel9, layernorm_bwd_kernel9_limits},
-};
+// Seed kernels 1-9 go through kSeedKernels (layernorm_bwd.h); kernel 10, also in that table,
+// has its own block sizes and refusal rule here (KERNELS[10] in jax_lnbwd/kernels.py).
 static bool is_seed(int kernel) { return kernel >= 1 && kernel <= 9; }
 
 // Partial slots in the workspace: the rule of jax_lnbwd/kernels.py (KernelInfo.partial_slots).
