@@ -107,7 +107,9 @@ using PartialsKernel = void (*)(T*, acc_t<T>*, const T*, const T*, const T*, con
                                 int64_t, int, int64_t, int, GridFinish<T>, Extra...);
 
 template <typename T>
-constexpr size_t grid_finish_smem(int threads) { return 2 * static_cast<size_t>(threads) * sizeof(acc_t<T>); }
+constexpr size_t grid_finish_smem(int threads) {
+  return 2 * static_cast<size_t>(threads) * kFinishMaxVec<T> * sizeof(acc_t<T>);
+}
 
 // Launches such a kernel on a persistent grid: `threads` threads and `smem` bytes of dynamic
 // shared memory per block, blocks_per_segment blocks per segment for about `per_sm` blocks on
@@ -141,6 +143,7 @@ cudaError_t launch_with_partials(const LayernormBwdParams& p, PartialsKernel<T, 
     finish.dweight = static_cast<T*>(p.dweight);
     finish.dbias = static_cast<T*>(p.dbias);
     finish.segments = static_cast<int>(p.segments);
+    finish.vec = finish_vec<T>(p.C, p.segments, blocks);
   }
   cudaLaunchAttribute cooperative;
   cooperative.id = cudaLaunchAttributeCooperative;

@@ -10,7 +10,7 @@ namespace lnbwd {
 
 struct Kernel12Config {
   int nv = 1;       // 16-byte vectors per thread per row
-  int nb = 2;       // ring buffers per row group (rows in flight per group: nb - 1 ahead)
+  int nb = 2;       // ring buffers per row group (rows ahead of the one computed: nb - 1, nb in regs mode)
   int tpr = 32;     // threads per row group (a multiple of 32)
   int groups = 1;   // row groups per block
   bool regs = false;  // copy each row to registers once (else both passes read shared memory)

@@ -344,14 +344,19 @@ std::vector<Kernel12Config> kernel12_candidates(Dtype dtype, int64_t C) {
 }
 
 bool kernel12_pick(Dtype dtype, int64_t C, Kernel12Config* cfg) {
-  // Measured on an H200 (tests/cuda/harness.cu sweep, 16-bit rows of C = 768..16384):
-  //  * Two buffers per group win when the SM's groups together have at least ~56 KB of dy and x
-  //    on their way (each group one row ahead): 6-11% faster than three at C = 2048..8192.
-  //    More rows in flight than that only queue.
-  //  * Below that, or with a single group per block (whose requests would stop while it computes
-  //    a row), three buffers win: 3-9% at C = 768..1600, 4-29% at C = 6144..16384. When the fp32
-  //    weight row leaves no room for three, the weight is staged as T (raw_weight).
-  //  * fp32 measured within 1% either way; fp64 follows the same rule.
+  // What counts is how many bytes of dy and x each SM has on their way while its groups compute.
+  // A group computing one row has nb - 1 rows in flight in shared-memory mode (a buffer is refilled
+  // after the row's second pass), nb in register mode (refilled as soon as the row is in
+  // registers). Measured on an H200 (tests/cuda/harness.cu sweep):
+  //  * Two buffers win when the SM's groups together have at least ~56 KB in flight with them:
+  //    16-bit rows 6-11% faster than three at C = 2048..8192. fp32 rows (register mode, so two
+  //    rows in flight per group even with a single group) reach it at every C measured: two
+  //    buffers 1-2% faster at C = 768..3072 and 2-6% at C = 5120..8192 (45.0 against 46.0 us at
+  //    16384x768, 192.4 against 205.7 us at 12288x5120). More rows in flight only queue.
+  //  * Below that, or with a single group in shared-memory mode (whose requests would stop
+  //    while it computes a row), three buffers win: 3-9% at C = 768..1600, 4-29% at C =
+  //    6144..16384. When the fp32 weight row leaves no room for three, the weight is staged as T
+  //    (raw_weight).
   // Four buffers measured no better (5-7% slower in 16-bit at C = 1600..8192).
   // kernel12_candidates lists three buffers with an fp32 weight before three with a raw one.
   const std::vector<Kernel12Config> all = kernel12_candidates(dtype, C);
@@ -362,7 +367,8 @@ bool kernel12_pick(Dtype dtype, int64_t C, Kernel12Config* cfg) {
     if (c.nb == 2 && !two) two = &c;
     if (c.nb == 3 && !three) three = &c;
   }
-  const bool two_enough = two && two->groups >= 2 && two->groups * 2 * row_bytes >= 56 * 1024;
+  const size_t in_flight = two ? static_cast<size_t>(two->groups) * (two->regs ? 2 : 1) * 2 * row_bytes : 0;
+  const bool two_enough = two && (two->regs || two->groups >= 2) && in_flight >= 56 * 1024;
   const Kernel12Config* pick = two_enough || !three ? two : three;
   if (!pick) return false;
   *cfg = *pick;

@@ -74,6 +74,17 @@ __device__ __forceinline__ V load_cs(const V* p) {
   return out;
 }
 
+// Load that bypasses L1 (ld.global.cg): for data other blocks of the same grid wrote, which only
+// L2 holds coherently.
+template <typename V>
+__device__ __forceinline__ V load_cg(const V* p) {
+  using B = typename BitsOf<sizeof(V)>::type;
+  B bits = __ldcg(reinterpret_cast<const B*>(p));
+  V out;
+  memcpy(&out, &bits, sizeof(V));
+  return out;
+}
+
 // Store that caches in L2 but not L1 (st.global.cg): dx is read by the next kernel, not by us.
 template <typename V>
 __device__ __forceinline__ void store_cg(V* p, const V& v) {
