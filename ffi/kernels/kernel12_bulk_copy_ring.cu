@@ -37,6 +37,7 @@
 #include "row_math.cuh"
 #include "row_reduce.cuh"
 
+#include <algorithm>
 #include <type_traits>
 
 namespace lnbwd {
@@ -288,7 +289,13 @@ size_t smem_bytes(const Kernel12Config& cfg, int64_t C, size_t item, size_t acc)
 }
 
 template <typename T, int VEC, int NV, int NB, bool REGS, typename W = acc_t<T>>
-cudaError_t launch(const LayernormBwdParams& p, const Kernel12Config& cfg, cudaStream_t stream) {
+cudaError_t launch(const LayernormBwdParams& p, Kernel12Config cfg, cudaStream_t stream) {
+  // Fewer rows than the SMs have groups: fewer groups per block, so that the rows spread over
+  // more SMs and each block's end (its groups' sums added column by column in shared memory, a
+  // chain of 2 * groups loads per column) is shorter.
+  int sms = 0;
+  LNBWD_RETURN_IF_CUDA_ERROR(sm_count(&sms));
+  cfg.groups = static_cast<int>(std::clamp<int64_t>(ceil_div<int64_t>(p.rows, sms), 1, cfg.groups));
   return launch_with_partials<T>(p, kernel12_ring<T, VEC, NV, NB, REGS, W>, cfg.tpr * cfg.groups,
                                  smem_bytes(cfg, p.C, sizeof(T), sizeof(acc_t<T>)), BlocksPerSm::kOccupancy,
                                  cfg.groups, stream, cfg.tpr, cfg.groups);

@@ -68,17 +68,19 @@ __device__ __forceinline__ void sum_partials_tile(T* __restrict__ dweight, T* __
     psums[(warps + j) * 32 + lane] = sw;
   }
   __syncthreads();
-  // Warp 0 adds the warps' dbias sums, warp 1 their dweight sums, each in warp order.
-  if (j < 2 && c < C) {
+  // Warp 0 adds the warps' dbias sums, warp 1 their dweight sums, each in warp order; a block of
+  // one warp (kernel 12 with a single group of 32 threads) adds both.
+  const int block_warps = static_cast<int>(blockDim.x / 32);
+  for (int kind = j; kind < 2 && c < C; kind += block_warps) {
     P t;
 #pragma unroll
     for (int v = 0; v < V; ++v) t[v] = A(0);
     for (int k = 0; k < warps; ++k) {
-      const P s = psums[(j * warps + k) * 32 + lane];
+      const P s = psums[(kind * warps + k) * 32 + lane];
 #pragma unroll
       for (int v = 0; v < V; ++v) t[v] += s[v];
     }
-    T* out = (j == 0 ? dbias : dweight) + c;
+    T* out = (kind == 0 ? dbias : dweight) + c;
 #pragma unroll
     for (int v = 0; v < V; ++v) out[v] = from_acc<T>(t[v]);
   }
