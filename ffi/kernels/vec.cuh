@@ -60,6 +60,16 @@ template <> struct BitsOf<2> { using type = unsigned short; };
 template <> struct BitsOf<4> { using type = unsigned int; };
 template <> struct BitsOf<8> { using type = uint2; };
 template <> struct BitsOf<16> { using type = uint4; };
+template <typename V> using Bits = typename BitsOf<sizeof(V)>::type;
+
+// The same bytes as another type of the same size.
+template <typename To, typename From>
+__device__ __forceinline__ To same_bytes(const From& v) {
+  static_assert(sizeof(To) == sizeof(From));
+  To out;
+  memcpy(&out, &v, sizeof(To));
+  return out;
+}
 
 template <typename V> __device__ __forceinline__ V load(const V* p) { return *p; }
 
@@ -67,40 +77,26 @@ template <typename V> __device__ __forceinline__ V load(const V* p) { return *p;
 // should not push data that is reused (weight, partial sums) out of the caches.
 template <typename V>
 __device__ __forceinline__ V load_cs(const V* p) {
-  using B = typename BitsOf<sizeof(V)>::type;
-  B bits = __ldcs(reinterpret_cast<const B*>(p));
-  V out;
-  memcpy(&out, &bits, sizeof(V));
-  return out;
+  return same_bytes<V>(__ldcs(reinterpret_cast<const Bits<V>*>(p)));
 }
 
 // Load that bypasses L1 (ld.global.cg): for data other blocks of the same grid wrote, which only
 // L2 holds coherently.
 template <typename V>
 __device__ __forceinline__ V load_cg(const V* p) {
-  using B = typename BitsOf<sizeof(V)>::type;
-  B bits = __ldcg(reinterpret_cast<const B*>(p));
-  V out;
-  memcpy(&out, &bits, sizeof(V));
-  return out;
+  return same_bytes<V>(__ldcg(reinterpret_cast<const Bits<V>*>(p)));
 }
 
 // Store that caches in L2 but not L1 (st.global.cg): dx is read by the next kernel, not by us.
 template <typename V>
 __device__ __forceinline__ void store_cg(V* p, const V& v) {
-  using B = typename BitsOf<sizeof(V)>::type;
-  B bits;
-  memcpy(&bits, &v, sizeof(V));
-  __stcg(reinterpret_cast<B*>(p), bits);
+  __stcg(reinterpret_cast<Bits<V>*>(p), same_bytes<Bits<V>>(v));
 }
 
 // Streaming store (st.global.cs): written once, never read again by this kernel.
 template <typename V>
 __device__ __forceinline__ void store_cs(V* p, const V& v) {
-  using B = typename BitsOf<sizeof(V)>::type;
-  B bits;
-  memcpy(&bits, &v, sizeof(V));
-  __stcs(reinterpret_cast<B*>(p), bits);
+  __stcs(reinterpret_cast<Bits<V>*>(p), same_bytes<Bits<V>>(v));
 }
 
 // Butterfly reduction: after log2(32) xor-shuffles every lane holds the sum of all 32 lanes.
