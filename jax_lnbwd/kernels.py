@@ -258,8 +258,11 @@ KERNELS: Mapping[int, KernelInfo] = {
         precise=True,
         segments=True,
         constraints=("any C >= 1; the ring needs sm_90 and C*itemsize % 16 == 0 with two rows "
-                     "of dy and x per buffer in 227 KB of shared memory; wider fp32/bf16/fp16 rows "
-                     "up to C = 16384 stream in chunks, twice (wide-row path); otherwise kernel 11"),
+                     "of dy and x per buffer in 227 KB of shared memory; fp32/bf16/fp16 rows are "
+                     "split over a cluster of two blocks (half a row each) from C = 4096 in 16-bit "
+                     "and where a whole row does not fit, up to C = 16384 fp32 and 32768 16-bit "
+                     "(halves 16-byte aligned); other fp32 rows up to C = 16384 stream in chunks, "
+                     "twice (wide-row path); otherwise kernel 11"),
         refuse=lambda C, dtype, block_size: None,
         partial_slots=_kernel11_slots,
     ),

@@ -127,6 +127,22 @@ def test_vmap_of_grad_more_examples_than_resident_blocks(platform, dtype):
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
+def test_vmap_of_grad_split_rows_more_examples_than_resident_clusters(platform):
+    # bf16 rows of 4096 columns: on Hopper kernel 12 splits each row over a cluster of two blocks
+    # that share one partial slot. 150 examples, one cluster each at the least, are more than the
+    # 66 clusters an H200 holds at once: a plain cluster launch, then finalize_partials over one
+    # slot per cluster.
+    x, w, b, r = _batch((2, 4096), 150, seed=46, dtype="bfloat16")
+    got = jax.jit(jax.vmap(_grads(layernorm)))(*put(platform, x, w, b, r))
+    want = on_cpu_f64(jax.vmap(_grads(reference.layernorm)))(x, w, b, r)
+    assert got[1].shape == (150, 4096)
+    assert_all_close(got, want, "bfloat16")
+    for name, g, w in zip(("dweight", "dbias"), got[1:], want[1:]):
+        for i in (0, 75, 149):
+            assert_close(f"{name}[{i}]", g[i], w[i], "bfloat16")
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
 def test_grad_of_vmap_sums_over_the_batch(platform):
     # A weight shared by the batch gets the sum of the per-example gradients.
     x, w, b, r = _batch((5, 24), 3, seed=50)

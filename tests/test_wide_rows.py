@@ -1,11 +1,14 @@
-"""Wide rows through the default kernel (issue 4): C = 12288, 16384 and 65536 in every dtype.
+"""Wide rows through the default kernel (issue 4): C = 12288, 12292, 16384, 32768 and 65536 in
+every dtype.
 
 On an H200 these take different paths of kernel 12 (see jax_lnbwd.KERNELS[12].constraints):
-fp32 12288 and 16384 the wide-row path (a row streamed through a chunk ring, once per pass),
-bf16/fp16 12288 and 16384 the per-group row ring, fp64 kernel 11 (its rows in registers up to
-about 25000 columns), and every dtype at 65536 kernel 11's two-pass path. Each is checked
-against the float64 reference, with more rows than the GPU has SMs (so a block of the wide-row
-path takes several rows and its ring wraps across rows and passes), and for bit-identical
+fp32, bf16 and fp16 at 12288 and 16384 and bf16/fp16 at 32768 the row ring with split rows (a
+cluster of two blocks, each taking half of every row and trading its half's sums with the
+other); fp32 at 12292 (a multiple of 4, not of 8, so its halves would not be 16-byte aligned)
+the wide-row path (a row streamed through a chunk ring, once per pass); bf16/fp16 at 12292
+(rows not 16-byte aligned) and fp64 kernel 11 (its rows in registers up to about 25000
+columns); fp32 at 32768 and every dtype at 65536 kernel 11's two-pass path. Each is checked
+against the float64 reference, with more rows than the GPU has SMs, and for bit-identical
 results run to run.
 """
 import jax
@@ -16,13 +19,13 @@ import jax_lnbwd
 from conftest import DTYPES, PLATFORMS, assert_close, make_inputs, put, reference_bwd, reference_stats
 from jax_lnbwd import kernels as kernels_mod
 
-WIDTHS = (12288, 16384, 65536)
+WIDTHS = (12288, 12292, 16384, 32768, 65536)
 
 
 def rows_for(platform: str) -> int:
     if platform == "cpu":
         return 3   # the C++ reference is the same code at every width: a few rows keep it short
-    # Two rows per SM and one more: a block of the wide-row path (one per SM) takes a third row.
+    # Two rows per SM and one more: a block (one per SM) takes a third row.
     return 2 * kernels_mod.sm_count() + 1
 
 

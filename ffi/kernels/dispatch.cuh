@@ -119,48 +119,78 @@ constexpr size_t grid_finish_smem(int threads) {
 //    whose blocks meet at a grid-wide barrier and sum the slots themselves;
 //  * it does not (more segments than resident blocks): a plain launch, then finalize_partials.
 // Both sum in a fixed order, so either is deterministic; a given shape always takes the same one.
+//
+// cluster > 1: the blocks come in thread-block clusters of that many (kernel 12's split rows,
+// whose cluster's blocks share each row and write one slot between them). The grid is then
+// counted in clusters: as many as fit at once (the GPU's GPCs place them), a whole number of
+// them per segment, one partial slot each; blocks_per_segment stays a count of blocks.
 template <typename T, typename... Extra, typename... Args>
 cudaError_t launch_with_partials(const LayernormBwdParams& p, PartialsKernel<T, Extra...> kernel, int threads,
-                                 size_t smem, BlocksPerSm per_sm_rule, int rows_per_block, cudaStream_t stream,
-                                 Args... extra) {
+                                 size_t smem, BlocksPerSm per_sm_rule, int rows_per_block, int cluster,
+                                 cudaStream_t stream, Args... extra) {
   smem = std::max(smem, grid_finish_smem<T>(threads));
   LNBWD_RETURN_IF_CUDA_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  int sms = 0, resident = 0;
-  LNBWD_RETURN_IF_CUDA_ERROR(sm_count(&sms));
-  LNBWD_RETURN_IF_CUDA_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, threads, smem));
-  int per_sm = per_sm_rule == BlocksPerSm::kOne ? 1 : resident;
-  if (per_sm < 1) {
-    if (per_sm_rule == BlocksPerSm::kOccupancy) return cudaErrorInvalidConfiguration;
-    per_sm = 1;
+  cudaLaunchAttribute attrs[2];
+  int n_attrs = 0;
+  if (cluster > 1) {
+    attrs[n_attrs].id = cudaLaunchAttributeClusterDimension;
+    attrs[n_attrs].val.clusterDim.x = static_cast<unsigned int>(cluster);
+    attrs[n_attrs].val.clusterDim.y = 1;
+    attrs[n_attrs].val.clusterDim.z = 1;
+    ++n_attrs;
   }
-  int64_t bps = 0;
-  LNBWD_RETURN_IF_CUDA_ERROR(blocks_per_segment<T>(p, static_cast<int64_t>(per_sm) * sms, rows_per_block, &bps));
-  const int64_t blocks = bps * p.segments;
-  const bool in_grid = blocks <= static_cast<int64_t>(resident) * sms;
+  cudaLaunchConfig_t cfg = {};
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = attrs;
+  cfg.numAttrs = n_attrs;
+  // Units: blocks, or clusters of `cluster` blocks; `fit` of them are resident at once.
+  int64_t want = 0, fit = 0;
+  if (cluster > 1) {
+    cfg.gridDim = dim3(static_cast<unsigned int>(cluster));
+    int clusters = 0;
+    LNBWD_RETURN_IF_CUDA_ERROR(cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg));
+    if (clusters < 1) return cudaErrorInvalidConfiguration;
+    want = fit = clusters;
+  } else {
+    int sms = 0, resident = 0;
+    LNBWD_RETURN_IF_CUDA_ERROR(sm_count(&sms));
+    LNBWD_RETURN_IF_CUDA_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, threads, smem));
+    int per_sm = per_sm_rule == BlocksPerSm::kOne ? 1 : resident;
+    if (per_sm < 1) {
+      if (per_sm_rule == BlocksPerSm::kOccupancy) return cudaErrorInvalidConfiguration;
+      per_sm = 1;
+    }
+    want = static_cast<int64_t>(per_sm) * sms;
+    fit = static_cast<int64_t>(resident) * sms;
+  }
+  int64_t units = 0;   // per segment
+  LNBWD_RETURN_IF_CUDA_ERROR(blocks_per_segment<T>(p, want, rows_per_block, &units));
+  const int64_t bps = units * cluster;
+  if (bps * p.segments > INT32_MAX) return cudaErrorInvalidValue;
+  const bool in_grid = units * p.segments <= fit;
   GridFinish<T> finish;
   if (in_grid) {
     finish.dweight = static_cast<T*>(p.dweight);
     finish.dbias = static_cast<T*>(p.dbias);
     finish.segments = static_cast<int>(p.segments);
-    finish.vec = finish_vec<T>(p.C, p.segments, blocks);
+    finish.vec = finish_vec<T>(p.C, p.segments, bps * p.segments);
   }
-  cudaLaunchAttribute cooperative;
-  cooperative.id = cudaLaunchAttributeCooperative;
-  cooperative.val.cooperative = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned int>(blocks));
-  cfg.blockDim = dim3(threads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cfg.attrs = &cooperative;
-  cfg.numAttrs = in_grid ? 1 : 0;
+  if (in_grid) {
+    attrs[n_attrs].id = cudaLaunchAttributeCooperative;
+    attrs[n_attrs].val.cooperative = 1;
+    ++n_attrs;
+  }
+  cfg.gridDim = dim3(static_cast<unsigned int>(bps * p.segments));
+  cfg.numAttrs = n_attrs;
   LNBWD_RETURN_IF_CUDA_ERROR(cudaLaunchKernelEx(
       &cfg, kernel, static_cast<T*>(p.dx), partials_of<T>(p), static_cast<const T*>(p.dy),
       static_cast<const T*>(p.x), static_cast<const T*>(p.weight), static_cast<const stat_t<T>*>(p.mean),
       static_cast<const stat_t<T>*>(p.rstd), p.rows / p.segments, static_cast<int>(bps), p.weight_stride,
       static_cast<int>(p.C), finish, extra...));
-  return in_grid ? cudaSuccess : finalize_partials_launch(p, static_cast<int>(bps), stream);
+  return in_grid ? cudaSuccess : finalize_partials_launch(p, static_cast<int>(units), stream);
 }
 
 }  // namespace lnbwd

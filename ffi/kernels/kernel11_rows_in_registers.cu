@@ -231,8 +231,8 @@ cudaError_t launch(const LayernormBwdParams& p, const Kernel11Config& cfg, cudaS
   // Persistent grid: as many blocks as fit on the GPU at once, but no more than there are row
   // groups of work, and no more than the workspace has partial slots.
   return launch_with_partials<T>(p, kernel11_rows<T, VEC, NV, PREFETCH>, cfg.tpr * cfg.groups,
-                                 smem_bytes(cfg, p.C, sizeof(acc_t<T>)), BlocksPerSm::kOccupancy, cfg.groups, stream,
-                                 cfg.tpr, cfg.groups);
+                                 smem_bytes(cfg, p.C, sizeof(acc_t<T>)), BlocksPerSm::kOccupancy, cfg.groups, 1,
+                                 stream, cfg.tpr, cfg.groups);
 }
 
 // The (NV, PREFETCH) variants compiled for each vector width. Registers per thread for the row

@@ -15,6 +15,7 @@ struct Kernel12Config {
   int groups = 1;   // row groups per block
   bool regs = false;  // copy each row to registers once (else both passes read shared memory)
   bool raw_weight = false;  // shared-memory mode: stage the weight as T, not acc_t (16-bit only)
+  int split = 1;    // blocks sharing each row (2: a cluster of two, half a row each; not fp64)
 };
 
 // Configurations that fit (16-byte aligned rows of C elements); empty if none.

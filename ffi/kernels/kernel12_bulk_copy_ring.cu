@@ -30,7 +30,15 @@
 // At the end the groups' sums meet in shared memory (in group order) and the block writes its
 // partial slot; the slots are then added in slot order (launch_with_partials, dispatch.cuh: by the
 // grid itself after a grid-wide barrier, or by finalize_partials). Deterministic.
+//
+// Split rows (SPLIT = 2, kernel12_pick says where): the blocks come in clusters of two, and both
+// blocks of a cluster walk the same rows, block h taking the columns [h C/2, (h + 1) C/2) of
+// each; everything above applies to a block's half row. The row's sums need both halves: after
+// pass 1 each group sends its half's (s1, s2) to the same group of the other block
+// (cluster_exchange.cuh) and adds the pair it receives, so both halves use the same s1 and s2.
+// The two blocks fill the two halves of one partial slot.
 #include "bulk_copy.cuh"
+#include "cluster_exchange.cuh"
 #include "dispatch.cuh"
 #include "kernel12.h"
 #include "partials_finalize.h"
@@ -53,7 +61,7 @@ constexpr size_t kSmemBudget = 227 * 1024;   // the opt-in maximum of sm_90
 // W: the type the weight row is staged as in shared memory (shared-memory mode): acc_t<T>,
 // converted once; or T itself, half the bytes, converted in every pass, for 16-bit rows so wide
 // that an fp32 copy of the weight would cost the ring a buffer.
-template <typename T, int VEC, int NV, int NB, bool REGS, typename W>
+template <typename T, int VEC, int NV, int NB, bool REGS, typename W, int SPLIT>
 __global__ void __launch_bounds__(max_threads(NV * VEC * sizeof(acc_t<T>)), 1)
 kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __restrict__ dy,
               const T* __restrict__ x, const T* __restrict__ weight, const stat_t<T>* __restrict__ mean,
@@ -72,7 +80,13 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   const int warps_per_row = tpr / 32;
   const int warp_in_row = t / 32;
   const bool leader = t == 0;
-  const size_t row_bytes = static_cast<size_t>(C) * sizeof(T);
+  // Split rows (SPLIT = 2): the block of cluster rank h takes the columns [h * Cb, (h + 1) * Cb)
+  // of every row its cluster works on; Cb is this block's share of a row, and every column index
+  // below counts from col0.
+  const int rank = SPLIT > 1 ? static_cast<int>(cluster_rank()) : 0;
+  const int Cb = C / SPLIT;
+  const int col0 = rank * Cb;
+  const size_t row_bytes = static_cast<size_t>(Cb) * sizeof(T);
 
   // Shared memory: [weight row as W (shared-memory mode only) | ring buffers: groups x NB x
   // (dy row, x row) | their mbarriers | their (mean, rstd) pairs | reduction exchange]. Each
@@ -80,7 +94,7 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   extern __shared__ __align__(128) unsigned char smem[];
   constexpr bool kWeightAcc = std::is_same_v<W, A>;
   W* w_sh = reinterpret_cast<W*>(smem);
-  unsigned char* ring = smem + (REGS ? 0 : round_up<size_t>(static_cast<size_t>(C) * sizeof(W), 16));
+  unsigned char* ring = smem + (REGS ? 0 : round_up<size_t>(static_cast<size_t>(Cb) * sizeof(W), 16));
   auto buf_dy = [&](int q, int b) { return reinterpret_cast<T*>(ring + ((size_t)q * NB + b) * 2 * row_bytes); };
   auto buf_x = [&](int q, int b) { return reinterpret_cast<T*>(ring + (((size_t)q * NB + b) * 2 + 1) * row_bytes); };
   uint64_t* full = reinterpret_cast<uint64_t*>(ring + (size_t)groups * NB * 2 * row_bytes);
@@ -88,35 +102,52 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   Pair* exchange = reinterpret_cast<Pair*>(reinterpret_cast<unsigned char*>(stats) +
                                           round_up<size_t>(static_cast<size_t>(groups) * NB * 2 * sizeof(S), 16)) +
                    g * 2 * warps_per_row;
+  // Split rows: per group, two (barrier, pair) slots that the other block's group sends its
+  // half-row sums into, alternating between rows.
+  uint64_t* peer_bar = reinterpret_cast<uint64_t*>(exchange - g * 2 * warps_per_row + groups * 2 * warps_per_row) + g * 2;
+  Pair* peer_sum = reinterpret_cast<Pair*>(peer_bar - g * 2 + groups * 2) + g * 2;
 
-  // Segments: blocks [s * bps, (s + 1) * bps) work on segment s only.
+  // Segments: blocks [s * bps, (s + 1) * bps) work on segment s only, in units of SPLIT blocks
+  // (a cluster) that share their rows.
   const int64_t segment = blockIdx.x / blocks_per_segment;
   const int64_t rows = (segment + 1) * rows_per_segment;
-  weight += segment * weight_stride;
-  const int64_t stride = static_cast<int64_t>(blocks_per_segment) * groups;
-  const int64_t first = segment * rows_per_segment + blockIdx.x % blocks_per_segment + static_cast<int64_t>(g) * blocks_per_segment;
+  const int units = blocks_per_segment / SPLIT;
+  const int unit = blockIdx.x % blocks_per_segment / SPLIT;
+  weight += segment * weight_stride + col0;
+  const int64_t stride = static_cast<int64_t>(units) * groups;
+  const int64_t first = segment * rows_per_segment + unit + static_cast<int64_t>(g) * units;
 
   // The weight loads go out first. Issued after the ring's first copies, they would queue behind
   // every SM's first rows (tens of MB) and hold the whole block at the barrier that publishes the
   // weight for microseconds. Register mode loads the thread's own columns; shared-memory mode
-  // stages the row with the whole block (at most NV loads a thread, since tpr * NV * VEC >= C).
+  // stages the row with the whole block (at most NV loads a thread, since tpr * NV * VEC >= Cb).
   V w_raw[NV];
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
     const int col = (REGS ? j * tpr + t : j * static_cast<int>(blockDim.x) + static_cast<int>(threadIdx.x)) * VEC;
-    if (col < C) w_raw[j] = load(reinterpret_cast<const V*>(weight + col));
+    if (col < Cb) w_raw[j] = load(reinterpret_cast<const V*>(weight + col));
   }
   const A inv_c = A(1) / A(C);
 
   if (leader) {
     for (int b = 0; b < NB; ++b) mbar_init(&full[g * NB + b], kRowCopyArrivals);
+    if (SPLIT > 1) {
+      mbar_init(&peer_bar[0], 1);   // the leader's mbar_expect_pair
+      mbar_init(&peer_bar[1], 1);
+    }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  __syncthreads();   // barriers initialized before anyone uses them
+  // Barriers initialized before anyone uses them: the other block of the cluster too, which
+  // sends into this block's peer barriers.
+  if constexpr (SPLIT > 1) {
+    cluster_sync();
+  } else {
+    __syncthreads();
+  }
   // The leader starts row r's copies into buffer b of its group.
   auto issue = [&](int b, int64_t r) {
-    issue_row(&full[g * NB + b], buf_dy(g, b), buf_x(g, b), &stats[(g * NB + b) * 2], dy + r * C, x + r * C, mean + r,
-              rstd + r, static_cast<uint32_t>(row_bytes));
+    issue_row(&full[g * NB + b], buf_dy(g, b), buf_x(g, b), &stats[(g * NB + b) * 2], dy + r * C + col0,
+              x + r * C + col0, mean + r, rstd + r, static_cast<uint32_t>(row_bytes));
   };
   if (leader) {
     for (int b = 0; b < NB; ++b) {
@@ -134,7 +165,7 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
     const int col = (REGS ? j * tpr + t : j * static_cast<int>(blockDim.x) + static_cast<int>(threadIdx.x)) * VEC;
-    if (col < C) {
+    if (col < Cb) {
       if (REGS) {
         wv[j] = to_acc(w_raw[j]);
       } else if constexpr (kWeightAcc) {
@@ -151,6 +182,8 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   int parity = 0;           // which exchange buffer this row uses
   int b = 0;                // the ring buffer of this row: (rows processed) % NB
   uint32_t phase = 0;       // the phase of its barrier: ((rows processed) / NB) & 1
+  int peer = 0;             // split rows: the peer slot of this row, (rows processed) & 1
+  uint32_t peer_phase = 0;  // and its barrier's phase, ((rows processed) / 2) & 1
   bool first_row = true;
   int64_t row = first;
   for (; row < rows; row += stride) {
@@ -162,7 +195,7 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
 #pragma unroll
       for (int j = 0; j < NV; ++j) {
         const int col = (j * tpr + t) * VEC;
-        if (col < C) {
+        if (col < Cb) {
           dyv[j] = *reinterpret_cast<const V*>(buf_dy(g, b) + col);
           xv[j] = *reinterpret_cast<const V*>(buf_x(g, b) + col);
         }
@@ -182,7 +215,7 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
       const int col = (j * tpr + t) * VEC;
-      if (col < C) {
+      if (col < Cb) {
         add_row_sums<T, VEC>(dy_at(j, col), x_at(j, col), w_at(j, col), m, s1, s2);
       }
     }
@@ -222,14 +255,30 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
       if (r < rows) issue(rb, r);
     }
     first_row = false;
+    if constexpr (SPLIT > 1) {
+      // The row's sums are this block's half plus the other block's: the leader sends ours and
+      // announces theirs, everyone waits for theirs. a + b == b + a in floating point, so both
+      // blocks get the same bits. A slot is reused two rows later, when the other block has
+      // this block's sums of the row in between, so it is past reading the slot's last pair.
+      if (leader) {
+        send_pair(reinterpret_cast<float*>(&peer_sum[peer]), &peer_bar[peer], rank ^ 1, s1, s2);
+        mbar_expect_pair(&peer_bar[peer]);
+      }
+      mbar_wait(&peer_bar[peer], peer_phase);
+      const Pair other = peer_sum[peer];
+      s1 += other[0];
+      s2 += other[1];
+      peer_phase ^= peer;
+      peer ^= 1;
+    }
     const RowCoefficients<A> coef(s1, s2, s, inv_c);
 
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
       const int col = (j * tpr + t) * VEC;
-      if (col < C) {
+      if (col < Cb) {
         const V dxv = dx_and_add_sums<T, VEC>(dy_at(j, col), x_at(j, col), w_at(j, col), m, s, coef, db[j], dw[j]);
-        store_cs(reinterpret_cast<V*>(dx + row * C + col), dxv);   // written once, not re-read here
+        store_cs(reinterpret_cast<V*>(dx + row * C + col0 + col), dxv);   // written once, not re-read here
       }
     }
     if (++b == NB) {
@@ -244,39 +293,51 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   // own), but without it compute-sanitizer's racecheck reported the sums exchanged below as
   // racing (52 reports on the H200; none with it). Group 0's rows are this group's minus g*B, so
   // group 0 had one row more if its next row, row - g*B, is still below `rows`.
-  if (row - static_cast<int64_t>(g) * blocks_per_segment < rows) group_sync(1 + g, tpr);
+  if (row - static_cast<int64_t>(g) * units < rows) group_sync(1 + g, tpr);
 
   // The groups' sums meet in shared memory (the ring is idle now: every copy that was issued
   // has been waited for), then are added in group order into this block's partial slot. Past
   // this barrier nobody waits on the ring's mbarriers any more: their leaders retire them.
-  __syncthreads();
+  // Split rows: every pair this block sent has landed too (the other block waited for each),
+  // so no send is in flight into a block that has moved on.
+  if constexpr (SPLIT > 1) {
+    cluster_sync();
+  } else {
+    __syncthreads();
+  }
   if (leader) {
     for (int b = 0; b < NB; ++b) mbar_inval(&full[g * NB + b]);
+    if (SPLIT > 1) {
+      mbar_inval(&peer_bar[0]);
+      mbar_inval(&peer_bar[1]);
+    }
   }
-  A* sums = reinterpret_cast<A*>(smem);   // [groups][2][C], over the weight row and the ring
+  A* sums = reinterpret_cast<A*>(smem);   // [groups][2][Cb], over the weight row and the ring
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
     const int col = (j * tpr + t) * VEC;
-    if (col < C) {
-      *reinterpret_cast<AV*>(sums + (static_cast<size_t>(g) * 2) * C + col) = db[j];
-      *reinterpret_cast<AV*>(sums + (static_cast<size_t>(g) * 2 + 1) * C + col) = dw[j];
+    if (col < Cb) {
+      *reinterpret_cast<AV*>(sums + (static_cast<size_t>(g) * 2) * Cb + col) = db[j];
+      *reinterpret_cast<AV*>(sums + (static_cast<size_t>(g) * 2 + 1) * Cb + col) = dw[j];
     }
   }
   __syncthreads();
-  A* slot = partials + static_cast<size_t>(blockIdx.x) * 2 * C;
-  for (int c = threadIdx.x; c < C; c += blockDim.x) {
+  // The cluster's slot (one per block without split rows); this block writes its columns.
+  A* slot = partials + static_cast<size_t>(blockIdx.x / SPLIT) * 2 * C + col0;
+  for (int c = threadIdx.x; c < Cb; c += blockDim.x) {
     A sb = A(0), sw = A(0);
     for (int q = 0; q < groups; ++q) {
-      sb += sums[(static_cast<size_t>(q) * 2) * C + c];
-      sw += sums[(static_cast<size_t>(q) * 2 + 1) * C + c];
+      sb += sums[(static_cast<size_t>(q) * 2) * Cb + c];
+      sw += sums[(static_cast<size_t>(q) * 2 + 1) * Cb + c];
     }
     __stcg(slot + c, sb);
     __stcg(slot + C + c, sw);
   }
-  if (finish.dweight) finish_partials_in_grid(finish, partials, blocks_per_segment, C, blockDim.x / 32, reinterpret_cast<A*>(smem));
+  if (finish.dweight) finish_partials_in_grid(finish, partials, units, C, blockDim.x / 32, reinterpret_cast<A*>(smem));
 #endif
 }
 
+// C: the columns of a row that one block takes (C / split).
 size_t smem_bytes(const Kernel12Config& cfg, int64_t C, size_t item, size_t acc) {
   const size_t row = C * item;
   const size_t weight = cfg.regs ? 0 : round_up<size_t>(C * (cfg.raw_weight ? item : acc), 16);
@@ -285,20 +346,22 @@ size_t smem_bytes(const Kernel12Config& cfg, int64_t C, size_t item, size_t acc)
   const size_t buffers = static_cast<size_t>(cfg.groups) * cfg.nb;
   const size_t barriers = 16 * ceil_div<size_t>(buffers, 2);
   const size_t stats = round_up<size_t>(buffers * 2 * acc, 16);   // stat_t is acc_t
-  return front + barriers + stats + static_cast<size_t>(cfg.groups) * 2 * (cfg.tpr / 32) * 2 * acc;
+  const size_t peers = cfg.split > 1 ? static_cast<size_t>(cfg.groups) * 2 * (8 + 2 * acc) : 0;
+  return front + barriers + stats + static_cast<size_t>(cfg.groups) * 2 * (cfg.tpr / 32) * 2 * acc + peers;
 }
 
-template <typename T, int VEC, int NV, int NB, bool REGS, typename W = acc_t<T>>
+template <typename T, int VEC, int NV, int NB, bool REGS, typename W, int SPLIT>
 cudaError_t launch(const LayernormBwdParams& p, Kernel12Config cfg, cudaStream_t stream) {
   // Fewer rows than the SMs have groups: fewer groups per block, so that the rows spread over
   // more SMs and each block's end (its groups' sums added column by column in shared memory, a
-  // chain of 2 * groups loads per column) is shorter.
+  // chain of 2 * groups loads per column) is shorter. (A cluster of SPLIT blocks takes a row
+  // per group.)
   int sms = 0;
   LNBWD_RETURN_IF_CUDA_ERROR(sm_count(&sms));
-  cfg.groups = static_cast<int>(std::clamp<int64_t>(ceil_div<int64_t>(p.rows, sms), 1, cfg.groups));
-  return launch_with_partials<T>(p, kernel12_ring<T, VEC, NV, NB, REGS, W>, cfg.tpr * cfg.groups,
-                                 smem_bytes(cfg, p.C, sizeof(T), sizeof(acc_t<T>)), BlocksPerSm::kOccupancy,
-                                 cfg.groups, stream, cfg.tpr, cfg.groups);
+  cfg.groups = static_cast<int>(std::clamp<int64_t>(ceil_div<int64_t>(p.rows, sms / SPLIT), 1, cfg.groups));
+  return launch_with_partials<T>(p, kernel12_ring<T, VEC, NV, NB, REGS, W, SPLIT>, cfg.tpr * cfg.groups,
+                                 smem_bytes(cfg, p.C / SPLIT, sizeof(T), sizeof(acc_t<T>)), BlocksPerSm::kOccupancy,
+                                 cfg.groups, SPLIT, stream, cfg.tpr, cfg.groups);
 }
 
 // The compiled variants, chosen from measurements on an H200 (tests/cuda/harness.cu sweep):
@@ -308,49 +371,27 @@ cudaError_t launch(const LayernormBwdParams& p, Kernel12Config cfg, cudaStream_t
 template <typename T>
 constexpr bool kRegsMode = std::is_same_v<T, float>;
 
-template <typename T, int VEC>
+template <typename T, int VEC, int SPLIT>
 cudaError_t launch_variant(const LayernormBwdParams& p, const Kernel12Config& cfg, cudaStream_t stream) {
   constexpr int nv = sizeof(T) == 8 ? 2 : 4;
   if (cfg.nv != nv || cfg.regs != kRegsMode<T>) return cudaErrorInvalidValue;
   if (cfg.raw_weight) {
     if constexpr (sizeof(T) == 2) {
-      if (cfg.nb == 3) return launch<T, VEC, nv, 3, false, T>(p, cfg, stream);
+      if (cfg.nb == 3) return launch<T, VEC, nv, 3, false, T, SPLIT>(p, cfg, stream);
     }
     return cudaErrorInvalidValue;
   }
-  if (cfg.nb == 3) return launch<T, VEC, nv, 3, kRegsMode<T>>(p, cfg, stream);
-  if (cfg.nb == 2) return launch<T, VEC, nv, 2, kRegsMode<T>>(p, cfg, stream);
+  if (cfg.nb == 3) return launch<T, VEC, nv, 3, kRegsMode<T>, acc_t<T>, SPLIT>(p, cfg, stream);
+  if (cfg.nb == 2) return launch<T, VEC, nv, 2, kRegsMode<T>, acc_t<T>, SPLIT>(p, cfg, stream);
   return cudaErrorInvalidValue;
 }
 
-}  // namespace
+// Split rows exist for the types whose sums are fp32 (the pair a group sends is two floats).
+template <typename T>
+constexpr bool kCanSplit = std::is_same_v<acc_t<T>, float>;
 
-std::vector<Kernel12Config> kernel12_candidates(Dtype dtype, int64_t C) {
-  const int item = dtype_bytes(dtype);
-  const int vec = 16 / item;
-  const size_t acc = dtype == Dtype::kF64 ? 8 : 4;
-  std::vector<Kernel12Config> out;
-  if (C % vec != 0) return out;
-  for (const auto [nb, raw_weight] : {std::pair{3, false}, {2, false}, {3, true}}) {
-    if (raw_weight && item != 2) continue;
-    Kernel12Config cfg;
-    cfg.nv = item == 8 ? 2 : 4;
-    cfg.nb = nb;
-    cfg.regs = dtype == Dtype::kF32;
-    cfg.raw_weight = raw_weight;
-    const int64_t tpr = 32 * ceil_div<int64_t>(C / vec, 32 * cfg.nv);
-    const int block_max = max_threads(cfg.nv * vec * acc);
-    if (tpr > block_max) continue;
-    cfg.tpr = static_cast<int>(tpr);
-    cfg.groups = std::min(block_max / cfg.tpr, kMaxGroups);
-    while (cfg.groups > 0 && smem_bytes(cfg, C, item, acc) > kSmemBudget) --cfg.groups;
-    if (cfg.groups == 0) continue;
-    out.push_back(cfg);
-  }
-  return out;
-}
-
-bool kernel12_pick(Dtype dtype, int64_t C, Kernel12Config* cfg) {
+// The pick among the configurations that split rows `split` ways (see kernel12_pick).
+bool pick_buffers(const std::vector<Kernel12Config>& all, Dtype dtype, int64_t C, int split, Kernel12Config* cfg) {
   // What counts is how many bytes of dy and x each SM has on their way while its groups compute.
   // A group computing one row has nb - 1 rows in flight in shared-memory mode (a buffer is refilled
   // after the row's second pass), nb in register mode (refilled as soon as the row is in
@@ -366,20 +407,75 @@ bool kernel12_pick(Dtype dtype, int64_t C, Kernel12Config* cfg) {
   //    (raw_weight).
   // Four buffers measured no better (5-7% slower in 16-bit at C = 1600..8192).
   // kernel12_candidates lists three buffers with an fp32 weight before three with a raw one.
-  const std::vector<Kernel12Config> all = kernel12_candidates(dtype, C);
-  const size_t row_bytes = static_cast<size_t>(C) * dtype_bytes(dtype);
+  const size_t row_bytes = static_cast<size_t>(C / split) * dtype_bytes(dtype);
   const Kernel12Config* two = nullptr;
   const Kernel12Config* three = nullptr;
   for (const Kernel12Config& c : all) {
+    if (c.split != split) continue;
     if (c.nb == 2 && !two) two = &c;
     if (c.nb == 3 && !three) three = &c;
   }
   const size_t in_flight = two ? static_cast<size_t>(two->groups) * (two->regs ? 2 : 1) * 2 * row_bytes : 0;
-  const bool two_enough = two && (two->regs || two->groups >= 2) && in_flight >= 56 * 1024;
+  bool two_enough = two && (two->regs || two->groups >= 2) && in_flight >= 56 * 1024;
+  // Split rows in shared-memory mode: a group also waits, every row, for the other block's sums,
+  // so the slower of the pair sets the pace. With at most two groups a block, a third buffer
+  // (with an fp32 weight) absorbs that: 4096x16384 bf16 111.0 against 116.5 us (three runs each),
+  // fp16 115.1 against 114.0. With four, two buffers win as before (8192x8192 bf16 111.9 against
+  // 118.4, fp16 110.1 against 121.8); with one (C = 32768), three fit only with a 16-bit weight,
+  // and lose (bf16 2048x32768 142.9 against 127.7).
+  if (split > 1 && three && !three->regs && !three->raw_weight && three->groups <= 2) two_enough = false;
   const Kernel12Config* pick = two_enough || !three ? two : three;
   if (!pick) return false;
   *cfg = *pick;
   return true;
+}
+
+}  // namespace
+
+std::vector<Kernel12Config> kernel12_candidates(Dtype dtype, int64_t C) {
+  const int item = dtype_bytes(dtype);
+  const int vec = 16 / item;
+  const size_t acc = dtype == Dtype::kF64 ? 8 : 4;
+  std::vector<Kernel12Config> out;
+  for (const int split : {1, 2}) {
+    if (split > 1 && dtype == Dtype::kF64) continue;
+    if (C % (split * vec) != 0) continue;
+    const int64_t Cb = C / split;
+    for (const auto [nb, raw_weight] : {std::pair{3, false}, {2, false}, {3, true}}) {
+      if (raw_weight && item != 2) continue;
+      Kernel12Config cfg;
+      cfg.nv = item == 8 ? 2 : 4;
+      cfg.nb = nb;
+      cfg.regs = dtype == Dtype::kF32;
+      cfg.raw_weight = raw_weight;
+      cfg.split = split;
+      const int64_t tpr = 32 * ceil_div<int64_t>(Cb / vec, 32 * cfg.nv);
+      const int block_max = max_threads(cfg.nv * vec * acc);
+      if (tpr > block_max) continue;
+      cfg.tpr = static_cast<int>(tpr);
+      cfg.groups = std::min(block_max / cfg.tpr, kMaxGroups);
+      while (cfg.groups > 0 && smem_bytes(cfg, Cb, item, acc) > kSmemBudget) --cfg.groups;
+      if (cfg.groups == 0) continue;
+      out.push_back(cfg);
+    }
+  }
+  return out;
+}
+
+bool kernel12_pick(Dtype dtype, int64_t C, Kernel12Config* cfg) {
+  // Split rows where they measured faster: 16-bit rows of 4096 columns and more (H200, harness
+  // sweep, the pick without split against the pick with: 4096x16384 bf16 128.7 -> 111.0 us,
+  // fp16 122.6 -> 115.1; 8192x8192 bf16 115.6 -> 111.9, fp16 111.9 -> 110.1; 16384x4096 bf16
+  // 108.5 -> 106.9; but 16384x2048 bf16 58.1 -> 59.1). A 16-bit row that one block takes whole is
+  // converted in both passes by few, large groups (one group of 512 threads at C = 16384, with
+  // its weight staged as bf16/fp16 for room); half a row per block doubles the groups and leaves
+  // room for the fp32 weight, and a cluster's two blocks write one slot, which halves the
+  // partial sums' traffic (17 MB of slots at C = 16384 in 16-bit: 4% of the bytes, each written
+  // and read once). fp32 rows split only where a whole row does not fit (C > 8192; 4096x16384
+  // 221.3 us on the wide-row path, 218.2 split; 8192x8192 212.6 whole, 212.7 split).
+  const std::vector<Kernel12Config> all = kernel12_candidates(dtype, C);
+  if (dtype_bytes(dtype) == 2 && C >= 4096 && pick_buffers(all, dtype, C, 2, cfg)) return true;
+  return pick_buffers(all, dtype, C, 1, cfg) || pick_buffers(all, dtype, C, 2, cfg);
 }
 
 cudaError_t layernorm_bwd_kernel12_config(const LayernormBwdParams& p, const Kernel12Config& cfg, cudaStream_t stream) {
@@ -387,7 +483,11 @@ cudaError_t layernorm_bwd_kernel12_config(const LayernormBwdParams& p, const Ker
     using T = decltype(t);
     constexpr int vec = 16 / sizeof(T);
     if (!can_vectorize<T>(p)) return cudaErrorInvalidValue;
-    return launch_variant<T, vec>(p, cfg, stream);
+    if (cfg.split == 1) return launch_variant<T, vec, 1>(p, cfg, stream);
+    if constexpr (kCanSplit<T>) {
+      if (cfg.split == 2 && p.C % (2 * vec) == 0) return launch_variant<T, vec, 2>(p, cfg, stream);
+    }
+    return cudaErrorInvalidValue;
   });
 }
 
@@ -400,7 +500,8 @@ cudaError_t layernorm_bwd_kernel12(const LayernormBwdParams& p, cudaStream_t str
     return cudaSuccess;
   });
   // The bulk copy engine needs sm_90 and 16-byte aligned rows; otherwise kernel 11 does the job,
-  // as it does for rows wider than the wide path takes (C > 16384, and fp64 beyond the ring).
+  // as it does for rows wider than the ring and the wide path take (fp32 and 16-bit C > 16384
+  // and 32768, fp64 beyond the ring).
   if (major >= 9 && vectorized) {
     Kernel12Config cfg;
     if (kernel12_pick(p.dtype, p.C, &cfg)) return layernorm_bwd_kernel12_config(p, cfg, stream);

@@ -264,7 +264,7 @@ cudaError_t layernorm_bwd_kernel12_wide(const LayernormBwdParams& p, cudaStream_
       // One block per SM (the shared memory allows no more), one row per step.
       return launch_with_partials<T>(p, kernel12_wide<T, vec, kNV<T>, kNVC>, kThreads,
                                      smem_bytes(p.C, sizeof(T), sizeof(acc_t<T>), kConsumers * kNVC * vec),
-                                     BlocksPerSm::kOne, 1, stream);
+                                     BlocksPerSm::kOne, 1, 1, stream);
     }
   });
 }

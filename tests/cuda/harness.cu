@@ -289,15 +289,18 @@ static int check(const std::vector<int>& kernels) {
   // LNBWD_QUICK=1 (for the sanitizers, which run kernels 10-100x slower) keeps the shapes that
   // exercise every code path: misaligned and aligned C, a row count past the grid's warps.
   const bool quick = std::getenv("LNBWD_QUICK") != nullptr;
-  // 12288 and 16384 take kernel 12's wide-row path in fp32 (and 16384 in 16-bit types: its ring
-  // holds one row of 32 KB per tensor there, and the wide path is compared in `sweep`).
-  const std::vector<int64_t> cs = quick ? std::vector<int64_t>{1, 3, 40, 768, 1601, 4096, 16384, 30000}
+  // Kernel 12 splits rows over clusters of two blocks from 4096 columns in 16-bit types and from
+  // 12288 in fp32, and every configuration is checked at every C (split or not); 32768 is the
+  // widest 16-bit row it splits. 12292 (a multiple of 4, not of 8) takes its wide-row path in
+  // fp32, whose rows that wide do not split.
+  const std::vector<int64_t> cs = quick ? std::vector<int64_t>{1, 3, 40, 768, 1601, 4096, 12292, 16384, 30000}
                                         : std::vector<int64_t>{1, 3, 8, 40, 768, 1600, 1601, 4096, 8192, 12288,
-                                                               16384, 30000};
+                                                               12292, 16384, 30000, 32768};
   // 1 and 7 rows, and one row more than the 32 * SMs warps of the seed's persistent grids (the
   // grid of kernels 3-4 and 6-10, and of kernel 5 at 1024 threads): one warp takes a second row
   // while all others have none, which is what broke the barriers of the seed's kernels 9 and 10.
-  // 2 * SMs + 1 rows: kernel 12's wide path (one block per SM) takes a third row in one block.
+  // 2 * SMs + 1 rows: a block of kernel 12 with one group (its wide path, or rows of 16384)
+  // takes a third row.
   const std::vector<int64_t> rs = quick ? std::vector<int64_t>{7, 2 * int64_t(sms) + 1, 32 * int64_t(sms) + 1}
                                         : std::vector<int64_t>{1, 7, 2 * int64_t(sms) + 1, 32 * int64_t(sms) + 1};
   // Keep the CPU reference quick; under the sanitizers (quick), keep each launch small too (the
@@ -352,7 +355,9 @@ static int check(const std::vector<int>& kernels) {
                 ++failures;
                 std::printf("FAIL kernel %d %s rows=%lld C=%lld block_size=%d%s%s: %s dx %.2e dw %.2e db %.2e%s\n",
                             kernel, dtype_name(d), (long long)rows, (long long)C, bs, slots ? " (1 slot)" : "",
-                            c12 ? (" config nb=" + std::to_string(c12->nb) + (c12->raw_weight ? " raw weight" : "")).c_str() : "",
+                            c12 ? (" config nb=" + std::to_string(c12->nb) + (c12->raw_weight ? " raw weight" : "") +
+                                   (c12->split > 1 ? " split" : "")).c_str()
+                                : "",
                             cudaGetErrorString(err), ex, ew, eb, same ? "" : " NOT deterministic");
               }
             }
@@ -523,9 +528,9 @@ static int sweep(int64_t rows, int64_t C, Dtype d) {
     const double e = err ? INFINITY : rel_err(d, o.dx, pb.ref_dx);
     const double us = time_it([&] { CHECK_CUDA(layernorm_bwd_kernel12_config(p, c, 0)); });
     const bool is_pick = has12 && c.nv == pick12.nv && c.nb == pick12.nb && c.tpr == pick12.tpr &&
-                         c.groups == pick12.groups && c.raw_weight == pick12.raw_weight;
-    std::printf("  k12 regs=%d raw_w=%d nv=%d nb=%d tpr=%4d groups=%2d: %8.1f us %6.0f GB/s %5.1f%% of copy  dx err %.1e%s\n",
-                int(c.regs), int(c.raw_weight), c.nv, c.nb, c.tpr, c.groups, us, bytes / us / 1e3, 100 * copy_us / us, e,
+                         c.groups == pick12.groups && c.raw_weight == pick12.raw_weight && c.split == pick12.split;
+    std::printf("  k12 split=%d regs=%d raw_w=%d nv=%d nb=%d tpr=%4d groups=%2d: %8.1f us %6.0f GB/s %5.1f%% of copy  dx err %.1e%s\n",
+                c.split, int(c.regs), int(c.raw_weight), c.nv, c.nb, c.tpr, c.groups, us, bytes / us / 1e3, 100 * copy_us / us, e,
                 is_pick ? "  <- default" : "");
   }
   return 0;
