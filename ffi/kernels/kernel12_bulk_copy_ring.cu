@@ -89,8 +89,9 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   const size_t row_bytes = static_cast<size_t>(Cb) * sizeof(T);
 
   // Shared memory: [weight row as W (shared-memory mode only) | ring buffers: groups x NB x
-  // (dy row, x row) | their mbarriers | their (mean, rstd) pairs | reduction exchange]. Each
-  // piece starts on a 16-byte boundary.
+  // (dy row, x row) | their mbarriers | their (mean, rstd) pairs | reduction exchange | split rows
+  // only: groups x 2 peer mbarriers | groups x 2 peer pairs]. Each piece starts on a 16-byte
+  // boundary.
   extern __shared__ __align__(128) unsigned char smem[];
   constexpr bool kWeightAcc = std::is_same_v<W, A>;
   W* w_sh = reinterpret_cast<W*>(smem);
@@ -103,8 +104,9 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
                                           round_up<size_t>(static_cast<size_t>(groups) * NB * 2 * sizeof(S), 16)) +
                    g * 2 * warps_per_row;
   // Split rows: per group, two (barrier, pair) slots that the other block's group sends its
-  // half-row sums into, alternating between rows.
-  uint64_t* peer_bar = reinterpret_cast<uint64_t*>(exchange - g * 2 * warps_per_row + groups * 2 * warps_per_row) + g * 2;
+  // half-row sums into, alternating between rows. They follow all groups' exchange pairs.
+  uint64_t* peer_bar =
+      reinterpret_cast<uint64_t*>(exchange - g * 2 * warps_per_row + groups * 2 * warps_per_row) + g * 2;
   Pair* peer_sum = reinterpret_cast<Pair*>(peer_bar - g * 2 + groups * 2) + g * 2;
 
   // Segments: blocks [s * bps, (s + 1) * bps) work on segment s only, in units of SPLIT blocks
