@@ -177,8 +177,6 @@ cudaError_t launch_with_partials(const LayernormBwdParams& p, PartialsKernel<T, 
     finish.dbias = static_cast<T*>(p.dbias);
     finish.segments = static_cast<int>(p.segments);
     finish.vec = finish_vec<T>(p.C, p.segments, bps * p.segments);
-  }
-  if (in_grid) {
     attrs[n_attrs].id = cudaLaunchAttributeCooperative;
     attrs[n_attrs].val.cooperative = 1;
     ++n_attrs;

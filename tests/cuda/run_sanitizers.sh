@@ -54,10 +54,12 @@ export LNBWD_QUICK=1   # the harness's reduced shape set: the sanitizers are slo
 sanitize() {   # sanitize TOOL KERNEL: one line of result
   local tool=$1 kernel=$2 extra=() env=()
   [ "$tool" = memcheck ] && extra=(--leak-check full)
-  # Kernel 12's mbarriers (groups x ring slots per block, up to 45) outnumber what synccheck
-  # tracks by default: it says so and fails the launch. Its grids are cooperative (every block
-  # resident at once, see launch_with_partials), so all blocks' barriers are alive together:
-  # 45 x 132 on an H200. With 1024 synccheck warned of the overflow and the launch failed.
+  # Kernel 12's mbarriers (groups x ring slots per block, up to 45, and with split rows 2 more
+  # per group, up to 75) outnumber what synccheck tracks by default: it says so and fails the
+  # launch. Its grids are cooperative (every block resident at once, see launch_with_partials),
+  # so all blocks' barriers are alive together: 45 x 132 on an H200. With 1024 synccheck warned
+  # of the overflow and the launch failed; with 8192 the split-rows configurations (up to 75 x
+  # 132 in principle) launched and passed, 0 errors (seventh session).
   [ "$tool" = synccheck ] && extra=(--num-cuda-barriers "${NUM_CUDA_BARRIERS:-8192}")
   # racecheck is the slowest on kernels with many shared-memory accesses: smaller launches.
   [ "$tool" = racecheck ] && env=(LNBWD_QUICK_MAX_ELEMENTS=3500000)
