@@ -29,6 +29,17 @@ __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
+// A barrier over the blocks that share rows: the block's own (__syncthreads), or with split rows
+// (SPLIT > 1) the cluster's.
+template <int SPLIT>
+__device__ __forceinline__ void sync_row_sharers() {
+  if constexpr (SPLIT > 1) {
+    cluster_sync();
+  } else {
+    __syncthreads();
+  }
+}
+
 // The receiver's side of one phase of a pair barrier (mbar_init count 1): this thread's
 // arrival, announcing the 8 bytes that the other block's send will count down.
 __device__ __forceinline__ void mbar_expect_pair(uint64_t* bar) {

@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "layernorm_bwd.h"
+#include "occupancy.h"
 #include "partials_finalize.h"
 #include "partials_sum.cuh"
 #include "vec.cuh"
@@ -129,8 +130,8 @@ cudaError_t launch_with_partials(const LayernormBwdParams& p, PartialsKernel<T, 
                                  size_t smem, BlocksPerSm per_sm_rule, int rows_per_block, int cluster,
                                  cudaStream_t stream, Args... extra) {
   smem = std::max(smem, grid_finish_smem<T>(threads));
-  LNBWD_RETURN_IF_CUDA_ERROR(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  int resident = 0;   // blocks per SM, or clusters on the GPU
+  LNBWD_RETURN_IF_CUDA_ERROR(resident_units(reinterpret_cast<const void*>(kernel), threads, smem, cluster, &resident));
   cudaLaunchAttribute attrs[2];
   int n_attrs = 0;
   if (cluster > 1) {
@@ -149,15 +150,11 @@ cudaError_t launch_with_partials(const LayernormBwdParams& p, PartialsKernel<T, 
   // Units: blocks, or clusters of `cluster` blocks; `fit` of them are resident at once.
   int64_t want = 0, fit = 0;
   if (cluster > 1) {
-    cfg.gridDim = dim3(static_cast<unsigned int>(cluster));
-    int clusters = 0;
-    LNBWD_RETURN_IF_CUDA_ERROR(cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg));
-    if (clusters < 1) return cudaErrorInvalidConfiguration;
-    want = fit = clusters;
+    if (resident < 1) return cudaErrorInvalidConfiguration;
+    want = fit = resident;
   } else {
-    int sms = 0, resident = 0;
+    int sms = 0;
     LNBWD_RETURN_IF_CUDA_ERROR(sm_count(&sms));
-    LNBWD_RETURN_IF_CUDA_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, threads, smem));
     int per_sm = per_sm_rule == BlocksPerSm::kOne ? 1 : resident;
     if (per_sm < 1) {
       if (per_sm_rule == BlocksPerSm::kOccupancy) return cudaErrorInvalidConfiguration;

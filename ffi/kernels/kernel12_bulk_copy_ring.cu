@@ -141,11 +141,7 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   }
   // Barriers initialized before anyone uses them: the other block of the cluster too, which
   // sends into this block's peer barriers.
-  if constexpr (SPLIT > 1) {
-    cluster_sync();
-  } else {
-    __syncthreads();
-  }
+  sync_row_sharers<SPLIT>();
   // The leader starts row r's copies into buffer b of its group.
   auto issue = [&](int b, int64_t r) {
     issue_row(&full[g * NB + b], buf_dy(g, b), buf_x(g, b), &stats[(g * NB + b) * 2], dy + r * C + col0,
@@ -302,11 +298,7 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   // this barrier nobody waits on the ring's mbarriers any more: their leaders retire them.
   // Split rows: every pair this block sent has landed too (the other block waited for each),
   // so no send is in flight into a block that has moved on.
-  if constexpr (SPLIT > 1) {
-    cluster_sync();
-  } else {
-    __syncthreads();
-  }
+  sync_row_sharers<SPLIT>();
   if (leader) {
     for (int b = 0; b < NB; ++b) mbar_inval(&full[g * NB + b]);
     if (SPLIT > 1) {
@@ -392,6 +384,15 @@ cudaError_t launch_variant(const LayernormBwdParams& p, const Kernel12Config& cf
 template <typename T>
 constexpr bool kCanSplit = std::is_same_v<acc_t<T>, float>;
 
+bool can_split(Dtype dtype) {
+  bool can = false;
+  dispatch_dtype(dtype, [&](auto t) {
+    can = kCanSplit<decltype(t)>;
+    return cudaSuccess;
+  });
+  return can;
+}
+
 // The pick among the configurations that split rows `split` ways (see kernel12_pick).
 bool pick_buffers(const std::vector<Kernel12Config>& all, Dtype dtype, int64_t C, int split, Kernel12Config* cfg) {
   // What counts is how many bytes of dy and x each SM has on their way while its groups compute.
@@ -440,7 +441,7 @@ std::vector<Kernel12Config> kernel12_candidates(Dtype dtype, int64_t C) {
   const size_t acc = dtype == Dtype::kF64 ? 8 : 4;
   std::vector<Kernel12Config> out;
   for (const int split : {1, 2}) {
-    if (split > 1 && dtype == Dtype::kF64) continue;
+    if (split > 1 && !can_split(dtype)) continue;
     if (C % (split * vec) != 0) continue;
     const int64_t Cb = C / split;
     for (const auto [nb, raw_weight] : {std::pair{3, false}, {2, false}, {3, true}}) {

@@ -9,10 +9,14 @@
 //   harness check [kernel ...]        validate kernels over shapes x dtypes x block sizes vs a CPU
 //                                     reference, and the seed launchers' refusals (default: 1-12)
 //   harness blocks ROWS C DTYPE [kernel ...]  time seed kernels (default 1-10) at each block size
-//   harness sweep ROWS C DTYPE        time every kernel 11 configuration and a same-bytes copy
+//   harness sweep ROWS C DTYPE        time every kernel 11 and 12 configuration and a same-bytes
+//                                     copy, each replayed from a CUDA graph (the GPU's time alone)
+//   harness host ROWS C DTYPE         the host time of one call of the default launcher
+//   harness profile ROWS C DTYPE      three calls of the default launcher, for ncu
 //
 // Build (tests/cuda/run_sanitizers.sh builds it and runs it under compute-sanitizer):
 //   nvcc -O3 -std=c++17 -arch=sm_90 -Iffi/kernels tests/cuda/harness.cu ffi/kernels/*.cu
+#include <chrono>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -443,6 +447,30 @@ static int profile(int64_t rows, int64_t C, Dtype d) {
   return 0;
 }
 
+// Host time of one call of the default kernel 12 launcher (enqueueing only, the GPU runs behind):
+// the median over 10 rounds of 200 calls each, the stream drained between rounds.
+static int host(int64_t rows, int64_t C, Dtype d) {
+  int sms = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const size_t it = item_bytes(d), st = acc_bytes(d);
+  DeviceBuf dy(rows * C * it), x(rows * C * it), dx(rows * C * it), w(C * it), dw(C * it), db(C * it);
+  DeviceBuf mean(rows * st), rstd(rows * st), ws(kWorkspaceHeaderBytes + std::min<int64_t>(rows, 4 * sms) * 2 * C * st);
+  for (DeviceBuf* b : {&dy, &x, &w, &mean, &rstd}) CHECK_CUDA(cudaMemset(b->ptr, 0x3c, b->bytes));
+  LayernormBwdParams p{dx.ptr, dw.ptr, db.ptr, dy.ptr, x.ptr, w.ptr, mean.ptr, rstd.ptr, rows, C, 1, 0, d, 0, ws.ptr, ws.bytes};
+  CHECK_CUDA(layernorm_bwd_kernel12(p, 0));
+  std::vector<double> us;
+  for (int round = 0; round < 10; ++round) {
+    CHECK_CUDA(cudaDeviceSynchronize());
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < 200; ++i) CHECK_CUDA(layernorm_bwd_kernel12(p, 0));
+    us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / 200);
+  }
+  CHECK_CUDA(cudaDeviceSynchronize());
+  std::sort(us.begin(), us.end());
+  std::printf("%s %lldx%lld: %.2f us of host time per call\n", dtype_name(d), (long long)rows, (long long)C, us[us.size() / 2]);
+  return 0;
+}
+
 static int sweep(int64_t rows, int64_t C, Dtype d) {
   int sms = 0;
   CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -452,25 +480,48 @@ static int sweep(int64_t rows, int64_t C, Dtype d) {
   DeviceBuf a(size_t(bytes / 2)), b(size_t(bytes / 2));
   cudaEvent_t e0, e1;
   CHECK_CUDA(cudaEventCreate(&e0)); CHECK_CUDA(cudaEventCreate(&e1));
-  // Median over 15 samples of 10 back-to-back calls each, so that the host's launch work
-  // overlaps the GPU's and the time is the GPU's alone (as in a real program's stream).
-  auto time_it = [&](auto&& fn) {
+  // Median over 15 samples of 10 back-to-back calls, each call's time the sample's over 10. The
+  // kernels' calls are replayed from a CUDA graph, as under XLA's command buffers: launched one
+  // by one, a call whose kernel is shorter than the host's launch work times the host (about 5
+  // us a call on the H200, where a 1024x768 backward takes 7). The copy is launched one by one:
+  // in a graph it becomes a copy-engine node, slower than the copy kernel the driver launches
+  // outside one (16384x1600 bf16 on the H200: 59.7 against 42 us).
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  auto time_it = [&](auto&& fn, bool in_graph = true) {
     constexpr int kCalls = 10;
-    fn();
+    fn(stream);   // warm-up; the launchers' first call asks the driver about their kernel
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    cudaGraphExec_t exec = nullptr;
+    if (in_graph) {
+      cudaGraph_t graph;
+      CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed));
+      for (int c = 0; c < kCalls; ++c) fn(stream);
+      CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+      CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+      CHECK_CUDA(cudaGraphDestroy(graph));
+      CHECK_CUDA(cudaGraphLaunch(exec, stream));   // the first replay uploads the graph
+    }
     std::vector<float> ms;
     for (int i = 0; i < 15; ++i) {
-      CHECK_CUDA(cudaEventRecord(e0));
-      for (int c = 0; c < kCalls; ++c) fn();
-      CHECK_CUDA(cudaEventRecord(e1));
+      CHECK_CUDA(cudaEventRecord(e0, stream));
+      if (in_graph) {
+        CHECK_CUDA(cudaGraphLaunch(exec, stream));
+      } else {
+        for (int c = 0; c < kCalls; ++c) fn(stream);
+      }
+      CHECK_CUDA(cudaEventRecord(e1, stream));
       CHECK_CUDA(cudaEventSynchronize(e1));
       float t = 0;
       CHECK_CUDA(cudaEventElapsedTime(&t, e0, e1));
       ms.push_back(t / kCalls);
     }
+    if (exec) CHECK_CUDA(cudaGraphExecDestroy(exec));
     std::sort(ms.begin(), ms.end());
     return ms[ms.size() / 2] * 1e3;   // median, microseconds
   };
-  const double copy_us = time_it([&] { CHECK_CUDA(cudaMemcpyAsync(b.ptr, a.ptr, a.bytes, cudaMemcpyDeviceToDevice)); });
+  const double copy_us = time_it([&](cudaStream_t st) { CHECK_CUDA(cudaMemcpyAsync(b.ptr, a.ptr, a.bytes, cudaMemcpyDeviceToDevice, st)); },
+                                false);
   std::printf("%s %lldx%lld: copy %.1f us (%.0f GB/s)\n", dtype_name(d), (long long)rows, (long long)C, copy_us,
               bytes / copy_us / 1e3);
 
@@ -506,18 +557,18 @@ static int sweep(int64_t rows, int64_t C, Dtype d) {
     Outputs o;
     const cudaError_t err = run(pb, 11, 0, &c, &o, sms);
     const double e = err ? INFINITY : rel_err(d, o.dx, pb.ref_dx);
-    const double us = time_it([&] { CHECK_CUDA(layernorm_bwd_kernel11_config(p, c, 0)); });
+    const double us = time_it([&](cudaStream_t st) { CHECK_CUDA(layernorm_bwd_kernel11_config(p, c, st)); });
     const bool is_pick = has_pick && c.nv == picked.nv && c.prefetch == picked.prefetch && c.tpr == picked.tpr;
     std::printf("  vec=%d nv=%d prefetch=%d tpr=%4d groups=%2d: %8.1f us %6.0f GB/s %5.1f%% of copy  dx err %.1e%s\n",
                 c.vec, c.nv, int(c.prefetch), c.tpr, c.groups, us, bytes / us / 1e3, 100 * copy_us / us, e,
                 is_pick ? "  <- default" : "");
   }
   if (!has_pick) {
-    const double us = time_it([&] { CHECK_CUDA(layernorm_bwd_kernel11_wide(p, 0)); });
+    const double us = time_it([&](cudaStream_t st) { CHECK_CUDA(layernorm_bwd_kernel11_wide(p, st)); });
     std::printf("  k11 wide path: %8.1f us %6.0f GB/s %5.1f%% of copy\n", us, bytes / us / 1e3, 100 * copy_us / us);
   }
   if (kernel12_wide_fits(d, C)) {
-    const double us = time_it([&] { CHECK_CUDA(layernorm_bwd_kernel12_wide(p, 0)); });
+    const double us = time_it([&](cudaStream_t st) { CHECK_CUDA(layernorm_bwd_kernel12_wide(p, st)); });
     std::printf("  k12 wide path: %8.1f us %6.0f GB/s %5.1f%% of copy\n", us, bytes / us / 1e3, 100 * copy_us / us);
   }
   Kernel12Config pick12;
@@ -526,7 +577,7 @@ static int sweep(int64_t rows, int64_t C, Dtype d) {
     Outputs o;
     const cudaError_t err = run(pb, 12, 0, nullptr, &o, sms, 1, &c);
     const double e = err ? INFINITY : rel_err(d, o.dx, pb.ref_dx);
-    const double us = time_it([&] { CHECK_CUDA(layernorm_bwd_kernel12_config(p, c, 0)); });
+    const double us = time_it([&](cudaStream_t st) { CHECK_CUDA(layernorm_bwd_kernel12_config(p, c, st)); });
     const bool is_pick = has12 && c.nv == pick12.nv && c.nb == pick12.nb && c.tpr == pick12.tpr &&
                          c.groups == pick12.groups && c.raw_weight == pick12.raw_weight && c.split == pick12.split;
     std::printf("  k12 split=%d regs=%d raw_w=%d nv=%d nb=%d tpr=%4d groups=%2d: %8.1f us %6.0f GB/s %5.1f%% of copy  dx err %.1e%s\n",
@@ -539,6 +590,7 @@ static int sweep(int64_t rows, int64_t C, Dtype d) {
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "check";
   if (mode == "sweep" && argc >= 5) return sweep(std::atoll(argv[2]), std::atoll(argv[3]), parse_dtype(argv[4]));
+  if (mode == "host" && argc >= 5) return host(std::atoll(argv[2]), std::atoll(argv[3]), parse_dtype(argv[4]));
   if (mode == "profile" && argc >= 5) return profile(std::atoll(argv[2]), std::atoll(argv[3]), parse_dtype(argv[4]));
   if (mode == "check") {
     std::vector<int> kernels;
@@ -566,6 +618,6 @@ int main(int argc, char** argv) {
   }
   std::fprintf(stderr,
                "usage: harness check [kernel ...] | harness blocks ROWS C DTYPE [kernel ...] | "
-               "harness sweep ROWS C DTYPE\n");
+               "harness sweep ROWS C DTYPE | harness host ROWS C DTYPE | harness profile ROWS C DTYPE\n");
   return 2;
 }
