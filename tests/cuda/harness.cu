@@ -433,16 +433,30 @@ static int blocks(int64_t rows, int64_t C, Dtype d, const std::vector<int>& kern
   return 0;
 }
 
-// Runs the default kernel 12 launcher a few times on a big problem (for ncu).
-static int profile(int64_t rows, int64_t C, Dtype d) {
+// A problem for the default kernel 12 launcher whose values don't matter (every input byte
+// 0x3c): what profile and host run.
+struct FilledProblem {
+  DeviceBuf dy, x, dx, w, dw, db, mean, rstd, ws;
+  LayernormBwdParams p;
+  FilledProblem(int64_t rows, int64_t C, Dtype d, int sms)
+      : dy(rows * C * item_bytes(d)), x(rows * C * item_bytes(d)), dx(rows * C * item_bytes(d)), w(C * item_bytes(d)),
+        dw(C * item_bytes(d)), db(C * item_bytes(d)), mean(rows * acc_bytes(d)), rstd(rows * acc_bytes(d)),
+        ws(kWorkspaceHeaderBytes + std::min<int64_t>(rows, 4 * sms) * 2 * C * acc_bytes(d)),
+        p{dx.ptr, dw.ptr, db.ptr, dy.ptr, x.ptr, w.ptr, mean.ptr, rstd.ptr, rows, C, 1, 0, d, 0, ws.ptr, ws.bytes} {
+    for (DeviceBuf* b : {&dy, &x, &w, &mean, &rstd}) CHECK_CUDA(cudaMemset(b->ptr, 0x3c, b->bytes));
+  }
+};
+
+static int sm_count_of_device0() {
   int sms = 0;
   CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  const size_t it = item_bytes(d), st = acc_bytes(d);
-  DeviceBuf dy(rows * C * it), x(rows * C * it), dx(rows * C * it), w(C * it), dw(C * it), db(C * it);
-  DeviceBuf mean(rows * st), rstd(rows * st), ws(kWorkspaceHeaderBytes + std::min<int64_t>(rows, 4 * sms) * 2 * C * st);
-  for (DeviceBuf* b : {&dy, &x, &w, &mean, &rstd}) CHECK_CUDA(cudaMemset(b->ptr, 0x3c, b->bytes));
-  LayernormBwdParams p{dx.ptr, dw.ptr, db.ptr, dy.ptr, x.ptr, w.ptr, mean.ptr, rstd.ptr, rows, C, 1, 0, d, 0, ws.ptr, ws.bytes};
-  for (int i = 0; i < 3; ++i) CHECK_CUDA(layernorm_bwd_kernel12(p, 0));
+  return sms;
+}
+
+// Runs the default kernel 12 launcher a few times on a big problem (for ncu).
+static int profile(int64_t rows, int64_t C, Dtype d) {
+  FilledProblem f(rows, C, d, sm_count_of_device0());
+  for (int i = 0; i < 3; ++i) CHECK_CUDA(layernorm_bwd_kernel12(f.p, 0));
   CHECK_CUDA(cudaDeviceSynchronize());
   return 0;
 }
@@ -450,19 +464,13 @@ static int profile(int64_t rows, int64_t C, Dtype d) {
 // Host time of one call of the default kernel 12 launcher (enqueueing only, the GPU runs behind):
 // the median over 10 rounds of 200 calls each, the stream drained between rounds.
 static int host(int64_t rows, int64_t C, Dtype d) {
-  int sms = 0;
-  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  const size_t it = item_bytes(d), st = acc_bytes(d);
-  DeviceBuf dy(rows * C * it), x(rows * C * it), dx(rows * C * it), w(C * it), dw(C * it), db(C * it);
-  DeviceBuf mean(rows * st), rstd(rows * st), ws(kWorkspaceHeaderBytes + std::min<int64_t>(rows, 4 * sms) * 2 * C * st);
-  for (DeviceBuf* b : {&dy, &x, &w, &mean, &rstd}) CHECK_CUDA(cudaMemset(b->ptr, 0x3c, b->bytes));
-  LayernormBwdParams p{dx.ptr, dw.ptr, db.ptr, dy.ptr, x.ptr, w.ptr, mean.ptr, rstd.ptr, rows, C, 1, 0, d, 0, ws.ptr, ws.bytes};
-  CHECK_CUDA(layernorm_bwd_kernel12(p, 0));
+  FilledProblem f(rows, C, d, sm_count_of_device0());
+  CHECK_CUDA(layernorm_bwd_kernel12(f.p, 0));
   std::vector<double> us;
   for (int round = 0; round < 10; ++round) {
     CHECK_CUDA(cudaDeviceSynchronize());
     const auto t0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < 200; ++i) CHECK_CUDA(layernorm_bwd_kernel12(p, 0));
+    for (int i = 0; i < 200; ++i) CHECK_CUDA(layernorm_bwd_kernel12(f.p, 0));
     us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / 200);
   }
   CHECK_CUDA(cudaDeviceSynchronize());
