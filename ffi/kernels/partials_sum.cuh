@@ -117,7 +117,9 @@ int finish_vec(int64_t C, int64_t segments, int64_t blocks) {
 // Slots a thread loads per round in the grid's finish: 8; 16 for 16-bit types' tiles of 32
 // columns, so that a block of 16 warps takes a grid of 132 slots (one per SM) in one round rather
 // than two (128 + 4). Harness sweep on the H200, 8 -> 16: 16384x1600 bf16 50.9/50.4 -> 50.3/50.2
-// us, fp16 48.7/48.2 -> 48.1/48.1; but fp32 1024x768 8.6/8.3/8.4 -> 8.6/8.6/8.8 (fp32 keeps 8).
+// us, fp16 48.7/48.2 -> 48.1/48.1. fp32 keeps 8 on a measurement that does not decide it:
+// 1024x768 8.6/8.3/8.4 -> 8.6/8.6/8.8 us, taken with calls launched one by one, which at that
+// size timed the host's launch work (about 8 us a call then), not the kernel (7.2 us graph-timed).
 template <typename T, int V>
 constexpr int kTileBatch = sizeof(T) == 2 && V == 1 ? 16 : 8;
 
