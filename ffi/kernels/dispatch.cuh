@@ -132,21 +132,6 @@ cudaError_t launch_with_partials(const LayernormBwdParams& p, PartialsKernel<T, 
   smem = std::max(smem, grid_finish_smem<T>(threads));
   int resident = 0;   // blocks per SM, or clusters on the GPU
   LNBWD_RETURN_IF_CUDA_ERROR(resident_units(reinterpret_cast<const void*>(kernel), threads, smem, cluster, &resident));
-  cudaLaunchAttribute attrs[2];
-  int n_attrs = 0;
-  if (cluster > 1) {
-    attrs[n_attrs].id = cudaLaunchAttributeClusterDimension;
-    attrs[n_attrs].val.clusterDim.x = static_cast<unsigned int>(cluster);
-    attrs[n_attrs].val.clusterDim.y = 1;
-    attrs[n_attrs].val.clusterDim.z = 1;
-    ++n_attrs;
-  }
-  cudaLaunchConfig_t cfg = {};
-  cfg.blockDim = dim3(threads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cfg.attrs = attrs;
-  cfg.numAttrs = n_attrs;
   // Units: blocks, or clusters of `cluster` blocks; `fit` of them are resident at once.
   int64_t want = 0, fit = 0;
   if (cluster > 1) {
@@ -168,6 +153,9 @@ cudaError_t launch_with_partials(const LayernormBwdParams& p, PartialsKernel<T, 
   const int64_t bps = units * cluster;
   if (bps * p.segments > INT32_MAX) return cudaErrorInvalidValue;
   const bool in_grid = units * p.segments <= fit;
+  cudaLaunchAttribute attrs[2];
+  int n_attrs = 0;
+  if (cluster > 1) attrs[n_attrs++] = cluster_dimension(cluster);
   GridFinish<T> finish;
   if (in_grid) {
     finish.dweight = static_cast<T*>(p.dweight);
@@ -178,7 +166,12 @@ cudaError_t launch_with_partials(const LayernormBwdParams& p, PartialsKernel<T, 
     attrs[n_attrs].val.cooperative = 1;
     ++n_attrs;
   }
+  cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned int>(bps * p.segments));
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = attrs;
   cfg.numAttrs = n_attrs;
   LNBWD_RETURN_IF_CUDA_ERROR(cudaLaunchKernelEx(
       &cfg, kernel, static_cast<T*>(p.dx), partials_of<T>(p), static_cast<const T*>(p.dy),

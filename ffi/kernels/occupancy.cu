@@ -26,11 +26,7 @@ Remembered& remembered() {
 
 cudaError_t ask_driver(const void* kernel, int threads, size_t smem, int cluster, int* out) {
   if (cluster == 1) return cudaOccupancyMaxActiveBlocksPerMultiprocessor(out, kernel, threads, smem);
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = static_cast<unsigned int>(cluster);
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 1;
+  cudaLaunchAttribute attr = cluster_dimension(cluster);
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned int>(cluster));
   cfg.blockDim = dim3(static_cast<unsigned int>(threads));

@@ -16,4 +16,15 @@ namespace lnbwd {
 // call from several threads.
 cudaError_t resident_units(const void* kernel, int threads, size_t smem, int cluster, int* out);
 
+// The launch attribute that groups a grid's blocks into thread-block clusters of `cluster`
+// blocks along x (what the occupancy question and the launch itself both need).
+inline cudaLaunchAttribute cluster_dimension(int cluster) {
+  cudaLaunchAttribute attr = {};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = static_cast<unsigned int>(cluster);
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  return attr;
+}
+
 }  // namespace lnbwd

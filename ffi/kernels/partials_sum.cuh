@@ -117,9 +117,11 @@ int finish_vec(int64_t C, int64_t segments, int64_t blocks) {
 // Slots a thread loads per round in the grid's finish: 8; 16 for 16-bit types' tiles of 32
 // columns, so that a block of 16 warps takes a grid of 132 slots (one per SM) in one round rather
 // than two (128 + 4). Harness sweep on the H200, 8 -> 16: 16384x1600 bf16 50.9/50.4 -> 50.3/50.2
-// us, fp16 48.7/48.2 -> 48.1/48.1. fp32 keeps 8 on a measurement that does not decide it:
-// 1024x768 8.6/8.3/8.4 -> 8.6/8.6/8.8 us, taken with calls launched one by one, which at that
-// size timed the host's launch work (about 8 us a call then), not the kernel (7.2 us graph-timed).
+// us, fp16 48.7/48.2 -> 48.1/48.1. fp32 keeps 8: graph-timed, three runs each, 8 -> 16,
+// 1024x768 8.52/8.68/8.70 -> 8.90/8.92/8.97 us, 16384x1600 87.7/88.1/88.0 -> 87.9/88.0/87.8,
+// 16384x2048 108.1/108.5/108.5 -> 108.2/108.4/108.1: a loss where the grid has few rows, nothing
+// elsewhere. (A scratch build that chose the batch at run time; its 1024x768 rows ran slower
+// than this build's, 8.5 against 7.3 us, the same in both arms.)
 template <typename T, int V>
 constexpr int kTileBatch = sizeof(T) == 2 && V == 1 ? 16 : 8;
 
