@@ -41,3 +41,18 @@ def test_bench_json_after_the_first_group_says_incomplete(tmp_path, monkeypatch)
     out = json.loads((tmp_path / "bench.json").read_text())
     assert out["complete"] is False
     assert {r["shape"] for r in out["rows"]} == {"4x24"}
+
+
+def test_calls_per_run_reaches_the_minimum_despite_a_runs_fixed_cost():
+    # A run of n calls that costs 2 ms plus 0.4 ms a call (the shape of a small GPU op): n taken
+    # from run(1) alone (20 / 2.4 -> 9) would give 5.6 ms runs; the search must reach 20 ms.
+    tried = []
+
+    def run(n):
+        tried.append(n)
+        return 0.002 + 0.0004 * n
+
+    n = bench.calls_per_run(run, 0.02)
+    assert run(n) >= 0.02 and n == tried[-2]
+    assert len(tried) <= 6  # a few runs, not a scan
+    assert bench.calls_per_run(lambda n: 0.0, 0.0) == 1  # CPU: no minimum, one call
