@@ -28,9 +28,10 @@ How one op is timed (device time, never one call by wall clock)
   stream order, so the host queues call i+1 while the device runs call i. After the warm-up, n
   grows until a run lasts >= ``--min-run-ms`` (20 ms on GPU; on CPU 0, i.e. n = 1, as
   independent CPU calls may overlap): a run's fixed cost (first dispatch, final sync, about a
-  millisecond) then adds at most a few percent to the smallest shapes' steps. time.perf_counter() around the run, divided by n*k, is
-  one sample; we report the median of ``--reps`` samples. Nothing is subtracted, so what the
-  op leaves idle between steps counts against it.
+  millisecond) then adds at most a few percent to the smallest shapes' steps.
+  time.perf_counter() around the run, divided by n*k, is one sample; we report the median of
+  ``--reps`` samples. Nothing is subtracted, so what the op leaves idle between steps counts
+  against it.
 * torch and liger run the same k-step chain captured in a CUDA graph (eager if capture
   fails), replayed n times between two torch.cuda.Event records.
 * Nothing is rotated and no cache is flushed. Instead the data is larger than the H200's 60 MB

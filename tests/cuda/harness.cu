@@ -46,6 +46,13 @@ using namespace lnbwd;
     }                                                                                          \
   } while (0)
 
+// An attribute of device 0, the one the harness runs on.
+static int device0_attribute(cudaDeviceAttr attr) {
+  int v = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&v, attr, 0));
+  return v;
+}
+
 static size_t item_bytes(Dtype d) { return d == Dtype::kF64 ? 8 : d == Dtype::kF32 ? 4 : 2; }
 static size_t acc_bytes(Dtype d) { return d == Dtype::kF64 ? 8 : 4; }
 static const char* dtype_name(Dtype d) {
@@ -287,9 +294,8 @@ static int check_refusals(const std::vector<int>& kernels, int* checked) {
 }
 
 static int check(const std::vector<int>& kernels) {
-  int sms = 0, max_smem = 0;
-  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  CHECK_CUDA(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
+  const int sms = device0_attribute(cudaDevAttrMultiProcessorCount);
+  const int max_smem = device0_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
   // LNBWD_QUICK=1 (for the sanitizers, which run kernels 10-100x slower) keeps the shapes that
   // exercise every code path: misaligned and aligned C, a row count past the grid's warps.
   const bool quick = std::getenv("LNBWD_QUICK") != nullptr;
@@ -387,9 +393,8 @@ static int check(const std::vector<int>& kernels) {
 // Times kernels 1-10 at each of their block sizes (median of 15 runs, CUDA events), on random
 // data: what the seed's own benchmark loop did, to pick each kernel's default block size.
 static int blocks(int64_t rows, int64_t C, Dtype d, const std::vector<int>& kernels) {
-  int sms = 0, max_smem = 0;
-  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  CHECK_CUDA(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
+  const int sms = device0_attribute(cudaDevAttrMultiProcessorCount);
+  const int max_smem = device0_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
   const size_t it = item_bytes(d), st = acc_bytes(d);
   const double bytes = double(3 * rows * C + 3 * C) * it + 2.0 * rows * st;
   Problem pb(d, rows, C, 5);
@@ -447,15 +452,9 @@ struct FilledProblem {
   }
 };
 
-static int sm_count_of_device0() {
-  int sms = 0;
-  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  return sms;
-}
-
 // Runs the default kernel 12 launcher a few times on a big problem (for ncu).
 static int profile(int64_t rows, int64_t C, Dtype d) {
-  FilledProblem f(rows, C, d, sm_count_of_device0());
+  FilledProblem f(rows, C, d, device0_attribute(cudaDevAttrMultiProcessorCount));
   for (int i = 0; i < 3; ++i) CHECK_CUDA(layernorm_bwd_kernel12(f.p, 0));
   CHECK_CUDA(cudaDeviceSynchronize());
   return 0;
@@ -464,7 +463,7 @@ static int profile(int64_t rows, int64_t C, Dtype d) {
 // Host time of one call of the default kernel 12 launcher (enqueueing only, the GPU runs behind):
 // the median over 10 rounds of 200 calls each, the stream drained between rounds.
 static int host(int64_t rows, int64_t C, Dtype d) {
-  FilledProblem f(rows, C, d, sm_count_of_device0());
+  FilledProblem f(rows, C, d, device0_attribute(cudaDevAttrMultiProcessorCount));
   CHECK_CUDA(layernorm_bwd_kernel12(f.p, 0));
   std::vector<double> us;
   for (int round = 0; round < 10; ++round) {
@@ -480,8 +479,7 @@ static int host(int64_t rows, int64_t C, Dtype d) {
 }
 
 static int sweep(int64_t rows, int64_t C, Dtype d) {
-  int sms = 0;
-  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const int sms = device0_attribute(cudaDevAttrMultiProcessorCount);
   const size_t it = item_bytes(d);
   const double bytes = double(3 * rows * C + 3 * C) * it + 2.0 * rows * acc_bytes(d);
   // Ceiling: a device-to-device copy moving the same bytes (half read, half written).
@@ -592,6 +590,7 @@ static int sweep(int64_t rows, int64_t C, Dtype d) {
                 c.split, int(c.regs), int(c.raw_weight), c.nv, c.nb, c.tpr, c.groups, us, bytes / us / 1e3, 100 * copy_us / us, e,
                 is_pick ? "  <- default" : "");
   }
+  CHECK_CUDA(cudaStreamDestroy(stream));
   return 0;
 }
 
