@@ -438,8 +438,9 @@ static int blocks(int64_t rows, int64_t C, Dtype d, const std::vector<int>& kern
   return 0;
 }
 
-// A problem for the default kernel 12 launcher whose values don't matter (every input byte
-// 0x3c): what profile and host run.
+// The buffers and parameters of one full-size problem, every input byte 0x3c: what profile and
+// host run as they are (the values don't matter there), and sweep after filling the inputs with
+// random values.
 struct FilledProblem {
   DeviceBuf dy, x, dx, w, dw, db, mean, rstd, ws;
   LayernormBwdParams p;
@@ -547,15 +548,13 @@ static int sweep(int64_t rows, int64_t C, Dtype d) {
     CHECK_CUDA(cudaMemcpy(buf.ptr, h.data(), h.size(), cudaMemcpyHostToDevice));
   };
   const Dtype stat = d == Dtype::kF64 ? Dtype::kF64 : Dtype::kF32;   // mean and rstd are acc_t
-  DeviceBuf dy(rows * C * it), x(rows * C * it), dx(rows * C * it), w(C * it), dw(C * it), db(C * it),
-      mean(rows * acc_bytes(d)), rstd(rows * acc_bytes(d));
-  upload(dy, d, [&] { return n(gen); }, rows * C);
-  upload(x, d, [&] { return n(gen); }, rows * C);
-  upload(w, d, [&] { return 1 + 0.1 * n(gen); }, C);
-  upload(mean, stat, [] { return 0.0; }, rows);
-  upload(rstd, stat, [] { return 1.0; }, rows);
-  DeviceBuf ws(kWorkspaceHeaderBytes + std::min<int64_t>(rows, 4 * sms) * 2 * C * acc_bytes(d));
-  LayernormBwdParams p{dx.ptr, dw.ptr, db.ptr, dy.ptr, x.ptr, w.ptr, mean.ptr, rstd.ptr, rows, C, 1, 0, d, 0, ws.ptr, ws.bytes};
+  FilledProblem f(rows, C, d, sms);
+  upload(f.dy, d, [&] { return n(gen); }, rows * C);
+  upload(f.x, d, [&] { return n(gen); }, rows * C);
+  upload(f.w, d, [&] { return 1 + 0.1 * n(gen); }, C);
+  upload(f.mean, stat, [] { return 0.0; }, rows);
+  upload(f.rstd, stat, [] { return 1.0; }, rows);
+  const LayernormBwdParams& p = f.p;
   Kernel11Config picked;
   const bool has_pick = kernel11_pick(d, C, C % (16 / it) == 0, &picked);
   std::vector<Kernel11Config> cfgs = kernel11_candidates(d, C, C % (16 / it) == 0);
