@@ -8,6 +8,8 @@
 //           leaves the rounding error of g_i rstd where the exact answer is 0, at C = 1; kernel
 //           12 never sees C = 1 (its C is a multiple of the vector width);
 //           dbias_i += dy_i, dweight_i += dy_i xhat_i.
+// Each pass widens its vectors of dy and x whole (to_acc of a Packed, vec.cuh: bf16 two
+// elements per 32-bit word, one instruction each) before the per-element math.
 #pragma once
 
 #include "vec.cuh"
@@ -19,11 +21,12 @@ template <typename T, int VEC>
 __device__ __forceinline__ void add_row_sums(const Packed<T, VEC>& dy, const Packed<T, VEC>& x,
                                              const Packed<acc_t<T>, VEC>& w, acc_t<T> mean, acc_t<T>& s1,
                                              acc_t<T>& s2) {
+  const Packed<acc_t<T>, VEC> d = to_acc(dy), xf = to_acc(x);
 #pragma unroll
   for (int q = 0; q < VEC; ++q) {
-    const acc_t<T> g = mul_rn(w[q], to_acc(dy[q]));
+    const acc_t<T> g = mul_rn(w[q], d[q]);
     s1 += g;
-    s2 += g * (to_acc(x[q]) - mean);
+    s2 += g * (xf[q] - mean);
   }
 }
 
@@ -42,10 +45,11 @@ __device__ __forceinline__ Packed<T, VEC> dx_and_add_sums(const Packed<T, VEC>& 
                                                           acc_t<T> rstd, const RowCoefficients<acc_t<T>>& k,
                                                           Packed<acc_t<T>, VEC>& db, Packed<acc_t<T>, VEC>& dw) {
   Packed<T, VEC> dx;
+  const Packed<acc_t<T>, VEC> dv = to_acc(dy), xf = to_acc(x);
 #pragma unroll
   for (int q = 0; q < VEC; ++q) {
-    const acc_t<T> d = to_acc(dy[q]);
-    const acc_t<T> xhat = (to_acc(x[q]) - mean) * rstd;
+    const acc_t<T> d = dv[q];
+    const acc_t<T> xhat = (xf[q] - mean) * rstd;
     dx[q] = from_acc<T>(fma(mul_rn(w[q], d), rstd, fma(xhat, k.k1, k.k0)));
     db[q] += d;
     dw[q] += d * xhat;

@@ -479,7 +479,8 @@ static int host(int64_t rows, int64_t C, Dtype d) {
   return 0;
 }
 
-static int sweep(int64_t rows, int64_t C, Dtype d) {
+// Times every kernel 11 and kernel 12 configuration that fits, or only kernel 12's default.
+static int sweep(int64_t rows, int64_t C, Dtype d, bool default_only) {
   const int sms = device0_attribute(cudaDevAttrMultiProcessorCount);
   const size_t it = item_bytes(d);
   const double bytes = double(3 * rows * C + 3 * C) * it + 2.0 * rows * acc_bytes(d);
@@ -558,6 +559,7 @@ static int sweep(int64_t rows, int64_t C, Dtype d) {
   Kernel11Config picked;
   const bool has_pick = kernel11_pick(d, C, C % (16 / it) == 0, &picked);
   std::vector<Kernel11Config> cfgs = kernel11_candidates(d, C, C % (16 / it) == 0);
+  if (default_only) cfgs.clear();
   for (const Kernel11Config& c : cfgs) {
     Outputs o;
     const cudaError_t err = run(pb, 11, 0, &c, &o, sms);
@@ -568,23 +570,24 @@ static int sweep(int64_t rows, int64_t C, Dtype d) {
                 c.vec, c.nv, int(c.prefetch), c.tpr, c.groups, us, bytes / us / 1e3, 100 * copy_us / us, e,
                 is_pick ? "  <- default" : "");
   }
-  if (!has_pick) {
+  if (!has_pick && !default_only) {
     const double us = time_it([&](cudaStream_t st) { CHECK_CUDA(layernorm_bwd_kernel11_wide(p, st)); });
     std::printf("  k11 wide path: %8.1f us %6.0f GB/s %5.1f%% of copy\n", us, bytes / us / 1e3, 100 * copy_us / us);
   }
-  if (kernel12_wide_fits(d, C)) {
+  if (kernel12_wide_fits(d, C) && !default_only) {
     const double us = time_it([&](cudaStream_t st) { CHECK_CUDA(layernorm_bwd_kernel12_wide(p, st)); });
     std::printf("  k12 wide path: %8.1f us %6.0f GB/s %5.1f%% of copy\n", us, bytes / us / 1e3, 100 * copy_us / us);
   }
   Kernel12Config pick12;
   const bool has12 = kernel12_pick(d, C, &pick12);
   for (const Kernel12Config& c : kernel12_candidates(d, C)) {
+    const bool is_pick = has12 && c.nv == pick12.nv && c.nb == pick12.nb && c.tpr == pick12.tpr &&
+                         c.groups == pick12.groups && c.raw_weight == pick12.raw_weight && c.split == pick12.split;
+    if (default_only && !is_pick) continue;
     Outputs o;
     const cudaError_t err = run(pb, 12, 0, nullptr, &o, sms, 1, &c);
     const double e = err ? INFINITY : rel_err(d, o.dx, pb.ref_dx);
     const double us = time_it([&](cudaStream_t st) { CHECK_CUDA(layernorm_bwd_kernel12_config(p, c, st)); });
-    const bool is_pick = has12 && c.nv == pick12.nv && c.nb == pick12.nb && c.tpr == pick12.tpr &&
-                         c.groups == pick12.groups && c.raw_weight == pick12.raw_weight && c.split == pick12.split;
     std::printf("  k12 split=%d regs=%d raw_w=%d nv=%d nb=%d tpr=%4d groups=%2d: %8.1f us %6.0f GB/s %5.1f%% of copy  dx err %.1e%s\n",
                 c.split, int(c.regs), int(c.raw_weight), c.nv, c.nb, c.tpr, c.groups, us, bytes / us / 1e3, 100 * copy_us / us, e,
                 is_pick ? "  <- default" : "");
@@ -595,7 +598,10 @@ static int sweep(int64_t rows, int64_t C, Dtype d) {
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "check";
-  if (mode == "sweep" && argc >= 5) return sweep(std::atoll(argv[2]), std::atoll(argv[3]), parse_dtype(argv[4]));
+  if (mode == "sweep" && argc >= 5) {
+    const bool default_only = argc >= 6 && std::string(argv[5]) == "default";
+    return sweep(std::atoll(argv[2]), std::atoll(argv[3]), parse_dtype(argv[4]), default_only);
+  }
   if (mode == "host" && argc >= 5) return host(std::atoll(argv[2]), std::atoll(argv[3]), parse_dtype(argv[4]));
   if (mode == "profile" && argc >= 5) return profile(std::atoll(argv[2]), std::atoll(argv[3]), parse_dtype(argv[4]));
   if (mode == "check") {
@@ -624,6 +630,6 @@ int main(int argc, char** argv) {
   }
   std::fprintf(stderr,
                "usage: harness check [kernel ...] | harness blocks ROWS C DTYPE [kernel ...] | "
-               "harness sweep ROWS C DTYPE | harness host ROWS C DTYPE | harness profile ROWS C DTYPE\n");
+               "harness sweep ROWS C DTYPE [default] | harness host ROWS C DTYPE | harness profile ROWS C DTYPE\n");
   return 2;
 }
