@@ -558,8 +558,8 @@ static int sweep(int64_t rows, int64_t C, Dtype d, bool default_only) {
   const LayernormBwdParams& p = f.p;
   Kernel11Config picked;
   const bool has_pick = kernel11_pick(d, C, C % (16 / it) == 0, &picked);
-  std::vector<Kernel11Config> cfgs = kernel11_candidates(d, C, C % (16 / it) == 0);
-  if (default_only) cfgs.clear();
+  std::vector<Kernel11Config> cfgs;
+  if (!default_only) cfgs = kernel11_candidates(d, C, C % (16 / it) == 0);
   for (const Kernel11Config& c : cfgs) {
     Outputs o;
     const cudaError_t err = run(pb, 11, 0, &c, &o, sms);
@@ -598,9 +598,8 @@ static int sweep(int64_t rows, int64_t C, Dtype d, bool default_only) {
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "check";
-  if (mode == "sweep" && argc >= 5) {
-    const bool default_only = argc >= 6 && std::string(argv[5]) == "default";
-    return sweep(std::atoll(argv[2]), std::atoll(argv[3]), parse_dtype(argv[4]), default_only);
+  if (mode == "sweep" && (argc == 5 || (argc == 6 && std::string(argv[5]) == "default"))) {
+    return sweep(std::atoll(argv[2]), std::atoll(argv[3]), parse_dtype(argv[4]), argc == 6);
   }
   if (mode == "host" && argc >= 5) return host(std::atoll(argv[2]), std::atoll(argv[3]), parse_dtype(argv[4]));
   if (mode == "profile" && argc >= 5) return profile(std::atoll(argv[2]), std::atoll(argv[3]), parse_dtype(argv[4]));
