@@ -21,10 +21,10 @@ template <typename T, int VEC>
 __device__ __forceinline__ void add_row_sums(const Packed<T, VEC>& dy, const Packed<T, VEC>& x,
                                              const Packed<acc_t<T>, VEC>& w, acc_t<T> mean, acc_t<T>& s1,
                                              acc_t<T>& s2) {
-  const Packed<acc_t<T>, VEC> d = to_acc(dy), xf = to_acc(x);
+  const Packed<acc_t<T>, VEC> dv = to_acc(dy), xf = to_acc(x);
 #pragma unroll
   for (int q = 0; q < VEC; ++q) {
-    const acc_t<T> g = mul_rn(w[q], d[q]);
+    const acc_t<T> g = mul_rn(w[q], dv[q]);
     s1 += g;
     s2 += g * (xf[q] - mean);
   }

@@ -9,8 +9,9 @@
 //   harness check [kernel ...]        validate kernels over shapes x dtypes x block sizes vs a CPU
 //                                     reference, and the seed launchers' refusals (default: 1-12)
 //   harness blocks ROWS C DTYPE [kernel ...]  time seed kernels (default 1-10) at each block size
-//   harness sweep ROWS C DTYPE        time every kernel 11 and 12 configuration and a same-bytes
-//                                     copy, each replayed from a CUDA graph (the GPU's time alone)
+//   harness sweep ROWS C DTYPE [default]  time every kernel 11 and 12 configuration (or only
+//                                     kernel 12's default) and a same-bytes copy, the kernels
+//                                     replayed from a CUDA graph (the GPU's time alone)
 //   harness host ROWS C DTYPE         the host time of one call of the default launcher
 //   harness profile ROWS C DTYPE      three calls of the default launcher, for ncu
 //
