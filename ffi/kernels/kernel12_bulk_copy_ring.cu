@@ -297,11 +297,36 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   // group 0 had one row more if its next row, row - g*B, is still below `rows`.
   if (row - static_cast<int64_t>(g) * units < rows) group_sync(1 + g, tpr);
 
-  // The groups' sums meet in shared memory (the ring is idle now: every copy that was issued
-  // has been waited for), then are added in group order into this block's partial slot. Past
-  // this barrier nobody waits on the ring's mbarriers any more: their leaders retire them.
-  // Split rows: every pair this block sent has landed too (the other block waited for each),
-  // so no send is in flight into a block that has moved on.
+  // The block's sums: each column's over the groups, in group order, into this block's partial
+  // slot (split rows: the two blocks of a cluster fill the two halves of one). First the groups'
+  // sums meet in shared memory, in two ways measured on an H200 (harness sweep, two to five
+  // interleaved runs each):
+  //  * Whole rows: each group stores its sums into its own ring buffers (2 * Cb accumulators fit
+  //    in NB >= 2 rows of dy and x), which are idle once every thread of the group is past its
+  //    last row, so a group that finishes early stores them while the others still compute; the
+  //    block then adds 16 bytes of each sum per thread and step. Against the block-wide layout
+  //    below: fp16 16384x1600 46.6 -> 46.1 us, fp32 88.6 -> 87.7, bf16 16384x2048 56.0 -> 55.3,
+  //    bf16 1024x768 7.0 -> 6.6; but bf16 16384x1600 47.1 -> 47.4. (%globaltimer stamps at
+  //    16384x1600 in 16-bit: the block-wide stores took 0.9 us after a block's last row, and
+  //    the loop that added one column a thread 1.4 us more.)
+  //  * Split rows keep the block-wide layout: with the other, nvcc 13 scheduled their row loop
+  //    differently, and 4096x16384 ran 3-6% slower (bf16 110.7 -> 114.2 us, fp16 112.6 ->
+  //    119.4), though 8192x8192 ran 1.3% faster (bf16 109.0 -> 107.6).
+  // Past sync_row_sharers nobody waits on the ring's mbarriers any more: their leaders retire
+  // them. Split rows: every pair this block sent has landed too (the other block waited for
+  // each), so no send is in flight into a block that has moved on.
+  if constexpr (SPLIT == 1) {
+    group_sync(1 + g, tpr);   // every thread of the group is done with its ring buffers
+    A* own = reinterpret_cast<A*>(buf_dy(g, 0));   // [2][Cb]: dbias sums, then dweight sums
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int col = (j * tpr + t) * VEC;
+      if (col < Cb) {
+        *reinterpret_cast<AV*>(own + col) = db[j];
+        *reinterpret_cast<AV*>(own + Cb + col) = dw[j];
+      }
+    }
+  }
   sync_row_sharers<SPLIT>();
   if (leader) {
     for (int b = 0; b < NB; ++b) mbar_inval(&full[g * NB + b]);
@@ -310,26 +335,49 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
       mbar_inval(&peer_bar[1]);
     }
   }
-  A* sums = reinterpret_cast<A*>(smem);   // [groups][2][Cb], over the weight row and the ring
+  if constexpr (SPLIT == 1) {
+    // Cb is a multiple of VEC, so of the 16-byte chunk too. The group loop is unrolled so that
+    // several groups' loads are in flight at once; the additions still run in group order.
+    using Chunk = Packed<A, 16 / sizeof(A)>;
+    constexpr int kChunk = Chunk::size;
+    const size_t group_stride = static_cast<size_t>(NB) * 2 * row_bytes / sizeof(A);   // one group's ring
+    A* slot = partials + static_cast<size_t>(blockIdx.x) * 2 * C;
+    for (int c = threadIdx.x * kChunk; c < Cb; c += blockDim.x * kChunk) {
+      Chunk sb, sw;
 #pragma unroll
-  for (int j = 0; j < NV; ++j) {
-    const int col = (j * tpr + t) * VEC;
-    if (col < Cb) {
-      *reinterpret_cast<AV*>(sums + (static_cast<size_t>(g) * 2) * Cb + col) = db[j];
-      *reinterpret_cast<AV*>(sums + (static_cast<size_t>(g) * 2 + 1) * Cb + col) = dw[j];
+      for (int v = 0; v < kChunk; ++v) { sb[v] = A(0); sw[v] = A(0); }
+      const A* sums = reinterpret_cast<const A*>(buf_dy(0, 0)) + c;
+#pragma unroll 4
+      for (int q = 0; q < groups; ++q) {
+        const Chunk b = *reinterpret_cast<const Chunk*>(sums + q * group_stride);
+        const Chunk w = *reinterpret_cast<const Chunk*>(sums + q * group_stride + Cb);
+#pragma unroll
+        for (int v = 0; v < kChunk; ++v) { sb[v] += b[v]; sw[v] += w[v]; }
+      }
+      store_cg(reinterpret_cast<Chunk*>(slot + c), sb);
+      store_cg(reinterpret_cast<Chunk*>(slot + C + c), sw);
     }
-  }
-  __syncthreads();
-  // The cluster's slot (one per block without split rows); this block writes its columns.
-  A* slot = partials + static_cast<size_t>(blockIdx.x / SPLIT) * 2 * C + col0;
-  for (int c = threadIdx.x; c < Cb; c += blockDim.x) {
-    A sb = A(0), sw = A(0);
-    for (int q = 0; q < groups; ++q) {
-      sb += sums[(static_cast<size_t>(q) * 2) * Cb + c];
-      sw += sums[(static_cast<size_t>(q) * 2 + 1) * Cb + c];
+  } else {
+    A* sums = reinterpret_cast<A*>(smem);   // [groups][2][Cb], over the weight row and the ring
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int col = (j * tpr + t) * VEC;
+      if (col < Cb) {
+        *reinterpret_cast<AV*>(sums + (static_cast<size_t>(g) * 2) * Cb + col) = db[j];
+        *reinterpret_cast<AV*>(sums + (static_cast<size_t>(g) * 2 + 1) * Cb + col) = dw[j];
+      }
     }
-    __stcg(slot + c, sb);
-    __stcg(slot + C + c, sw);
+    __syncthreads();
+    A* slot = partials + static_cast<size_t>(blockIdx.x / SPLIT) * 2 * C + col0;
+    for (int c = threadIdx.x; c < Cb; c += blockDim.x) {
+      A sb = A(0), sw = A(0);
+      for (int q = 0; q < groups; ++q) {
+        sb += sums[(static_cast<size_t>(q) * 2) * Cb + c];
+        sw += sums[(static_cast<size_t>(q) * 2 + 1) * Cb + c];
+      }
+      __stcg(slot + c, sb);
+      __stcg(slot + C + c, sw);
+    }
   }
   if (finish.dweight) finish_partials_in_grid(finish, partials, units, C, blockDim.x / 32, reinterpret_cast<A*>(smem));
 #endif
@@ -339,13 +387,14 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
 size_t smem_bytes(const Kernel12Config& cfg, int64_t C, size_t item, size_t acc) {
   const size_t row = C * item;
   const size_t weight = cfg.regs ? 0 : round_up<size_t>(C * (cfg.raw_weight ? item : acc), 16);
+  // The block's sums later take the ring's place: without split rows each group's nb rows of dy
+  // and x (nb * 2 * item >= 2 * acc), with split rows [groups][2][C] over the weight row and ring.
   const size_t data = weight + static_cast<size_t>(cfg.groups) * cfg.nb * 2 * row;
-  const size_t front = std::max(data, static_cast<size_t>(cfg.groups) * 2 * C * acc);   // reused for the sums
   const size_t buffers = static_cast<size_t>(cfg.groups) * cfg.nb;
   const size_t barriers = 16 * ceil_div<size_t>(buffers, 2);
   const size_t stats = round_up<size_t>(buffers * 2 * acc, 16);   // stat_t is acc_t
   const size_t peers = cfg.split > 1 ? static_cast<size_t>(cfg.groups) * 2 * (8 + 2 * acc) : 0;
-  return front + barriers + stats + static_cast<size_t>(cfg.groups) * 2 * (cfg.tpr / 32) * 2 * acc + peers;
+  return data + barriers + stats + static_cast<size_t>(cfg.groups) * 2 * (cfg.tpr / 32) * 2 * acc + peers;
 }
 
 template <typename T, int VEC, int NV, int NB, bool REGS, typename W, int SPLIT>
