@@ -79,7 +79,15 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   const int lane = threadIdx.x % 32;
   const int warps_per_row = tpr / 32;
   const int warp_in_row = t / 32;
-  const bool leader = t == 0;
+  // The leader issues the group's bulk copies. In register mode without split rows (fp32) it is
+  // the first thread of the group's last warp: a row's vectors run out from the top, so the
+  // first warp can have a vector more per thread than the last (fp32 C = 1600: 4 against 3), and
+  // the leader's work then lands on a warp with less. Harness sweep on an H200 (interleaved
+  // processes of three timings each): fp32 16384x1600 87.1-87.4 -> 86.0-86.1 us; unchanged at
+  // 16384x2048, 16384x4096 and 1024x768; 8192x8192 (one group of 16 equal warps) 209.9-210.1 ->
+  // 211.0-211.1. Elsewhere it is thread 0: moved there too, fp16 16384x1600 ran 1 us slower
+  // (45.6-46.0 -> 46.8-46.9 us; the loop was scheduled differently) and bf16 gained 0.2.
+  const bool leader = t == (REGS && SPLIT == 1 ? tpr - 32 : 0);
   // Split rows (SPLIT = 2): the block of cluster rank h takes the columns [h * Cb, (h + 1) * Cb)
   // of every row its cluster works on; Cb is this block's share of a row, and every column index
   // below counts from col0.
