@@ -6,7 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include "checks.h"
-#include "kernels/layernorm_bwd.h"
+#include "kernels/api.h"
 #include "layernorm_bwd_cuda.h"
 
 namespace lnbwd {
@@ -34,8 +34,8 @@ ffi::Error CheckOneSegment(int32_t kernel, const LayernormBwdParams& p, const ff
 
 // What a seed kernel would refuse (its launcher returns a bare cudaError_t), as a message that
 // names the kernel, the setting and what it accepts. Python refuses the same at trace time.
-ffi::Error CheckSeedKernel(int32_t kernel, const LayernormBwdParams& p, ffi::DataType dtype) {
-  const SeedKernelLimits l = kSeedKernels[kernel - 1].limits(p.dtype, p.C, p.block_size);
+ffi::Error CheckLlmcKernel(int32_t kernel, const LayernormBwdParams& p, ffi::DataType dtype) {
+  const LlmcKernelLimits l = kLlmcKernels[kernel - 1].limits(p.dtype, p.C, p.block_size);
   const std::string name = "kernel " + std::to_string(kernel);
   if (!l.dtype_ok) {
     return ArgError(name + " does not support dtype " + DtypeName(dtype) + " (see jax_lnbwd.KERNELS)");
@@ -103,8 +103,8 @@ ffi::Error LayernormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
   switch (kernel) {
     case 1: case 2: case 3: case 4: case 5: case 6: case 7: case 8: case 9: case 10: {
       if (auto e = CheckOneSegment(kernel, p, *dweight, weight); e.failure()) return e;
-      if (auto e = CheckSeedKernel(kernel, p, x.element_type()); e.failure()) return e;
-      LNBWD_FFI_RETURN_IF_CUDA_ERROR(kSeedKernels[kernel - 1].launch(p, stream));
+      if (auto e = CheckLlmcKernel(kernel, p, x.element_type()); e.failure()) return e;
+      LNBWD_FFI_RETURN_IF_CUDA_ERROR(kLlmcKernels[kernel - 1].launch(p, stream));
       break;
     }
     case 11:

@@ -17,7 +17,7 @@ import numpy as np
 
 # Per-block dynamic shared memory on Hopper (H100/H200) with the opt-in attribute set.
 HOPPER_MAX_SMEM_BYTES = 232448
-# Bytes at the start of the workspace before the partial sums (ffi/kernels/layernorm_bwd.h).
+# Bytes at the start of the workspace before the partial sums (ffi/kernels/api.h).
 WORKSPACE_HEADER_BYTES = 256
 
 ALL_DTYPES = ("float32", "bfloat16", "float16", "float64")

@@ -16,7 +16,7 @@
 //   harness profile ROWS C DTYPE      three calls of the default launcher, for ncu
 //
 // Build (tests/cuda/run_sanitizers.sh builds it and runs it under compute-sanitizer):
-//   nvcc -O3 -std=c++17 -arch=sm_90 -Iffi/kernels tests/cuda/harness.cu ffi/kernels/*.cu
+//   nvcc -O3 -std=c++17 -arch=sm_90 -Iffi/kernels tests/cuda/harness.cu $(find ffi/kernels -name '*.cu')
 #include <chrono>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -32,9 +32,9 @@
 #include <string>
 #include <vector>
 
-#include "kernel11.h"
-#include "kernel12.h"
-#include "layernorm_bwd.h"
+#include "kernel11/kernel11.h"
+#include "kernel12/kernel12.h"
+#include "api.h"
 
 using namespace lnbwd;
 
@@ -152,7 +152,7 @@ struct Problem {
 
 struct Outputs { std::vector<unsigned char> dx, dw, db; };
 
-// Seed kernels 1-9 go through kSeedKernels (layernorm_bwd.h); kernel 10, also in that table,
+// Seed kernels 1-9 go through kLlmcKernels (layernorm_bwd.h); kernel 10, also in that table,
 // has its own block sizes and refusal rule here (KERNELS[10] in jax_lnbwd/kernels.py).
 static bool is_seed(int kernel) { return kernel >= 1 && kernel <= 9; }
 
@@ -189,7 +189,7 @@ static cudaError_t run(const Problem& pb, int kernel, int block_size, const Kern
                        block_size, ws.ptr, ws.bytes};
   cudaError_t err = cudaSuccess;
   for (int i = 0; i < repeats && err == cudaSuccess; ++i) {
-    if (is_seed(kernel)) err = kSeedKernels[kernel - 1].launch(p, 0);
+    if (is_seed(kernel)) err = kLlmcKernels[kernel - 1].launch(p, 0);
     else if (kernel == 10) err = layernorm_bwd_kernel10(p, 0);
     else if (cfg) err = layernorm_bwd_kernel11_config(p, *cfg, 0);
     else if (cfg12) err = layernorm_bwd_kernel12_config(p, *cfg12, 0);
@@ -221,7 +221,7 @@ static double rel_err(Dtype d, const std::vector<unsigned char>& got, const std:
 static std::vector<int> block_sizes_of(int kernel) {
   if (is_seed(kernel)) {
     std::vector<int> out;
-    const SeedKernelLimits l = kSeedKernels[kernel - 1].limits(Dtype::kF32, 1, 0);
+    const LlmcKernelLimits l = kLlmcKernels[kernel - 1].limits(Dtype::kF32, 1, 0);
     for (int bs = 32; bs <= l.max_block_size; bs *= 2) out.push_back(bs);
     return out;
   }
@@ -229,11 +229,11 @@ static std::vector<int> block_sizes_of(int kernel) {
   return {0};
 }
 static bool takes_dtype(int kernel, Dtype d) {
-  return is_seed(kernel) ? kSeedKernels[kernel - 1].limits(d, 1, 0).dtype_ok : true;
+  return is_seed(kernel) ? kLlmcKernels[kernel - 1].limits(d, 1, 0).dtype_ok : true;
 }
 static bool refuses(int kernel, Dtype d, int64_t C, int block_size, int max_smem) {
   if (is_seed(kernel)) {
-    const SeedKernelLimits l = kSeedKernels[kernel - 1].limits(d, C, block_size);
+    const LlmcKernelLimits l = kLlmcKernels[kernel - 1].limits(d, C, block_size);
     return C % l.c_multiple != 0 || l.smem_bytes > size_t(max_smem);
   }
   return kernel == 10 && layernorm_bwd_kernel10_limits(d, C, block_size).smem_bytes > size_t(max_smem);
@@ -269,7 +269,7 @@ static int check_refusals(const std::vector<int>& kernels, int* checked) {
         db(segments * C * it), mean(rows * 4), rstd(rows * 4), ws(kWorkspaceHeaderBytes + rows * 2 * C * 4);
     LayernormBwdParams p{dx.ptr, dw.ptr, db.ptr, dy.ptr, x.ptr, w.ptr, mean.ptr, rstd.ptr, rows, C, segments, 0, d,
                          block_size, ws.ptr, ws.bytes};
-    const cudaError_t got = kSeedKernels[kernel - 1].launch(p, 0);
+    const cudaError_t got = kLlmcKernels[kernel - 1].launch(p, 0);
     CHECK_CUDA(cudaDeviceSynchronize());
     ++*checked;
     if (got != want) {
@@ -415,7 +415,7 @@ static int blocks(int64_t rows, int64_t C, Dtype d, const std::vector<int>& kern
       if (refuses(kernel, d, C, bs, max_smem)) continue;
       LayernormBwdParams p{dx.ptr, dw.ptr, db.ptr, dy.ptr, x.ptr, w.ptr, mean.ptr, rstd.ptr, rows, C, 1, 0, d, bs,
                            ws.ptr, ws.bytes};
-      auto launch = [&] { return is_seed(kernel) ? kSeedKernels[kernel - 1].launch(p, 0) : layernorm_bwd_kernel10(p, 0); };
+      auto launch = [&] { return is_seed(kernel) ? kLlmcKernels[kernel - 1].launch(p, 0) : layernorm_bwd_kernel10(p, 0); };
       cudaError_t err = launch();
       std::vector<float> ms;
       for (int i = 0; i < 15 && err == cudaSuccess; ++i) {

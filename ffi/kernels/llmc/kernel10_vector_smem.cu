@@ -29,8 +29,8 @@
 //  * xhat is computed centered, (x - mean) * rstd. The seed expanded b = mean(g * xhat) into
 //    rstd * (mean(g * x) - mean * mean(g)), which cancels catastrophically when |mean| >> std.
 //  * 64-bit row offsets: row * C overflows int32 beyond 2^31 elements.
-#include "seed_common.cuh"
-#include "seed_device.cuh"
+#include "llmc/llmc_common.cuh"
+#include "llmc/llmc_device.cuh"
 
 namespace lnbwd {
 namespace {
@@ -165,14 +165,14 @@ template <typename T, int VEC>
 cudaError_t launch(const LayernormBwdParams& p, int block_size, cudaStream_t stream) {
   // The seed's grid: 1024 / block_size blocks per SM, never more blocks than the rows have warps,
   // nor than the workspace has partial slots.
-  return launch_last_block_kernel<T>(kernel10<T, VEC>, SeedSums::kSlotPerBlock, p, 1024 / block_size, block_size,
+  return launch_last_block_kernel<T>(kernel10<T, VEC>, LlmcSums::kSlotPerBlock, p, 1024 / block_size, block_size,
                                      smem_bytes<T, VEC>(p.C, block_size), stream);
 }
 
 }  // namespace
 
-SeedKernelLimits layernorm_bwd_kernel10_limits(Dtype dtype, int64_t C, int block_size) {
-  SeedKernelLimits l =
+LlmcKernelLimits layernorm_bwd_kernel10_limits(Dtype dtype, int64_t C, int block_size) {
+  LlmcKernelLimits l =
       seed_limits<float, __nv_bfloat16, __half, double>(dtype, block_size, kDefaultBlockSize, kMaxBlockSize);
   // The launcher takes the 16-byte path or the scalar one depending on C and alignment: the
   // limit is the larger need (the vector path rounds C up to whole steps of 32 * VEC columns).
@@ -185,7 +185,7 @@ SeedKernelLimits layernorm_bwd_kernel10_limits(Dtype dtype, int64_t C, int block
 }
 
 cudaError_t layernorm_bwd_kernel10(const LayernormBwdParams& p, cudaStream_t stream) {
-  const SeedKernelLimits l = layernorm_bwd_kernel10_limits(p.dtype, p.C, p.block_size);
+  const LlmcKernelLimits l = layernorm_bwd_kernel10_limits(p.dtype, p.C, p.block_size);
   LNBWD_RETURN_IF_CUDA_ERROR(check_seed_limits(l, p));
   return dispatch_dtypes<float, __nv_bfloat16, __half, double>(p.dtype, [&](auto t) {
     using T = decltype(t);

@@ -23,12 +23,12 @@
 // stay in registers for the whole kernel; chunk c holds j in [c * NVC, (c + 1) * NVC). At the
 // end each thread writes its columns of the block's partial slot; the slots are then added in
 // slot order (launch_with_partials, dispatch.cuh). Deterministic.
-#include "bulk_copy.cuh"
-#include "dispatch.cuh"
-#include "kernel12.h"
-#include "partials_finalize.h"
-#include "row_math.cuh"
-#include "row_reduce.cuh"
+#include "kernel12/bulk_copy.cuh"
+#include "common/launch.cuh"
+#include "kernel12/kernel12.h"
+#include "common/partials_finalize.h"
+#include "common/row_math.cuh"
+#include "common/row_reduce.cuh"
 
 namespace lnbwd {
 namespace {

@@ -25,10 +25,10 @@
 // issues all 2*NV of its 16-byte loads for a row before using any. With PREFETCH, the loads of
 // the group's next row are issued before the current row is reduced, so DRAM stays busy across
 // the reduction's barrier; that doubles the data registers, so it is used for small NV only.
-#include "dispatch.cuh"
-#include "kernel11.h"
-#include "partials_finalize.h"
-#include "row_reduce.cuh"
+#include "common/launch.cuh"
+#include "kernel11/kernel11.h"
+#include "common/partials_finalize.h"
+#include "common/row_reduce.cuh"
 
 namespace lnbwd {
 namespace {

@@ -9,7 +9,7 @@
 // accumulators each (see kWorkspaceHeaderBytes in layernorm_bwd.h).
 #pragma once
 
-#include "vec.cuh"
+#include "common/vec.cuh"
 
 namespace lnbwd {
 

@@ -36,8 +36,8 @@
 //  * g = weight * dy is rounded once (mul_rn) in both passes; 64-bit row and slot offsets.
 //  * The grid never has more blocks than the workspace has slots, nor than the rows have warps.
 //  * More than 48 KB of shared memory is opted in to; C + block_size up to 29055 fits Hopper.
-#include "seed_common.cuh"
-#include "seed_device.cuh"
+#include "llmc/llmc_common.cuh"
+#include "llmc/llmc_device.cuh"
 
 namespace lnbwd {
 namespace {
@@ -170,23 +170,23 @@ kernel9(T* __restrict__ dx, T* __restrict__ dweight, T* __restrict__ dbias, floa
 }
 
 template <typename T>
-cudaError_t launch(const LayernormBwdParams& p, const SeedKernelLimits& l, cudaStream_t stream) {
+cudaError_t launch(const LayernormBwdParams& p, const LlmcKernelLimits& l, cudaStream_t stream) {
   if (!can_vectorize<T>(p) || reinterpret_cast<uintptr_t>(p.workspace) % 16 != 0) return cudaErrorMisalignedAddress;
-  return launch_last_block_kernel<T>(kernel9<T>, SeedSums::kSlotPerBlock, p,
+  return launch_last_block_kernel<T>(kernel9<T>, LlmcSums::kSlotPerBlock, p,
                                      1024 / l.block_size, l.block_size, l.smem_bytes, stream);
 }
 
 }  // namespace
 
-SeedKernelLimits layernorm_bwd_kernel9_limits(Dtype dtype, int64_t C, int block_size) {
-  SeedKernelLimits l = seed_limits<float, __nv_bfloat16, __half>(dtype, block_size, kDefaultBlockSize, 1024);
+LlmcKernelLimits layernorm_bwd_kernel9_limits(Dtype dtype, int64_t C, int block_size) {
+  LlmcKernelLimits l = seed_limits<float, __nv_bfloat16, __half>(dtype, block_size, kDefaultBlockSize, 1024);
   l.c_multiple = 32 * (16 / dtype_bytes(dtype));   // whole warp steps of 16-byte vectors
   l.smem_bytes = static_cast<size_t>(2 * C + 2 * static_cast<int64_t>(l.block_size) + 1) * sizeof(float);
   return l;
 }
 
 cudaError_t layernorm_bwd_kernel9(const LayernormBwdParams& p, cudaStream_t stream) {
-  const SeedKernelLimits l = layernorm_bwd_kernel9_limits(p.dtype, p.C, p.block_size);
+  const LlmcKernelLimits l = layernorm_bwd_kernel9_limits(p.dtype, p.C, p.block_size);
   LNBWD_RETURN_IF_CUDA_ERROR(check_seed_limits(l, p));
   return dispatch_dtypes<float, __nv_bfloat16, __half>(p.dtype, [&](auto t) { return launch<decltype(t)>(p, l, stream); });
 }

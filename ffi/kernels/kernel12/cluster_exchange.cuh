@@ -10,7 +10,7 @@
 
 #include <cstdint>
 
-#include "bulk_copy.cuh"
+#include "kernel12/bulk_copy.cuh"
 
 namespace lnbwd {
 

@@ -57,7 +57,7 @@ constexpr size_t kWorkspaceHeaderBytes = 256;
 // it is not built for or segments it cannot do, and cudaErrorInvalidConfiguration for a block
 // size, C or shared-memory need it cannot run; layernorm_bwd_kernelN_limits tells a caller
 // which, before it launches (jax_lnbwd/kernels.py applies the same rules at trace time).
-struct SeedKernelLimits {
+struct LlmcKernelLimits {
   bool dtype_ok;            // the kernel is built for this dtype
   int block_size;           // the block size it would run: the one asked for, or its default for 0
   int default_block_size;
@@ -77,24 +77,24 @@ cudaError_t layernorm_bwd_kernel7(const LayernormBwdParams& p, cudaStream_t stre
 cudaError_t layernorm_bwd_kernel8(const LayernormBwdParams& p, cudaStream_t stream);   // x128 vectors
 cudaError_t layernorm_bwd_kernel9(const LayernormBwdParams& p, cudaStream_t stream);   // block reduce
 cudaError_t layernorm_bwd_kernel10(const LayernormBwdParams& p, cudaStream_t stream);  // vector smem
-SeedKernelLimits layernorm_bwd_kernel1_limits(Dtype dtype, int64_t C, int block_size);
-SeedKernelLimits layernorm_bwd_kernel2_limits(Dtype dtype, int64_t C, int block_size);
-SeedKernelLimits layernorm_bwd_kernel3_limits(Dtype dtype, int64_t C, int block_size);
-SeedKernelLimits layernorm_bwd_kernel4_limits(Dtype dtype, int64_t C, int block_size);
-SeedKernelLimits layernorm_bwd_kernel5_limits(Dtype dtype, int64_t C, int block_size);
-SeedKernelLimits layernorm_bwd_kernel6_limits(Dtype dtype, int64_t C, int block_size);
-SeedKernelLimits layernorm_bwd_kernel7_limits(Dtype dtype, int64_t C, int block_size);
-SeedKernelLimits layernorm_bwd_kernel8_limits(Dtype dtype, int64_t C, int block_size);
-SeedKernelLimits layernorm_bwd_kernel9_limits(Dtype dtype, int64_t C, int block_size);
-SeedKernelLimits layernorm_bwd_kernel10_limits(Dtype dtype, int64_t C, int block_size);
+LlmcKernelLimits layernorm_bwd_kernel1_limits(Dtype dtype, int64_t C, int block_size);
+LlmcKernelLimits layernorm_bwd_kernel2_limits(Dtype dtype, int64_t C, int block_size);
+LlmcKernelLimits layernorm_bwd_kernel3_limits(Dtype dtype, int64_t C, int block_size);
+LlmcKernelLimits layernorm_bwd_kernel4_limits(Dtype dtype, int64_t C, int block_size);
+LlmcKernelLimits layernorm_bwd_kernel5_limits(Dtype dtype, int64_t C, int block_size);
+LlmcKernelLimits layernorm_bwd_kernel6_limits(Dtype dtype, int64_t C, int block_size);
+LlmcKernelLimits layernorm_bwd_kernel7_limits(Dtype dtype, int64_t C, int block_size);
+LlmcKernelLimits layernorm_bwd_kernel8_limits(Dtype dtype, int64_t C, int block_size);
+LlmcKernelLimits layernorm_bwd_kernel9_limits(Dtype dtype, int64_t C, int block_size);
+LlmcKernelLimits layernorm_bwd_kernel10_limits(Dtype dtype, int64_t C, int block_size);
 
 // Seed kernels 1-10 by id - 1: the launcher and its limits (the FFI glue and the standalone CUDA
 // harness, tests/cuda/harness.cu, both dispatch through this table).
-struct SeedKernel {
+struct LlmcKernel {
   cudaError_t (*launch)(const LayernormBwdParams&, cudaStream_t);
-  SeedKernelLimits (*limits)(Dtype, int64_t, int);
+  LlmcKernelLimits (*limits)(Dtype, int64_t, int);
 };
-inline constexpr SeedKernel kSeedKernels[] = {
+inline constexpr LlmcKernel kLlmcKernels[] = {
     {layernorm_bwd_kernel1, layernorm_bwd_kernel1_limits}, {layernorm_bwd_kernel2, layernorm_bwd_kernel2_limits},
     {layernorm_bwd_kernel3, layernorm_bwd_kernel3_limits}, {layernorm_bwd_kernel4, layernorm_bwd_kernel4_limits},
     {layernorm_bwd_kernel5, layernorm_bwd_kernel5_limits}, {layernorm_bwd_kernel6, layernorm_bwd_kernel6_limits},

@@ -27,8 +27,8 @@
 #include <cooperative_groups.h>
 #include <cooperative_groups/reduce.h>
 
-#include "seed_common.cuh"
-#include "seed_device.cuh"
+#include "llmc/llmc_common.cuh"
+#include "llmc/llmc_device.cuh"
 
 namespace lnbwd {
 namespace {
@@ -79,7 +79,7 @@ __global__ void copy_to_dweight_dbias(T* __restrict__ dweight, T* __restrict__ d
 }
 
 template <typename T>
-cudaError_t launch(const LayernormBwdParams& p, const SeedKernelLimits& l, cudaStream_t stream) {
+cudaError_t launch(const LayernormBwdParams& p, const LlmcKernelLimits& l, cudaStream_t stream) {
   if (partial_slots<T>(p) < 1) return cudaErrorInvalidValue;   // the scratch row is slot 0
   const int64_t grid = ceil_div<int64_t>(p.rows, l.block_size / 32);   // one warp per row
   if (grid > INT32_MAX) return cudaErrorInvalidConfiguration;
@@ -100,14 +100,14 @@ cudaError_t launch(const LayernormBwdParams& p, const SeedKernelLimits& l, cudaS
 
 }  // namespace
 
-SeedKernelLimits layernorm_bwd_kernel2_limits(Dtype dtype, int64_t C, int block_size) {
-  SeedKernelLimits l = seed_limits<float, __nv_bfloat16, __half>(dtype, block_size, kDefaultBlockSize, 1024);
+LlmcKernelLimits layernorm_bwd_kernel2_limits(Dtype dtype, int64_t C, int block_size) {
+  LlmcKernelLimits l = seed_limits<float, __nv_bfloat16, __half>(dtype, block_size, kDefaultBlockSize, 1024);
   l.smem_bytes = static_cast<size_t>(2 * C) * sizeof(float);
   return l;
 }
 
 cudaError_t layernorm_bwd_kernel2(const LayernormBwdParams& p, cudaStream_t stream) {
-  const SeedKernelLimits l = layernorm_bwd_kernel2_limits(p.dtype, p.C, p.block_size);
+  const LlmcKernelLimits l = layernorm_bwd_kernel2_limits(p.dtype, p.C, p.block_size);
   LNBWD_RETURN_IF_CUDA_ERROR(check_seed_limits(l, p));
   return dispatch_dtypes<float, __nv_bfloat16, __half>(p.dtype, [&](auto t) { return launch<decltype(t)>(p, l, stream); });
 }

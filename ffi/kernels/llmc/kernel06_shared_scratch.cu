@@ -23,8 +23,8 @@
 //  * The grid never has more blocks than the rows have warps (idle blocks would only add zeros).
 //  * More than 48 KB of shared memory (C > 6143) is opted in to; C up to 29055 fits Hopper.
 
-#include "seed_common.cuh"
-#include "seed_persistent_warps.cuh"
+#include "llmc/llmc_common.cuh"
+#include "llmc/llmc_persistent_warps.cuh"
 
 namespace lnbwd {
 namespace {
@@ -53,21 +53,21 @@ kernel6(T* __restrict__ dx, T* __restrict__ dweight, T* __restrict__ dbias, floa
 }
 
 template <typename T>
-cudaError_t launch(const LayernormBwdParams& p, const SeedKernelLimits& l, cudaStream_t stream) {
-  return launch_last_block_kernel<T>(kernel6<T>, SeedSums::kSharedRow, p,
+cudaError_t launch(const LayernormBwdParams& p, const LlmcKernelLimits& l, cudaStream_t stream) {
+  return launch_last_block_kernel<T>(kernel6<T>, LlmcSums::kSharedRow, p,
                                      1024 / l.block_size, l.block_size, l.smem_bytes, stream);
 }
 
 }  // namespace
 
-SeedKernelLimits layernorm_bwd_kernel6_limits(Dtype dtype, int64_t C, int block_size) {
-  SeedKernelLimits l = seed_limits<float, __nv_bfloat16, __half>(dtype, block_size, kDefaultBlockSize, 1024);
+LlmcKernelLimits layernorm_bwd_kernel6_limits(Dtype dtype, int64_t C, int block_size) {
+  LlmcKernelLimits l = seed_limits<float, __nv_bfloat16, __half>(dtype, block_size, kDefaultBlockSize, 1024);
   l.smem_bytes = static_cast<size_t>(2 * C + 1) * sizeof(float);
   return l;
 }
 
 cudaError_t layernorm_bwd_kernel6(const LayernormBwdParams& p, cudaStream_t stream) {
-  const SeedKernelLimits l = layernorm_bwd_kernel6_limits(p.dtype, p.C, p.block_size);
+  const LlmcKernelLimits l = layernorm_bwd_kernel6_limits(p.dtype, p.C, p.block_size);
   LNBWD_RETURN_IF_CUDA_ERROR(check_seed_limits(l, p));
   return dispatch_dtypes<float, __nv_bfloat16, __half>(p.dtype, [&](auto t) { return launch<decltype(t)>(p, l, stream); });
 }

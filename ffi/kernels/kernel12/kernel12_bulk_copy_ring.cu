@@ -37,13 +37,13 @@
 // pass 1 each group sends its half's (s1, s2) to the same group of the other block
 // (cluster_exchange.cuh) and adds the pair it receives, so both halves use the same s1 and s2.
 // The two blocks fill the two halves of one partial slot.
-#include "bulk_copy.cuh"
-#include "cluster_exchange.cuh"
-#include "dispatch.cuh"
-#include "kernel12.h"
-#include "partials_finalize.h"
-#include "row_math.cuh"
-#include "row_reduce.cuh"
+#include "kernel12/bulk_copy.cuh"
+#include "kernel12/cluster_exchange.cuh"
+#include "common/launch.cuh"
+#include "kernel12/kernel12.h"
+#include "common/partials_finalize.h"
+#include "common/row_math.cuh"
+#include "common/row_reduce.cuh"
 
 #include <algorithm>
 #include <type_traits>

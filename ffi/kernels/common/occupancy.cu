@@ -2,7 +2,7 @@
 // shared memory, cluster). A kernel's opt-in to dynamic shared memory (the function attribute
 // cudaFuncAttributeMaxDynamicSharedMemorySize) is one value per device and kernel, so it only
 // ever rises: lowering it for a smaller launch would make a remembered larger one fail.
-#include "occupancy.h"
+#include "common/occupancy.h"
 
 #include <map>
 #include <mutex>

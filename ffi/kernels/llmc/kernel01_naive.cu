@@ -17,7 +17,7 @@
 //  * 64-bit row offsets: the seed's b * T * C + t * C overflows int32 beyond 2^31 elements.
 // float32 only, as in the seed (which offers kernel 1 only in its fp32 build). Not
 // deterministic: the order in which the rows' atomics reach an address varies from run to run.
-#include "seed_common.cuh"
+#include "llmc/llmc_common.cuh"
 
 namespace lnbwd {
 namespace {
@@ -60,13 +60,13 @@ kernel1(float* __restrict__ dx, float* __restrict__ dweight, float* __restrict__
 
 }  // namespace
 
-SeedKernelLimits layernorm_bwd_kernel1_limits(Dtype dtype, int64_t C, int block_size) {
+LlmcKernelLimits layernorm_bwd_kernel1_limits(Dtype dtype, int64_t C, int block_size) {
   (void)C;   // any C >= 1, no shared memory
   return seed_limits<float>(dtype, block_size, kDefaultBlockSize, 1024);
 }
 
 cudaError_t layernorm_bwd_kernel1(const LayernormBwdParams& p, cudaStream_t stream) {
-  const SeedKernelLimits l = layernorm_bwd_kernel1_limits(p.dtype, p.C, p.block_size);
+  const LlmcKernelLimits l = layernorm_bwd_kernel1_limits(p.dtype, p.C, p.block_size);
   LNBWD_RETURN_IF_CUDA_ERROR(check_seed_limits(l, p));
   const int64_t grid = ceil_div<int64_t>(p.rows, l.block_size);   // one thread per row
   if (grid > INT32_MAX) return cudaErrorInvalidConfiguration;

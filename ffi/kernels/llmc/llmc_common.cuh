@@ -1,13 +1,13 @@
 // Host-side pieces shared by the launchers of seed kernels 1-10 (kernel0N_*.cu,
 // kernel10_vector_smem.cu; their shared device routines are in seed_device.cuh): dtype dispatch
 // that instantiates only the dtypes a kernel is built for, the rules every launcher checks
-// (SeedKernelLimits, see layernorm_bwd.h), the persistent grid of the seed, and the opt-in to
+// (LlmcKernelLimits, see layernorm_bwd.h), the persistent grid of the seed, and the opt-in to
 // more than 48 KB of dynamic shared memory.
 #pragma once
 
 #include <cstdint>
 
-#include "dispatch.cuh"
+#include "common/launch.cuh"
 
 namespace lnbwd {
 
@@ -31,8 +31,8 @@ cudaError_t dispatch_dtypes(Dtype dtype, F&& f) {
 // warp) to max_block_size; block_size 0 means default_block_size. The caller fills in
 // c_multiple and smem_bytes, which depend on the kernel.
 template <typename... Ts>
-SeedKernelLimits seed_limits(Dtype dtype, int block_size, int default_block_size, int max_block_size) {
-  SeedKernelLimits l;
+LlmcKernelLimits seed_limits(Dtype dtype, int block_size, int default_block_size, int max_block_size) {
+  LlmcKernelLimits l;
   l.dtype_ok = ((dtype == dtype_of<Ts>()) || ...);
   l.block_size = block_size == 0 ? default_block_size : block_size;
   l.default_block_size = default_block_size;
@@ -46,7 +46,7 @@ SeedKernelLimits seed_limits(Dtype dtype, int block_size, int default_block_size
 // What every seed launcher checks before it launches, so that a kernel never runs on a problem
 // it would get wrong: the dtype and the segments (cudaErrorInvalidValue), the block size, C and
 // the shared memory (cudaErrorInvalidConfiguration).
-inline cudaError_t check_seed_limits(const SeedKernelLimits& l, const LayernormBwdParams& p) {
+inline cudaError_t check_seed_limits(const LlmcKernelLimits& l, const LayernormBwdParams& p) {
   if (!l.dtype_ok || p.segments != 1 || p.weight_stride != 0 || p.rows < 1 || p.C < 1) return cudaErrorInvalidValue;
   if (!l.block_size_ok || p.C % l.c_multiple != 0) return cudaErrorInvalidConfiguration;
   int max_smem = 0;
@@ -75,26 +75,26 @@ cudaError_t opt_in_smem(Kernel kernel, size_t bytes) {
 // How seed kernels 5-10 hand their block sums to the last block to finish
 // (last_block_to_finish in seed_device.cuh): each block writes its own partial slot (kernels 5,
 // 9, 10), or all blocks add into one shared fp32 scratch row, slot 0 (kernels 6, 7, 8).
-enum class SeedSums { kSlotPerBlock, kSharedRow };
+enum class LlmcSums { kSlotPerBlock, kSharedRow };
 
 // Launches one of seed kernels 5-10, which all take (dx, dweight, dbias, scratch, counter, dy, x,
 // weight, mean, rstd, rows, C): blocks_per_sm blocks on every SM (fewer when the rows have fewer
 // warps; with a slot per block, no more than the workspace has slots), after zeroing what the
 // kernel counts on being zero.
 template <typename T, typename Kernel>
-cudaError_t launch_last_block_kernel(Kernel kernel, SeedSums sums, const LayernormBwdParams& p, int blocks_per_sm,
+cudaError_t launch_last_block_kernel(Kernel kernel, LlmcSums sums, const LayernormBwdParams& p, int blocks_per_sm,
                                      int block_size, size_t smem, cudaStream_t stream) {
-  if (sums == SeedSums::kSharedRow && partial_slots<T>(p) < 1) return cudaErrorInvalidValue;   // the row is slot 0
+  if (sums == LlmcSums::kSharedRow && partial_slots<T>(p) < 1) return cudaErrorInvalidValue;   // the row is slot 0
   int64_t grid = 0;
   LNBWD_RETURN_IF_CUDA_ERROR(persistent_grid(p, blocks_per_sm, block_size, &grid));
-  if (sums == SeedSums::kSlotPerBlock) {
+  if (sums == LlmcSums::kSlotPerBlock) {
     grid = std::min<int64_t>(grid, partial_slots<T>(p));   // one slot per block
     if (grid < 1) return cudaErrorInvalidValue;
   }
   LNBWD_RETURN_IF_CUDA_ERROR(opt_in_smem(kernel, smem));
   // A slot per block: only the counter (every slot is written before it is read). A shared row:
   // the counter (header) and the row (slot 0) are contiguous, so one memset zeroes both.
-  const size_t zeroed = sums == SeedSums::kSlotPerBlock ? sizeof(unsigned int)
+  const size_t zeroed = sums == LlmcSums::kSlotPerBlock ? sizeof(unsigned int)
                                                         : kWorkspaceHeaderBytes + 2 * p.C * sizeof(acc_t<T>);
   LNBWD_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(p.workspace, 0, zeroed, stream));
   kernel<<<static_cast<unsigned int>(grid), block_size, smem, stream>>>(

@@ -4,7 +4,7 @@
 
 #include <vector>
 
-#include "layernorm_bwd.h"
+#include "api.h"
 
 namespace lnbwd {
 

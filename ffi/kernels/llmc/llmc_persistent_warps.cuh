@@ -6,7 +6,7 @@
 #include <cooperative_groups.h>
 #include <cooperative_groups/reduce.h>
 
-#include "seed_device.cuh"
+#include "llmc/llmc_device.cuh"
 
 namespace lnbwd {
 

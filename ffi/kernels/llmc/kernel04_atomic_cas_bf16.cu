@@ -24,8 +24,8 @@
 // The pairs are 32-bit words, so dweight and dbias must be 4-byte aligned (XLA's buffers are):
 // the launcher returns cudaErrorMisalignedAddress otherwise.
 
-#include "seed_common.cuh"
-#include "seed_persistent_warps.cuh"
+#include "llmc/llmc_common.cuh"
+#include "llmc/llmc_persistent_warps.cuh"
 
 namespace lnbwd {
 namespace {
@@ -92,15 +92,15 @@ kernel4(__nv_bfloat16* __restrict__ dx, __nv_bfloat16* __restrict__ dweight, __n
 
 }  // namespace
 
-SeedKernelLimits layernorm_bwd_kernel4_limits(Dtype dtype, int64_t C, int block_size) {
-  SeedKernelLimits l = seed_limits<__nv_bfloat16>(dtype, block_size, kDefaultBlockSize, 1024);
+LlmcKernelLimits layernorm_bwd_kernel4_limits(Dtype dtype, int64_t C, int block_size) {
+  LlmcKernelLimits l = seed_limits<__nv_bfloat16>(dtype, block_size, kDefaultBlockSize, 1024);
   l.smem_bytes = static_cast<size_t>(2 * C) * sizeof(float);
   return l;
 }
 
 cudaError_t layernorm_bwd_kernel4(const LayernormBwdParams& p, cudaStream_t stream) {
   using T = __nv_bfloat16;
-  const SeedKernelLimits l = layernorm_bwd_kernel4_limits(p.dtype, p.C, p.block_size);
+  const LlmcKernelLimits l = layernorm_bwd_kernel4_limits(p.dtype, p.C, p.block_size);
   LNBWD_RETURN_IF_CUDA_ERROR(check_seed_limits(l, p));
   if (reinterpret_cast<uintptr_t>(p.dweight) % 4 != 0 || reinterpret_cast<uintptr_t>(p.dbias) % 4 != 0) {
     return cudaErrorMisalignedAddress;

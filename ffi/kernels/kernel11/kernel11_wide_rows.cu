@@ -11,10 +11,10 @@
 // loads because nothing reads them again. DRAM traffic stays close to one read of dy and x, at
 // the price of twice the L2 reads. The partial slot is owned by the block and each of its
 // columns by one thread, so the read-modify-write needs no atomics and is deterministic.
-#include "dispatch.cuh"
-#include "kernel11.h"
-#include "partials_finalize.h"
-#include "row_reduce.cuh"
+#include "common/launch.cuh"
+#include "kernel11/kernel11.h"
+#include "common/partials_finalize.h"
+#include "common/row_reduce.cuh"
 
 namespace lnbwd {
 namespace {

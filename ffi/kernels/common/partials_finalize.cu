@@ -17,9 +17,9 @@
 // writes the partials still runs, and waits for it on the GPU (griddepcontrol.wait: the earlier
 // grid has completed and its writes are visible). Its launch then overlaps the earlier kernel's
 // tail instead of following it.
-#include "dispatch.cuh"
-#include "partials_finalize.h"
-#include "partials_sum.cuh"
+#include "common/launch.cuh"
+#include "common/partials_finalize.h"
+#include "common/partials_sum.cuh"
 
 namespace lnbwd {
 namespace {

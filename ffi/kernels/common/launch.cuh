@@ -10,11 +10,11 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "layernorm_bwd.h"
-#include "occupancy.h"
-#include "partials_finalize.h"
-#include "partials_sum.cuh"
-#include "vec.cuh"
+#include "api.h"
+#include "common/occupancy.h"
+#include "common/partials_finalize.h"
+#include "common/partials_sum.cuh"
+#include "common/vec.cuh"
 
 namespace lnbwd {
 

@@ -2,7 +2,7 @@
 // `slots` is the number of slots per segment.
 #pragma once
 
-#include "layernorm_bwd.h"
+#include "api.h"
 
 namespace lnbwd {
 

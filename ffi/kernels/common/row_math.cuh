@@ -12,7 +12,7 @@
 // elements per 32-bit word, one instruction each) before the per-element math.
 #pragma once
 
-#include "vec.cuh"
+#include "common/vec.cuh"
 
 namespace lnbwd {
 

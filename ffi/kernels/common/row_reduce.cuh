@@ -6,7 +6,7 @@
 // changed their code enough to cost some variants registers or spills (checked with -Xptxas -v).
 #pragma once
 
-#include "vec.cuh"
+#include "common/vec.cuh"
 
 namespace lnbwd {
 

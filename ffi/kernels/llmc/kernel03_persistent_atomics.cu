@@ -26,8 +26,8 @@
 //  * The grid never has more blocks than the rows have warps (idle blocks would only add zeros).
 //  * More than 48 KB of shared memory (C > 6144) is opted in to; C up to 29056 fits Hopper.
 
-#include "seed_common.cuh"
-#include "seed_persistent_warps.cuh"
+#include "llmc/llmc_common.cuh"
+#include "llmc/llmc_persistent_warps.cuh"
 
 namespace lnbwd {
 namespace {
@@ -82,7 +82,7 @@ kernel3(T* __restrict__ dx, T* __restrict__ dweight, T* __restrict__ dbias, cons
 }
 
 template <typename T>
-cudaError_t launch(const LayernormBwdParams& p, const SeedKernelLimits& l, cudaStream_t stream) {
+cudaError_t launch(const LayernormBwdParams& p, const LlmcKernelLimits& l, cudaStream_t stream) {
   int64_t grid = 0;
   LNBWD_RETURN_IF_CUDA_ERROR(persistent_grid(p, 1024 / l.block_size, l.block_size, &grid));
   auto kernel = kernel3<T>;
@@ -99,14 +99,14 @@ cudaError_t launch(const LayernormBwdParams& p, const SeedKernelLimits& l, cudaS
 
 }  // namespace
 
-SeedKernelLimits layernorm_bwd_kernel3_limits(Dtype dtype, int64_t C, int block_size) {
-  SeedKernelLimits l = seed_limits<float, __nv_bfloat16, __half>(dtype, block_size, kDefaultBlockSize, 1024);
+LlmcKernelLimits layernorm_bwd_kernel3_limits(Dtype dtype, int64_t C, int block_size) {
+  LlmcKernelLimits l = seed_limits<float, __nv_bfloat16, __half>(dtype, block_size, kDefaultBlockSize, 1024);
   l.smem_bytes = static_cast<size_t>(2 * C) * sizeof(float);
   return l;
 }
 
 cudaError_t layernorm_bwd_kernel3(const LayernormBwdParams& p, cudaStream_t stream) {
-  const SeedKernelLimits l = layernorm_bwd_kernel3_limits(p.dtype, p.C, p.block_size);
+  const LlmcKernelLimits l = layernorm_bwd_kernel3_limits(p.dtype, p.C, p.block_size);
   LNBWD_RETURN_IF_CUDA_ERROR(check_seed_limits(l, p));
   return dispatch_dtypes<float, __nv_bfloat16, __half>(p.dtype, [&](auto t) { return launch<decltype(t)>(p, l, stream); });
 }

@@ -8,7 +8,7 @@
 
 #include <cooperative_groups.h>
 
-#include "vec.cuh"
+#include "common/vec.cuh"
 
 namespace lnbwd {
 
