@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import jax_lnbwd
-from conftest import (DTYPES, PLATFORMS, RTOL, assert_close, direct_ffi_call, f64, make_inputs, put,
+from conftest import (DTYPES, HAS_GPU, PLATFORMS, RTOL, assert_close, direct_ffi_call, f64, make_inputs, put,
                       reference_bwd, reference_stats, shape_id)
 from jax_lnbwd import DEFAULT_KERNEL, KERNELS, KernelInfo, layernorm, layernorm_bwd
 from jax_lnbwd import kernels as kernels_mod
@@ -150,7 +150,7 @@ def test_refusals_use_the_device_limits(monkeypatch):
     # default (an H100/H200's opt-in maximum); a smaller GPU refuses a narrower C.
     limits = kernels_mod.device_limits()
     assert limits["max_smem_per_block"] > 48 * 1024 and limits["source"]
-    if not jax_lnbwd.WITH_CUDA or not any(d.platform == "gpu" for d in jax.devices()):
+    if not HAS_GPU:
         assert kernels_mod.max_smem_bytes() == kernels_mod.DEFAULT_MAX_SMEM_BYTES == 232448
     assert KERNELS[2].refuse(20000, "float32", 1024) is None
     monkeypatch.setattr(kernels_mod, "device_limits", lambda: {"max_smem_per_block": 101376, "source": "a small GPU"})
@@ -364,6 +364,18 @@ def test_deterministic_kernels_are_bitwise_reproducible(platform, kernel, dtype)
     for name, a, b in zip(("dx", "dweight", "dbias"), first, second):
         # Compare bit patterns: equal values, and NaNs or signed zeros would not hide a change.
         assert a.tobytes() == b.tobytes(), f"kernel {kernel} {name} differs between two runs"
+
+
+@pytest.mark.gpu
+def test_refusals_use_the_gpus_shared_memory():
+    # With a GPU, the trace-time refusals use its opt-in shared memory per block (an H100/H200:
+    # 232448 bytes, the same as the default), asked of the CUDA runtime by the extension.
+    limits = kernels_mod.device_limits()
+    assert limits["source"] == "this GPU"
+    assert 48 * 1024 < limits["max_smem_per_block"] <= 256 * 1024
+    C = limits["max_smem_per_block"] // 8   # kernel 2 needs 2*C floats: exactly the limit
+    assert KERNELS[2].refuse(C, "float32", 1024) is None
+    assert "shared memory" in KERNELS[2].refuse(C + 1, "float32", 1024)
 
 
 @pytest.mark.gpu
