@@ -58,7 +58,12 @@ inline cudaError_t persistent_grid(const LayernormBwdParams& p, int blocks_per_s
 template <typename Kernel>
 cudaError_t opt_in_smem(Kernel kernel, size_t bytes) {
   if (bytes <= 48 * 1024) return cudaSuccess;
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  if (bytes > static_cast<size_t>(INT_MAX)) return cudaErrorInvalidValue;
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  // A refusal is an answer, not a failure of the context: clear the runtime's last error, which
+  // the next launch's cudaGetLastError would otherwise report as its own.
+  if (err != cudaSuccess) (void)cudaGetLastError();
+  return err;
 }
 
 // How llm.c's kernels 5-10 hand their block sums to the last block to finish
