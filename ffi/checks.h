@@ -8,6 +8,7 @@
 #include <string>
 
 #include "errors.h"
+#include "registry.h"
 
 namespace lnbwd {
 
@@ -96,6 +97,37 @@ inline ffi::Error CheckLayernormBwdArgs(const ffi::AnyBuffer& dy, const ffi::Any
   shape->C = C;
   shape->segments = S;
   shape->weight_rows = W;
+  return ffi::Error::Success();
+}
+
+// x's dtype as the kernels and the registry name it (CheckLayernormBwdArgs admits only these).
+inline ffi::Error ToKernelDtype(ffi::DataType t, Dtype* out) {
+  switch (t) {
+    case ffi::DataType::F32: *out = Dtype::kF32; return ffi::Error::Success();
+    case ffi::DataType::BF16: *out = Dtype::kBF16; return ffi::Error::Success();
+    case ffi::DataType::F16: *out = Dtype::kF16; return ffi::Error::Success();
+    case ffi::DataType::F64: *out = Dtype::kF64; return ffi::Error::Success();
+    default: return ArgError(std::string("'x' has dtype ") + DtypeName(t) + ", which no kernel takes");
+  }
+}
+
+// The kernel that the 'kernel' attribute names, in the registry (registry.h).
+inline ffi::Error CheckKernelAttrs(int32_t kernel, int32_t block_size, const KernelFacts** out) {
+  *out = FindKernel(kernel);
+  if (*out == nullptr) {
+    return ArgError("'kernel' is " + std::to_string(kernel) + " but expected a kernel id from " +
+                    std::to_string(MinKernelId()) + " to " + std::to_string(MaxKernelId()) + " (see jax_lnbwd.KERNELS)");
+  }
+  if (block_size < 0) return ArgError("'block_size' is " + std::to_string(block_size) + " but expected >= 0");
+  return ffi::Error::Success();
+}
+
+// Whether the kernel takes this call (dtype, block size, segments, C, the device's shared
+// memory): the one check of its limits, through the registry. Python asks the same at trace time.
+inline ffi::Error CheckKernelLimits(const KernelFacts& k, int32_t block_size, const LayernormBwdShape& shape,
+                                    Dtype dtype, const DeviceLimits& device) {
+  const std::string why = KernelRefusal(k, {dtype, shape.C, block_size, shape.segments, shape.weight_rows}, device);
+  if (!why.empty()) return ArgError(why);
   return ffi::Error::Success();
 }
 

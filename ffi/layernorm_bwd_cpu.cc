@@ -1,6 +1,8 @@
 // CPU handler of the layernorm backward FFI target: a clear two-pass reference in C++.
 // It runs for every kernel id (the CUDA kernels exist only on the GPU), so the whole API works
-// and is tested on machines without a GPU. Accumulation is fp32 (fp64 for float64 data).
+// and is tested on machines without a GPU. Accumulation is fp32 (fp64 for float64 data). It
+// refuses what the CUDA handler refuses, through the same registry (registry.h), with the
+// default device limits: a call that fails on the GPU fails here too.
 #include <cstdint>
 #include <vector>
 
@@ -79,11 +81,17 @@ ffi::Error LayernormBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer w
                            ffi::Result<ffi::AnyBuffer> dweight, ffi::Result<ffi::AnyBuffer> dbias,
                            ffi::Result<ffi::AnyBuffer> workspace, int32_t kernel, int32_t block_size) {
   (void)workspace;   // only the CUDA kernels need scratch
-  (void)block_size;
-  if (kernel < 0) return ArgError("'kernel' is " + std::to_string(kernel) + " but expected a kernel id >= 0");
   LayernormBwdShape shape;
   if (auto e = CheckLayernormBwdArgs(dy, x, weight, mean, rstd, *dx, *dweight, *dbias, &shape); e.failure()) {
     return e;
+  }
+  const KernelFacts* k = nullptr;
+  if (auto e = CheckKernelAttrs(kernel, block_size, &k); e.failure()) return e;
+  Dtype dtype;
+  if (auto e = ToKernelDtype(x.element_type(), &dtype); e.failure()) return e;
+  // As on the GPU, zero rows run nothing, so no kernel limit applies (the sums are zeros).
+  if (shape.rows > 0) {
+    if (auto e = CheckKernelLimits(*k, block_size, shape, dtype, kDefaultDeviceLimits); e.failure()) return e;
   }
   switch (x.element_type()) {
     case ffi::DataType::F32: Impl<F32>(dy, x, weight, mean, rstd, *dx, *dweight, *dbias, shape); break;
@@ -111,6 +119,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<xla::ffi::AnyBuffer>()   // dweight [segments, C] dtype: sums over each segment's rows
         .Ret<xla::ffi::AnyBuffer>()   // dbias [segments, C] dtype
         .Ret<xla::ffi::AnyBuffer>()   // workspace [bytes] uint8 (unused on CPU)
-        .Attr<int32_t>("kernel")      // CUDA kernel id (the CPU runs this reference for all)
-        .Attr<int32_t>("block_size")  // CUDA threads per block, 0 = kernel default
+        .Attr<int32_t>("kernel")      // CUDA kernel id, checked (the CPU runs this reference for all)
+        .Attr<int32_t>("block_size")  // CUDA threads per block, 0 = kernel default; checked
 );

@@ -1,65 +1,18 @@
-// CUDA handler of the layernorm backward FFI target: checks the buffers, maps the dtype, handles
-// zero rows, and hands plain pointers to the kernel launcher that `kernel` selects. No math here.
+// CUDA handler of the layernorm backward FFI target: checks the buffers, checks the kernel's
+// limits once through the registry (registry.h, with this GPU's limits), handles zero rows, and
+// hands plain pointers to the kernel launcher that `kernel` selects. No math here.
 #include <cstdint>
 #include <string>
 
 #include <cuda_runtime_api.h>
 
 #include "checks.h"
+#include "device_limits_cuda.h"
 #include "kernels/api.h"
 #include "layernorm_bwd_cuda.h"
 
 namespace lnbwd {
 namespace {
-
-Dtype ToKernelDtype(ffi::DataType t) {
-  switch (t) {
-    case ffi::DataType::BF16: return Dtype::kBF16;
-    case ffi::DataType::F16: return Dtype::kF16;
-    case ffi::DataType::F64: return Dtype::kF64;
-    default: return Dtype::kF32;   // CheckLayernormBwdArgs admitted only these four
-  }
-}
-
-// Kernels 1-10 sum over all rows: one segment and one weight row.
-ffi::Error CheckOneSegment(int32_t kernel, const LayernormBwdParams& p, const ffi::AnyBuffer& dweight,
-                           const ffi::AnyBuffer& weight) {
-  if (p.segments != 1 || p.weight_stride != 0) {
-    return ArgError("kernel " + std::to_string(kernel) +
-                    " sums over all rows: 'dweight' must have shape (1, C) and 'weight' (1, C), got " +
-                    ShapeStr(dweight.dimensions()) + " and " + ShapeStr(weight.dimensions()));
-  }
-  return ffi::Error::Success();
-}
-
-// What a seed kernel would refuse (its launcher returns a bare cudaError_t), as a message that
-// names the kernel, the setting and what it accepts. Python refuses the same at trace time.
-ffi::Error CheckLlmcKernel(int32_t kernel, const LayernormBwdParams& p, ffi::DataType dtype) {
-  const LlmcKernelLimits l = kLlmcKernels[kernel - 1].limits(p.dtype, p.C, p.block_size);
-  const std::string name = "kernel " + std::to_string(kernel);
-  if (!l.dtype_ok) {
-    return ArgError(name + " does not support dtype " + DtypeName(dtype) + " (see jax_lnbwd.KERNELS)");
-  }
-  if (!l.block_size_ok) {
-    return ArgError(name + " got block_size " + std::to_string(p.block_size) + " but expected 0 (its default, " +
-                    std::to_string(l.default_block_size) + ") or a power of two from 32 to " +
-                    std::to_string(l.max_block_size));
-  }
-  if (p.C % l.c_multiple != 0) {
-    return ArgError(name + " steps over rows in whole warps of 16-byte vectors: C must be a multiple of " +
-                    std::to_string(l.c_multiple) + " for " + DtypeName(dtype) + ", got C=" + std::to_string(p.C));
-  }
-  int dev = 0, max_smem = 0;
-  LNBWD_FFI_RETURN_IF_CUDA_ERROR(cudaGetDevice(&dev));
-  LNBWD_FFI_RETURN_IF_CUDA_ERROR(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  if (l.smem_bytes > static_cast<size_t>(max_smem)) {
-    return ArgError(name + " keeps dweight/dbias sums for C=" + std::to_string(p.C) + " in " +
-                    std::to_string(l.smem_bytes) + " bytes of shared memory (" + DtypeName(dtype) + ", block_size " +
-                    std::to_string(l.block_size) + ") but this GPU allows " + std::to_string(max_smem) +
-                    " per block");
-  }
-  return ffi::Error::Success();
-}
 
 ffi::Error LayernormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer weight,
                             ffi::AnyBuffer mean, ffi::AnyBuffer rstd, ffi::Result<ffi::AnyBuffer> dx,
@@ -69,7 +22,10 @@ ffi::Error LayernormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
   if (auto e = CheckLayernormBwdArgs(dy, x, weight, mean, rstd, *dx, *dweight, *dbias, &shape); e.failure()) {
     return e;
   }
-  if (block_size < 0) return ArgError("'block_size' is " + std::to_string(block_size) + " but expected >= 0");
+  const KernelFacts* k = nullptr;
+  if (auto e = CheckKernelAttrs(kernel, block_size, &k); e.failure()) return e;
+  Dtype dtype;
+  if (auto e = ToKernelDtype(x.element_type(), &dtype); e.failure()) return e;
 
   // Zero rows: the sums over rows are exactly zero and there is no dx to write. No launch.
   if (shape.rows == 0) {
@@ -77,6 +33,10 @@ ffi::Error LayernormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
     LNBWD_FFI_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(dbias->untyped_data(), 0, dbias->size_bytes(), stream));
     return ffi::Error::Success();
   }
+
+  DeviceLimits device = kDefaultDeviceLimits;   // only asked of the GPU where the limits depend on it
+  if (k->device_limited) LNBWD_FFI_RETURN_IF_CUDA_ERROR(QueryCurrentDeviceLimits(&device));
+  if (auto e = CheckKernelLimits(*k, block_size, shape, dtype, device); e.failure()) return e;
 
   LayernormBwdParams p;
   p.dx = dx->untyped_data();
@@ -91,7 +51,7 @@ ffi::Error LayernormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
   p.C = shape.C;
   p.segments = shape.segments;
   p.weight_stride = shape.weight_rows == 1 ? 0 : shape.C;
-  p.dtype = ToKernelDtype(x.element_type());
+  p.dtype = dtype;
   p.block_size = block_size;
   p.workspace = workspace->untyped_data();
   p.workspace_bytes = workspace->size_bytes();
@@ -101,12 +61,9 @@ ffi::Error LayernormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
   }
 
   switch (kernel) {
-    case 1: case 2: case 3: case 4: case 5: case 6: case 7: case 8: case 9: case 10: {
-      if (auto e = CheckOneSegment(kernel, p, *dweight, weight); e.failure()) return e;
-      if (auto e = CheckLlmcKernel(kernel, p, x.element_type()); e.failure()) return e;
-      LNBWD_FFI_RETURN_IF_CUDA_ERROR(kLlmcKernels[kernel - 1].launch(p, stream));
+    case 1: case 2: case 3: case 4: case 5: case 6: case 7: case 8: case 9: case 10:
+      LNBWD_FFI_RETURN_IF_CUDA_ERROR(kLlmcLaunchers[kernel - 1](p, stream));
       break;
-    }
     case 11:
       LNBWD_FFI_RETURN_IF_CUDA_ERROR(layernorm_bwd_kernel11(p, stream));
       break;
@@ -114,7 +71,7 @@ ffi::Error LayernormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
       LNBWD_FFI_RETURN_IF_CUDA_ERROR(layernorm_bwd_kernel12(p, stream));
       break;
     default:
-      return ArgError("'kernel' is " + std::to_string(kernel) + " but this build has no such CUDA kernel");
+      return ArgError("'kernel' is " + std::to_string(kernel) + " but this build has no launcher for it");
   }
   return ffi::Error::Success();
 }

@@ -1,5 +1,5 @@
 // The nanobind module: the list of (target name, handler capsule, platform) that
-// jax_lnbwd/_ffi.py registers with XLA at import.
+// jax_lnbwd/_ffi.py registers with XLA at import, and the kernel registry (registry_module.cc).
 //
 // Target names carry a version because they are baked into exported programs: a new handler
 // signature gets a new name, and old names stay registered.
@@ -14,6 +14,10 @@
 #endif
 
 namespace nb = nanobind;
+
+namespace lnbwd {
+void BindRegistry(nb::module_& m);   // registry_module.cc
+}
 
 namespace {
 
@@ -34,4 +38,5 @@ NB_MODULE(_jax_lnbwd, m) {
     return out;
   });
   m.attr("with_cuda") = bool(JAX_LNBWD_WITH_CUDA);
+  lnbwd::BindRegistry(m);
 }

@@ -21,9 +21,9 @@
 
 #include <cuda_runtime_api.h>
 
-namespace lnbwd {
+#include "dtype.h"
 
-enum class Dtype { kF32, kBF16, kF16, kF64 };
+namespace lnbwd {
 
 // Every kernel writes its outputs (never accumulates into them: XLA's buffers are uninitialized).
 struct LayernormBwdParams {
@@ -48,25 +48,16 @@ struct LayernormBwdParams {
 // The workspace starts with a header of this many bytes (completion flags, zeroed by the
 // launcher with cudaMemsetAsync on the caller's stream); per-block fp32 (fp64 for kF64)
 // partial sums of dbias and dweight follow, 2 * C accumulators per partial slot.
-// jax_lnbwd/_ffi.py mirrors this layout when it sizes the workspace at trace time.
+// jax_lnbwd/kernels.py (workspace_bytes) sizes the workspace at trace time with this layout.
 constexpr size_t kWorkspaceHeaderBytes = 256;
 
-// Seed kernels 1-10: llm.c's kernels, repaired, each keeping its technique (see the comment at
-// the top of ffi/kernels/kernel0N_*.cu and kernel10_vector_smem.cu). They sum over all rows:
-// segments must be 1 and weight_stride 0. A launcher returns cudaErrorInvalidValue for a dtype
-// it is not built for or segments it cannot do, and cudaErrorInvalidConfiguration for a block
-// size, C or shared-memory need it cannot run; layernorm_bwd_kernelN_limits tells a caller
-// which, before it launches (jax_lnbwd/kernels.py applies the same rules at trace time).
-struct LlmcKernelLimits {
-  bool dtype_ok;            // the kernel is built for this dtype
-  int block_size;           // the block size it would run: the one asked for, or its default for 0
-  int default_block_size;
-  int max_block_size;       // it runs the powers of two from 32 to max_block_size
-  bool block_size_ok;       // block_size is one of those
-  int64_t c_multiple;       // C must be a multiple of this (1: any C >= 1)
-  size_t smem_bytes;        // dynamic shared memory per block for this C and block size
-};
-
+// llm.c's kernels 1-10, repaired, each keeping its technique (see the comment at the top of
+// ffi/kernels/llmc/kernelNN_*.cu). They sum over all rows: segments must be 1 and weight_stride
+// 0. What each accepts (dtypes, block sizes, C, shared memory) is in llmc/llmc_limits.h, which
+// the host-side registry (ffi/registry.h) reads too: callers ask the registry before they launch.
+// A launcher still refuses what it cannot run, without launching: cudaErrorInvalidValue for a
+// dtype it is not built for, segments it cannot do or more shared memory than the GPU has (the
+// driver's answer to the opt-in), cudaErrorInvalidConfiguration for a block size or C it cannot run.
 cudaError_t layernorm_bwd_kernel1(const LayernormBwdParams& p, cudaStream_t stream);   // naive
 cudaError_t layernorm_bwd_kernel2(const LayernormBwdParams& p, cudaStream_t stream);   // smem reduce
 cudaError_t layernorm_bwd_kernel3(const LayernormBwdParams& p, cudaStream_t stream);   // persistent + atomics
@@ -77,29 +68,14 @@ cudaError_t layernorm_bwd_kernel7(const LayernormBwdParams& p, cudaStream_t stre
 cudaError_t layernorm_bwd_kernel8(const LayernormBwdParams& p, cudaStream_t stream);   // x128 vectors
 cudaError_t layernorm_bwd_kernel9(const LayernormBwdParams& p, cudaStream_t stream);   // block reduce
 cudaError_t layernorm_bwd_kernel10(const LayernormBwdParams& p, cudaStream_t stream);  // vector smem
-LlmcKernelLimits layernorm_bwd_kernel1_limits(Dtype dtype, int64_t C, int block_size);
-LlmcKernelLimits layernorm_bwd_kernel2_limits(Dtype dtype, int64_t C, int block_size);
-LlmcKernelLimits layernorm_bwd_kernel3_limits(Dtype dtype, int64_t C, int block_size);
-LlmcKernelLimits layernorm_bwd_kernel4_limits(Dtype dtype, int64_t C, int block_size);
-LlmcKernelLimits layernorm_bwd_kernel5_limits(Dtype dtype, int64_t C, int block_size);
-LlmcKernelLimits layernorm_bwd_kernel6_limits(Dtype dtype, int64_t C, int block_size);
-LlmcKernelLimits layernorm_bwd_kernel7_limits(Dtype dtype, int64_t C, int block_size);
-LlmcKernelLimits layernorm_bwd_kernel8_limits(Dtype dtype, int64_t C, int block_size);
-LlmcKernelLimits layernorm_bwd_kernel9_limits(Dtype dtype, int64_t C, int block_size);
-LlmcKernelLimits layernorm_bwd_kernel10_limits(Dtype dtype, int64_t C, int block_size);
 
-// Seed kernels 1-10 by id - 1: the launcher and its limits (the FFI glue and the standalone CUDA
-// harness, tests/cuda/harness.cu, both dispatch through this table).
-struct LlmcKernel {
-  cudaError_t (*launch)(const LayernormBwdParams&, cudaStream_t);
-  LlmcKernelLimits (*limits)(Dtype, int64_t, int);
-};
-inline constexpr LlmcKernel kLlmcKernels[] = {
-    {layernorm_bwd_kernel1, layernorm_bwd_kernel1_limits}, {layernorm_bwd_kernel2, layernorm_bwd_kernel2_limits},
-    {layernorm_bwd_kernel3, layernorm_bwd_kernel3_limits}, {layernorm_bwd_kernel4, layernorm_bwd_kernel4_limits},
-    {layernorm_bwd_kernel5, layernorm_bwd_kernel5_limits}, {layernorm_bwd_kernel6, layernorm_bwd_kernel6_limits},
-    {layernorm_bwd_kernel7, layernorm_bwd_kernel7_limits}, {layernorm_bwd_kernel8, layernorm_bwd_kernel8_limits},
-    {layernorm_bwd_kernel9, layernorm_bwd_kernel9_limits}, {layernorm_bwd_kernel10, layernorm_bwd_kernel10_limits},
+// llm.c's kernels 1-10 by id - 1 (the FFI glue and the CUDA check and tuning tools dispatch
+// through this table).
+using LayernormBwdLauncher = cudaError_t (*)(const LayernormBwdParams&, cudaStream_t);
+inline constexpr LayernormBwdLauncher kLlmcLaunchers[] = {
+    layernorm_bwd_kernel1, layernorm_bwd_kernel2, layernorm_bwd_kernel3, layernorm_bwd_kernel4,
+    layernorm_bwd_kernel5, layernorm_bwd_kernel6, layernorm_bwd_kernel7, layernorm_bwd_kernel8,
+    layernorm_bwd_kernel9, layernorm_bwd_kernel10,
 };
 
 // Kernel 11: rows kept in registers between the two passes, per-block fp32 partial sums of

@@ -1,5 +1,5 @@
-// Kernel 11 internals shared by its launcher files and the standalone CUDA test harness
-// (tests/cuda/), which sweeps configurations directly. The FFI glue uses layernorm_bwd.h only.
+// Kernel 11 internals shared by its launcher files, the CUDA check (tests/cuda/check.cu) and the
+// tuning tools (tools/tune/), which run configurations directly. The FFI glue uses api.h only.
 #pragma once
 
 #include <vector>
