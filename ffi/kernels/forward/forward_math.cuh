@@ -70,24 +70,24 @@ __device__ __forceinline__ A squares_about(const Packed<A, N>& v, A mean) {
   return s;
 }
 
-// y for one vector: ((x - mean) * rstd) * w + b in the accumulator type, rounded once to T.
-// w and b point at the vector's columns of the parameter rows, or are nullptr (absent): a
-// uniform branch, the same for every thread of the launch.
+// y for one vector at column `col`: ((x - mean) * rstd) * w + b in the accumulator type, rounded
+// once to T. w and b are the parameter rows, or nullptr (absent): a uniform branch, the same
+// for every thread of the launch.
 template <typename T, typename P, int VEC>
 __device__ __forceinline__ Packed<T, VEC> normalize(const Packed<T, VEC>& xv, acc_t<T> mean, acc_t<T> rstd,
-                                                    const P* w, const P* b) {
+                                                    const P* w, const P* b, int col) {
   using A = acc_t<T>;
   const Packed<A, VEC> xf = to_acc(xv);
   Packed<A, VEC> out;
 #pragma unroll
   for (int k = 0; k < VEC; ++k) out[k] = (xf[k] - mean) * rstd;
   if (w != nullptr) {
-    const Packed<A, VEC> wf = load_params<A, P, VEC>(w);
+    const Packed<A, VEC> wf = load_params<A, P, VEC>(w + col);
 #pragma unroll
     for (int k = 0; k < VEC; ++k) out[k] *= wf[k];
   }
   if (b != nullptr) {
-    const Packed<A, VEC> bf = load_params<A, P, VEC>(b);
+    const Packed<A, VEC> bf = load_params<A, P, VEC>(b + col);
 #pragma unroll
     for (int k = 0; k < VEC; ++k) out[k] += bf[k];
   }

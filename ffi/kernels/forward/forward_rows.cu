@@ -84,7 +84,7 @@ forward_rows(FwdArgs<T, P> a, int tpr, int groups) {
     for (int j = 0; j < NV; ++j) {
       const int col = (j * tpr + t) * VEC;
       if (col < C) {
-        const V y = normalize<T, P, VEC>(xv[j], mean, rstd, w ? w + col : nullptr, b ? b + col : nullptr);
+        const V y = normalize<T, P, VEC>(xv[j], mean, rstd, w, b, col);
         *reinterpret_cast<V*>(a.y + row * C + col) = y;
       }
     }

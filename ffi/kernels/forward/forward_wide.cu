@@ -60,7 +60,7 @@ forward_wide(FwdArgs<T, P> a) {
     V* y = reinterpret_cast<V*>(a.y + row * C);
     for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
       const V v = IN_SMEM ? held[i] : load_cs(x + i);
-      y[i] = normalize<T, P, VEC>(v, mean, rstd, w ? w + i * VEC : nullptr, b ? b + i * VEC : nullptr);
+      y[i] = normalize<T, P, VEC>(v, mean, rstd, w, b, i * VEC);
     }
     if (threadIdx.x == 0) {
       a.mean[row] = mean;
