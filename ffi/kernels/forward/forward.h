@@ -19,7 +19,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "api.h"   // Dtype
+#include "../api.h"   // Dtype (relative: the FFI glue includes this header without ffi/kernels on its path)
 
 namespace lnbwd {
 
