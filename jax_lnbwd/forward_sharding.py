@@ -33,7 +33,7 @@ from jax.extend.mlir import ir
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import _ffi, reference
-from .sharding import ShardingFallbackWarning, _axes
+from .sharding import ShardingFallbackWarning
 
 TARGET = "jax_lnbwd_layernorm_fwd_v1"
 
@@ -91,6 +91,13 @@ def layernorm_fwd_partitioned(x, params, seg_dims: int, has_w: bool, has_b: bool
                       ShardingFallbackWarning)
         return local_op(x, params, seg_dims, has_w, has_b, eps)
     return _partitioned(len(params))(x, *params, seg_dims, has_w, has_b, eps)
+
+
+def _axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry: None -> (), 'a' -> ('a',), ('a', 'b') -> itself."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _specs(arg_shapes, warn: bool):

@@ -1,17 +1,17 @@
 // The fused forward's main path: each row is read from DRAM once into registers, where it stays
 // for the three passes (mean, variance, output); y is written once.
 //
-// Work split. A block of 128 threads (or one row group, when a group is larger) holds
-// `groups` row groups of `tpr` threads, tpr a multiple of 32. Blocks are small so that the SM's
-// register file fills evenly: at 80-100 registers per thread (16-bit rows of 7-8 vectors per
-// thread), 256-thread blocks would leave a third of it idle, and registers are what holds the
-// bytes in flight. Small rows get a warp each (tpr =
-// 32: the row's sums are warp shuffles only, no barrier); wide rows a few warps (the warps'
-// sums meet in shared memory). Thread t of a group holds NV vectors of VEC elements, at columns
+// Work split. A block holds `groups` row groups of `tpr` threads, tpr a multiple of 32: small
+// rows get a warp each (the row's sums are warp shuffles only, no barrier), wide rows a few
+// warps (the warps' sums meet in shared memory, behind the group's own named barrier). Thread t
+// of a group holds NV vectors of VEC elements, at columns
 //   col(j) = (j * tpr + t) * VEC,  j = 0..NV-1,
 // so for every j the group's loads are one contiguous, coalesced span of the row. tpr and NV
 // are chosen by layernorm_fwd_pick (forward_launch.cu): the fewest threads per row that hold
-// it with at most kFwdMaxNv vectors each.
+// it with at most kFwdMaxNv vectors each. Blocks are small (128 threads, or one larger group)
+// so that the SM's register file fills evenly: at 88 registers per thread (16-bit rows of 7-8
+// vectors per thread) 23 warps fit; 256-thread blocks would run 16 of them (two blocks),
+// 128-thread blocks 20. The registers are what holds the bytes in flight.
 //
 // Bytes in flight. A memory-bound kernel is as fast as the loads it keeps outstanding: each
 // thread issues all NV of its 16-byte loads before it uses any, and a row's reductions (two
