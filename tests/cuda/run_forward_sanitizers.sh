@@ -3,14 +3,14 @@
 # buffers, every path) plainly and under compute-sanitizer's four tools, and proves the tools
 # would notice: scratch copies of forward_rows.cu with one planted out-of-bounds store and one
 # missing barrier must be reported. Needs a GPU (sm_90), nvcc and compute-sanitizer.
-#   [LNBWD_SANITIZER_TIMEOUT=600] tests/cuda/run_forward_sanitizers.sh [OUT_DIR]
+#   [LNBWD_SANITIZER_TIMEOUT=900] tests/cuda/run_forward_sanitizers.sh [OUT_DIR]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:-/tmp/forward_sanitizers}
 mkdir -p "$OUT"
 NVCC=(nvcc -O3 -lineinfo -std=c++17 -arch=sm_90 -Iffi/kernels)
 KERNELS=(ffi/kernels/forward/forward_launch.cu ffi/kernels/forward/forward_wide.cu ffi/kernels/common/occupancy.cu)
-TIMEOUT=${LNBWD_SANITIZER_TIMEOUT:-600}
+TIMEOUT=${LNBWD_SANITIZER_TIMEOUT:-900}
 
 "${NVCC[@]}" tests/cuda/forward_check.cu ffi/kernels/forward/forward_rows.cu "${KERNELS[@]}" -o "$OUT/forward_check" || exit 2
 "$OUT/forward_check" check | tail -5 || exit 1
