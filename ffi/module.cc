@@ -6,6 +6,7 @@
 #include <nanobind/nanobind.h>
 
 #include "layernorm_bwd_cpu.h"
+#include "layernorm_fwd.h"
 #ifndef JAX_LNBWD_WITH_CUDA
 #define JAX_LNBWD_WITH_CUDA 0
 #endif
@@ -32,8 +33,10 @@ NB_MODULE(_jax_lnbwd, m) {
   m.def("registrations", []() {
     nb::list out;
     out.append(nb::make_tuple("jax_lnbwd_layernorm_bwd_v1", Capsule(JaxLnbwdLayernormBwdCpu), "cpu"));
+    out.append(nb::make_tuple("jax_lnbwd_layernorm_fwd_v1", Capsule(JaxLnbwdLayernormFwdCpu), "cpu"));
 #if JAX_LNBWD_WITH_CUDA
     out.append(nb::make_tuple("jax_lnbwd_layernorm_bwd_v1", Capsule(JaxLnbwdLayernormBwdCuda), "CUDA"));
+    out.append(nb::make_tuple("jax_lnbwd_layernorm_fwd_v1", Capsule(JaxLnbwdLayernormFwdCuda), "CUDA"));
 #endif
     return out;
   });
