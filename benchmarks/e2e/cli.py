@@ -79,12 +79,48 @@ def parse_args(argv):
     return a
 
 
+def emit(runs, args, meta, traced: bool):
+    """Prints the table and writes --out's files; called after the rounds (the timings are
+    safe even if a trace then fails or takes the process down) and again after the traces."""
+    table = report.rows(runs, args.variants[0])
+    text = report.format_table(table)
+    print()
+    if not traced:
+        print("step times (the trace columns say n/a until the traces, which come next):")
+    print(text)
+    if traced:
+        print()
+        print(report.COLUMNS)
+    if not args.out:
+        return table
+    meta = {**meta, "complete": traced, "torch": getattr(sys.modules.get("torch"), "__version__", None)}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "e2e.json"), "w") as fh:
+        json.dump({"meta": meta, "rows": table}, fh, indent=1, default=str)
+    with open(os.path.join(args.out, "e2e.txt"), "w") as fh:
+        fh.write(f"{meta['date']}  {meta['device']}  jax {meta['jax']}  jax_lnbwd {meta['jax_lnbwd']}\n"
+                 f"argv: {' '.join(meta['argv'])}\n\n{text}\n\n{report.COLUMNS}\n")
+    title = f"training step, {meta['device']}" + ("" if jax.default_backend() == "gpu" else " (CPU smoke test)")
+    try:
+        made = report.plot(table, os.path.join(args.out, "e2e.png"), title)
+    except Exception as e:  # a broken plot must not cost the run's numbers
+        made = False
+        print(paint(f"e2e.png failed: {type(e).__name__}: {e}", "red"))
+    print(f"wrote {args.out}/e2e.txt, e2e.json" + (" and e2e.png" if made else
+          " (no e2e.png: pip install -e '.[bench]' for matplotlib)") + ("" if traced else "; traces next"))
+    return table
+
+
 def main(argv=None):
     args = parse_args(argv)
     meta = _term.machine()
     precision = (contextlib.nullcontext() if args.matmul_precision == "default"
                  else jax.default_matmul_precision(args.matmul_precision))
     how, why = trace.available(args.trace)
+    meta.update({"argv": sys.argv[1:] if argv is None else list(argv), "steps": args.steps,
+                 "rounds": args.rounds, "warmup": args.warmup, "trace": how, "trace_steps": args.trace_steps,
+                 "matmul_precision": args.matmul_precision, "baseline": args.variants[0],
+                 "models": [dataclasses.asdict(c) for c in args.configs]})
     print(f"jax_lnbwd {meta['jax_lnbwd']} e2e bench  {meta['date']}  device: {meta['device']}  "
           f"jax {meta['jax']}")
     print(f"timing: {args.rounds} interleaved rounds of {args.steps} back-to-back steps per run, "
@@ -97,8 +133,7 @@ def main(argv=None):
         print("note: not on a GPU: a smoke test of the tool, not a measurement")
     plan = [(cfg, api, dtype, VARIANTS[v]) for cfg in args.configs for api in args.apis
             for dtype in args.dtypes for v in args.variants]
-    total = len(plan) * (2 + args.rounds + (how is not None))
-    prog = Progress(total, not args.no_progress)
+    prog = Progress(len(plan) * (2 + args.rounds), not args.no_progress)
     runs = []
     with precision:
         for cfg, api, dtype, variant in plan:  # compile all first: the rounds then only run steps
@@ -113,43 +148,20 @@ def main(argv=None):
             for run in runs if i % 2 == 0 else runs[::-1]:
                 prog.step(f"round {i + 1}/{args.rounds} {run.label}")
                 run.times.append(run_steps(run, args.steps) / args.steps)
-        if how is not None:
-            for run in runs:
-                prog.step(f"trace {run.label}")
-                try:
-                    events = trace.collect(lambda: run_steps(run, args.trace_steps), how)
-                    run.trace = trace.summarize(events, trace.classify_hlo(run.hlo), args.trace_steps) or None
-                except Exception as e:  # a trace that breaks must not cost the timings
-                    prog.write(paint(f"trace {run.label} failed: {type(e).__name__}: {str(e)[:300]}", "red"))
-    prog.close()
-
-    table = report.rows(runs, args.variants[0])
-    text = report.format_table(table)
-    meta.update({"argv": sys.argv[1:] if argv is None else list(argv), "steps": args.steps,
-                 "rounds": args.rounds, "warmup": args.warmup, "trace": how, "trace_steps": args.trace_steps,
-                 "matmul_precision": args.matmul_precision, "baseline": args.variants[0],
-                 "models": [dataclasses.asdict(c) for c in args.configs],
-                 "torch": getattr(sys.modules.get("torch"), "__version__", None)})
-    print()
-    print(text)
-    print()
-    print(report.COLUMNS)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "e2e.json"), "w") as fh:
-            json.dump({"meta": meta, "rows": table}, fh, indent=1, default=str)
-        with open(os.path.join(args.out, "e2e.txt"), "w") as fh:
-            fh.write(f"{meta['date']}  {meta['device']}  jax {meta['jax']}  jax_lnbwd {meta['jax_lnbwd']}\n"
-                     f"argv: {' '.join(meta['argv'])}\n\n{text}\n\n{report.COLUMNS}\n")
-        title = f"training step, {meta['device']}" + ("" if jax.default_backend() == "gpu" else " (CPU smoke test)")
-        try:
-            made = report.plot(table, os.path.join(args.out, "e2e.png"), title)
-        except Exception as e:  # a broken plot must not cost the run's numbers
-            made = False
-            print(paint(f"e2e.png failed: {type(e).__name__}: {e}", "red"))
-        print(f"wrote {args.out}/e2e.txt, e2e.json" + (" and e2e.png" if made else
-              " (no e2e.png: pip install -e '.[bench]' for matplotlib)"))
-    return table
+        prog.close()
+        table = emit(runs, args, meta, traced=how is None)  # the timings, before any trace
+        if how is None:
+            return table
+        prog = Progress(len(runs), not args.no_progress)
+        for run in runs:
+            prog.step(f"trace {run.label}")
+            try:
+                events = trace.collect(lambda: run_steps(run, args.trace_steps), how)
+                run.trace = trace.summarize(events, trace.classify_hlo(run.hlo), args.trace_steps) or None
+            except Exception as e:  # a trace that breaks must not cost the timings
+                prog.write(paint(f"trace {run.label} failed: {type(e).__name__}: {str(e)[:300]}", "red"))
+        prog.close()
+    return emit(runs, args, meta, traced=True)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ def rows(runs, baseline: str) -> list[dict]:
     for r in runs:
         med = statistics.median(r.times)
         row = {"model": r.model, "api": r.api, "dtype": r.dtype, "variant": r.variant,
+               "baseline": r.variant == baseline,
                "ms": med * 1e3, "round_ms": [t * 1e3 for t in r.times],
                "spread_pct": 100 * (max(r.times) - min(r.times)) / med,
                "compile_s": r.compile_s, "loss_first": r.losses[0], "loss_last": r.losses[-1],
@@ -48,7 +49,7 @@ def format_table(table: list[dict]) -> str:
     cells, groups = [], []
     for r in table:
         t = r["trace"] or {}
-        ratio = "-" if "speedup" not in r else (
+        ratio = "-" if "speedup" not in r else "base" if r["baseline"] else (
             f"{r['speedup']:.3f} [{r['speedup_min']:.3f}-{r['speedup_max']:.3f}]")
         mixed = None if not t else t["ln_ms"] + t["mixed_ms"]
         unmap = None if not t else 100 * t["unmapped_ms"] / max(t["kernel_ms"], 1e-12)
@@ -92,7 +93,7 @@ def plot(table: list[dict], path: str, title: str) -> bool:
     hi = [max(r["round_ms"]) - r["ms"] for r in table]
     ax.bar(range(len(table)), ms, color=[colour[r["variant"]] for r in table], yerr=[lo, hi], capsize=3)
     for i, r in enumerate(table):
-        if "speedup" in r and r["variant"] != variants[0]:
+        if "speedup" in r and not r["baseline"]:
             ax.annotate(f"{r['speedup']:.3f}x", (i, r["ms"]), ha="center", va="bottom", fontsize="x-small")
     ax.set_xticks(range(len(table)))
     ax.set_xticklabels(labels, fontsize="x-small")
