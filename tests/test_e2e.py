@@ -2,8 +2,10 @@
 
 A smoke test of the tool, not a measurement: no timing is asserted. It checks that the three
 model families are the same model in linen and nnx, that every (model, API, variant) step
-traces, that the command runs end to end in a pipe and writes its outputs, and the trace
-attribution rule on a hand-written HLO module.
+traces, that the command runs end to end in a pipe and writes its outputs (on the CPU, with
+jax.profiler's trace), and the trace attribution rule on a hand-written HLO module. On a GPU
+it checks that each collector (CUPTI through torch.profiler, jax.profiler) sees the step's
+kernels and finds layernorm's among them.
 """
 from __future__ import annotations
 
@@ -53,29 +55,53 @@ def test_linen_and_nnx_build_the_same_model_and_every_step_traces(name):
     assert len(set(counts.values())) == 1, counts  # 13 LayerNorms' scale and bias in every one
 
 
-def test_the_command_runs_end_to_end_in_a_pipe(tmp_path):
-    # A subprocess, as a user runs it: stdout is a pipe, so no colour codes may appear. Tiny
-    # models, one block, unoptimized CPU code generation: compiling dominates, keep it short.
+def run_e2e(tmp_path, *extra, platform="cpu"):
+    """`python -m benchmarks.e2e --small ...` in a subprocess, as a user runs it (stdout a pipe);
+    returns (stdout + stderr, the rows of e2e.json). Tiny models, one block, unoptimized code
+    generation: compiling dominates, so it is kept short."""
     env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0", NO_COLOR="")
+    env.pop("JAX_PLATFORMS", None)  # gpu: JAX's default where there is one
+    if platform == "cpu":
+        env["JAX_PLATFORMS"] = "cpu"
     cmd = [sys.executable, "-m", "benchmarks.e2e", "--small", "--layers", "1", "--models", "vit",
-           "--rounds", "2", "--steps", "1", "--warmup", "1", "--trace-steps", "1", "--out", str(tmp_path)]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+           "--rounds", "2", "--steps", "1", "--warmup", "1", "--trace-steps", "1", "--out", str(tmp_path),
+           *extra]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "\033[" not in done.stdout + done.stderr
-    out = json.loads((tmp_path / "e2e.json").read_text())
-    rows = out["rows"]
+    return done.stdout + done.stderr, json.loads((tmp_path / "e2e.json").read_text())["rows"]
+
+
+def test_the_command_runs_end_to_end_in_a_pipe(tmp_path):
+    printed, rows = run_e2e(tmp_path)
+    assert "\033[" not in printed  # a pipe: no colour codes
     assert {(r["api"], r["variant"]) for r in rows} == {(a, v) for a in cli.APIS for v in ("flax", "jax_lnbwd")}
     assert all(len(r["round_ms"]) == 2 and r["ms"] > 0 for r in rows)
     assert all(r["speedup"] == 1.0 for r in rows if r["variant"] == "flax")
-    on_gpu = jax.default_backend() == "gpu"
-    traced = [r["trace"] for r in rows if r["trace"]]
-    assert len(traced) == len(rows) or on_gpu  # on CPU: jax.profiler's thunks
-    for t in traced:
-        assert t["ln_ms"] > 0 and t["other_ms"] > 0 and t["idle_ms"] >= 0
+    for r in rows:  # on CPU: jax.profiler's per-instruction tasks
+        assert r["trace"]["ln_ms"] > 0 and r["trace"]["other_ms"] > 0 and r["trace"]["idle_ms"] >= 0
     text = (tmp_path / "e2e.txt").read_text()
     assert "jax_lnbwd" in text and "ms/step" in text
     if _has("matplotlib"):
         assert (tmp_path / "e2e.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("collector", ["torch", "jax"])
+def test_the_gpu_trace_finds_the_layernorm_kernels(tmp_path, collector):
+    # What the H200 run relies on: the collector sees the step's kernels, and the attribution
+    # finds layernorm's among them (our backward, 3 LayerNorms: at least 3 kernels a step).
+    if collector == "torch":
+        torch = pytest.importorskip("torch")
+        if not torch.cuda.is_available():
+            pytest.skip("torch sees no CUDA GPU")
+    _, rows = run_e2e(tmp_path, "--apis", "linen", "--trace", collector, platform="gpu")
+    assert len(rows) == 2
+    for r in rows:
+        t = r["trace"]
+        assert t and t["kernels"] > 10 and t["busy_ms"] > 0, t
+        assert t["ln_ms"] > 0 and t["other_ms"] > 0, t  # kernels matched to instructions of both kinds
+    ours = next(r["trace"] for r in rows if r["variant"] == "jax_lnbwd")
+    assert ours["ln_kernels"] >= 3, ours
 
 
 def _has(module: str) -> bool:

@@ -91,6 +91,8 @@ def emit(runs, args, meta, traced: bool):
     if traced:
         print()
         print(report.COLUMNS)
+    if meta["failures"]:
+        print(paint(f"{len(meta['failures'])} runs failed and are missing (above)", "red"))
     if not args.out:
         return table
     meta = {**meta, "complete": traced, "torch": getattr(sys.modules.get("torch"), "__version__", None)}
@@ -120,7 +122,7 @@ def main(argv=None):
     meta.update({"argv": sys.argv[1:] if argv is None else list(argv), "steps": args.steps,
                  "rounds": args.rounds, "warmup": args.warmup, "trace": how, "trace_steps": args.trace_steps,
                  "matmul_precision": args.matmul_precision, "baseline": args.variants[0],
-                 "models": [dataclasses.asdict(c) for c in args.configs]})
+                 "models": [dataclasses.asdict(c) for c in args.configs], "failures": []})
     print(f"jax_lnbwd {meta['jax_lnbwd']} e2e bench  {meta['date']}  device: {meta['device']}  "
           f"jax {meta['jax']}")
     print(f"timing: {args.rounds} interleaved rounds of {args.steps} back-to-back steps per run, "
@@ -131,24 +133,35 @@ def main(argv=None):
               f", {'pre' if cfg.pre_ln else 'post'}-LN, attention {cfg.attention}")
     if jax.default_backend() != "gpu":
         print("note: not on a GPU: a smoke test of the tool, not a measurement")
+    elif not meta["kernels_built_for_cuda"]:
+        print(paint("warning: jax_lnbwd was built without its CUDA handler: its variants will fail "
+                    "(rebuild with nvcc on the PATH)", "red"))
     plan = [(cfg, api, dtype, VARIANTS[v]) for cfg in args.configs for api in args.apis
             for dtype in args.dtypes for v in args.variants]
     prog = Progress(len(plan) * (2 + args.rounds), not args.no_progress)
     runs = []
     with precision:
         for cfg, api, dtype, variant in plan:  # compile all first: the rounds then only run steps
-            prog.step(f"compile {cfg.name} {api} {dtype} {variant.name}")
-            run = build(cfg, api, variant, dtype, args.seed)
-            prog.step(f"warm up {run.label}")
-            if args.warmup:
-                run_steps(run, args.warmup)
+            label = f"{cfg.name} {api} {dtype} {variant.name}"
+            prog.step(f"compile {label}")
+            try:
+                run = build(cfg, api, variant, dtype, args.seed)
+                prog.step(f"warm up {label}")
+                if args.warmup:
+                    run_steps(run, args.warmup)
+            except Exception as e:  # one variant that breaks (OOM, a missing CUDA handler) must not end the run
+                prog.write(paint(f"ERROR {label}: {type(e).__name__}: {str(e)[:500]}", "red"))
+                meta["failures"].append({"run": label, "error": repr(e)[:2000]})
+                continue
             runs.append(run)
-            prog.write(f"compiled {run.label} in {run.compile_s:.1f} s")
+            prog.write(f"compiled {label} in {run.compile_s:.1f} s")
         for i in range(args.rounds):  # every run once per round, the order reversed every other round
             for run in runs if i % 2 == 0 else runs[::-1]:
                 prog.step(f"round {i + 1}/{args.rounds} {run.label}")
                 run.times.append(run_steps(run, args.steps) / args.steps)
         prog.close()
+        if not runs:
+            raise SystemExit("e2e: every run failed to build (above)")
         table = emit(runs, args, meta, traced=how is None)  # the timings, before any trace
         if how is None:
             return table
