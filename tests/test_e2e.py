@@ -59,10 +59,9 @@ def run_e2e(tmp_path, *extra, platform="cpu"):
     """`python -m benchmarks.e2e --small ...` in a subprocess, as a user runs it (stdout a pipe);
     returns (stdout + stderr, the rows of e2e.json). Tiny models, one block, unoptimized code
     generation: compiling dominates, so it is kept short."""
-    env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0", NO_COLOR="")
-    env.pop("JAX_PLATFORMS", None)  # gpu: JAX's default where there is one
-    if platform == "cpu":
-        env["JAX_PLATFORMS"] = "cpu"
+    # On a GPU this process may hold most of its memory already: the child allocates on demand.
+    env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0", NO_COLOR="",
+               JAX_PLATFORMS="cuda" if platform == "gpu" else "cpu", XLA_PYTHON_CLIENT_PREALLOCATE="false")
     cmd = [sys.executable, "-m", "benchmarks.e2e", "--small", "--layers", "1", "--models", "vit",
            "--rounds", "2", "--steps", "1", "--warmup", "1", "--trace-steps", "1", "--out", str(tmp_path),
            *extra]
