@@ -8,6 +8,7 @@ import importlib
 import json
 import os
 import sys
+import time
 
 import jax
 
@@ -79,6 +80,10 @@ def parse_args(argv):
     return a
 
 
+def seconds(meta) -> str:
+    return "wall seconds: " + ", ".join(f"{k.replace('_', ' ')} {v:.0f}" for k, v in meta["seconds"].items())
+
+
 def emit(runs, args, meta, traced: bool):
     """Prints the table and writes --out's files; called after the rounds (the timings are
     safe even if a trace then fails or takes the process down) and again after the traces."""
@@ -140,6 +145,7 @@ def main(argv=None):
             for dtype in args.dtypes for v in args.variants]
     prog = Progress(len(plan) * (2 + args.rounds), not args.no_progress)
     runs = []
+    clock = {"start": time.perf_counter()}
     with precision:
         for cfg, api, dtype, variant in plan:  # compile all first: the rounds then only run steps
             label = f"{cfg.name} {api} {dtype} {variant.name}"
@@ -155,13 +161,19 @@ def main(argv=None):
                 continue
             runs.append(run)
             prog.write(f"compiled {label} in {run.compile_s:.1f} s")
+        clock["compiled"] = time.perf_counter()
         for i in range(args.rounds):  # every run once per round, the order reversed every other round
             for run in runs if i % 2 == 0 else runs[::-1]:
                 prog.step(f"round {i + 1}/{args.rounds} {run.label}")
                 run.times.append(run_steps(run, args.steps) / args.steps)
         prog.close()
+        clock["timed"] = time.perf_counter()
+        meta["seconds"] = {"compile_and_warm_up": clock["compiled"] - clock["start"],
+                           "rounds": clock["timed"] - clock["compiled"]}
         if not runs:
             raise SystemExit("e2e: every run failed to build (above)")
+        if how is None:
+            print(seconds(meta))
         table = emit(runs, args, meta, traced=how is None)  # the timings, before any trace
         if how is None:
             return table
@@ -174,6 +186,8 @@ def main(argv=None):
             except Exception as e:  # a trace that breaks must not cost the timings
                 prog.write(paint(f"trace {run.label} failed: {type(e).__name__}: {str(e)[:300]}", "red"))
         prog.close()
+    meta["seconds"]["traces"] = time.perf_counter() - clock["timed"]
+    print(seconds(meta))
     return emit(runs, args, meta, traced=True)
 
 

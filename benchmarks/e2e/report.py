@@ -13,6 +13,8 @@ COLUMNS = """\
   kernel    GPU ms per step in all kernels, memcpys and memsets (summed)
   idle      ms per step the GPU ran nothing, from the first kernel to the last of the traced steps
   unmap     the share of kernel time matched to no HLO instruction (cuBLAS, cuDNN...)
+  loss      the loss after the last step: every run of a model takes the same steps from the
+            same initial parameters, so the variants' losses agree to the compute dtype's rounding
   n/a       no trace (--trace none, or no collector on this machine)"""
 
 
@@ -45,7 +47,7 @@ def format_table(table: list[dict]) -> str:
         return "n/a" if v is None else format(v, fmt)
 
     head = ("model", "api", "dtype", "variant", "ms/step", "spread", "×base", "ln", "+mix",
-            "kernel", "idle", "unmap")
+            "kernel", "idle", "unmap", "loss")
     cells, groups = [], []
     for r in table:
         t = r["trace"] or {}
@@ -56,7 +58,7 @@ def format_table(table: list[dict]) -> str:
         cells.append((r["model"], r["api"], r["dtype"], r["variant"], f(r["ms"], ".3f"),
                       f"{r['spread_pct']:.1f}%", ratio, f(t.get("ln_ms"), ".3f"), f(mixed, ".3f"),
                       f(t.get("kernel_ms"), ".2f"), f(t.get("idle_ms"), ".3f"),
-                      "n/a" if unmap is None else f"{unmap:.0f}%"))
+                      "n/a" if unmap is None else f"{unmap:.0f}%", f"{r['loss_last']:.4g}"))
         groups.append((r["model"], r["api"], r["dtype"]))
     width = [max(len(c[i]) for c in cells + [head]) for i in range(len(head))]
 
