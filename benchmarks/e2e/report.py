@@ -12,7 +12,7 @@ COLUMNS = """\
             fuse layernorm work with other work (a lower and an upper bound; see trace.py)
   kernel    GPU ms per step in all kernels, memcpys and memsets (summed)
   idle      ms per step the GPU ran nothing, from the first kernel to the last of the traced steps
-  unmap     the share of kernel time matched to no HLO instruction (cuBLAS, cuDNN...)
+  unmap     the share of kernel time matched to no HLO instruction nor library (should be ~0)
   loss      the loss after the last step: every run of a model takes the same steps from the
             same initial parameters, so the variants' losses agree to the compute dtype's rounding
   n/a       no trace (--trace none, or no collector on this machine)"""

@@ -24,8 +24,10 @@ Attribution rule
     other   if none do.
   Kernels are matched to instructions by the trace's hlo_op where there is one, else by name:
   XLA names a fusion's kernel after the instruction ("loop_add_fusion.3" -> loop_add_fusion_3).
-  Our own kernels (C++ namespace lnbwd) are ln. Kernels matched to nothing (cuBLAS and cuDNN
-  kernels, named by their libraries) are unmapped; their share of the time is reported.
+  Our own kernels (C++ namespace lnbwd) are ln. Kernels named by their library (cuBLAS,
+  cuBLASLt, CUTLASS, cuDNN: matmuls and attention) and memcpys/memsets are other. What is left
+  matched nothing: unmapped, and its share of the time is reported (it should be ~0; if not,
+  ``--trace jax`` matches by the trace's HLO op instead of by name).
 
 Limits
   "ln" is a lower bound and "ln + mixed" an upper bound of what layernorm costs: a mixed
@@ -54,6 +56,9 @@ from .models_linen import LN_SCOPE
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # torch's chrome-trace categories
 OURS = re.compile(r"lnbwd")  # our CUDA kernels live in C++ namespace lnbwd
+# Kernels of the matmul and attention libraries (cuBLAS, cuBLASLt's nvjet, CUTLASS, cuDNN), and
+# copies: named by their library, not after an instruction. They never do layernorm's work.
+LIBRARY = re.compile(r"gemm|nvjet|xmma|cutlass|cublas|cudnn|flash|^sm\d+_|memcpy|memset", re.IGNORECASE)
 
 
 def available(how: str) -> tuple[str | None, str]:
@@ -179,7 +184,7 @@ def attribute(name: str, hlo_op: str | None, classes: dict[str, str]) -> str:
     for candidate in (key, re.sub(r"_\d+$", "", key)):  # a fusion's second kernel: name_1
         if candidate in classes:
             return classes[candidate]
-    return "unmapped"
+    return "other" if LIBRARY.search(name) else "unmapped"
 
 
 def summarize(events, classes: dict[str, str], steps: int) -> dict:
