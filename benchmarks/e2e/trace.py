@@ -33,8 +33,10 @@ Limits
   "ln" is a lower bound and "ln + mixed" an upper bound of what layernorm costs: a mixed
   kernel's time is not split. XLA compiles identical fusions once and names the kernel after
   the first, so by name all copies take the first one's class (the jax trace has no such
-  limit). Operations XLA creates without metadata count as not carrying the scope. The
-  optimizer's update of the LayerNorm parameters is adam's (other), as is the loss.
+  limit). Operations without metadata (parameters, constants, some that XLA creates) take no
+  part; an instruction with none at all is other. The optimizer's update of the LayerNorm
+  parameters is adam's (other), as is the loss. Tracing adds a little to every launch, so idle
+  times compare between variants under the same collector, not with an untraced step.
 
 Per step (n traced steps, back to back):
   kernel   the sum of kernel, memcpy and memset durations / n
@@ -66,16 +68,19 @@ def available(how: str) -> tuple[str | None, str]:
     if how == "none":
         return None, "--trace none"
     on_gpu = jax.default_backend() == "gpu"
-    if how in ("auto", "torch"):
+    if how == "torch" and not on_gpu:
+        return None, "JAX runs on the CPU"
+    if how == "torch" or how == "auto" and on_gpu:
         try:
             import torch
-            if torch.cuda.is_available() and on_gpu:
+            if torch.cuda.is_available():
                 return "torch", "CUPTI through torch.profiler"
-            why = "torch sees no CUDA GPU" if on_gpu else "JAX runs on the CPU"
+            why = "torch sees no CUDA GPU"
         except Exception as e:
             why = f"torch does not import ({type(e).__name__})"
         if how == "torch":
             return None, why
+        return "jax", f"jax.profiler (not torch: {why})"
     return "jax", "jax.profiler" + ("" if on_gpu else " (CPU thunks, not GPU kernels)")
 
 
