@@ -1,6 +1,9 @@
 // CUDA handler of the layernorm backward FFI target: checks the buffers, maps the dtype, handles
 // zero rows, and hands plain pointers to the kernel launcher that `kernel` selects. No math here.
+// A failure comes back as an ffi::Error that names the kernel, the shape and the device's limits,
+// and leaves no CUDA error behind for the next call (ClearCudaError).
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include <cuda_runtime_api.h>
@@ -34,7 +37,7 @@ ffi::Error CheckOneSegment(int32_t kernel, const LayernormBwdParams& p, const ff
 
 // What a seed kernel would refuse (its launcher returns a bare cudaError_t), as a message that
 // names the kernel, the setting and what it accepts. Python refuses the same at trace time.
-ffi::Error CheckLlmcKernel(int32_t kernel, const LayernormBwdParams& p, ffi::DataType dtype) {
+ffi::Error CheckLlmcKernel(int32_t kernel, const LayernormBwdParams& p, ffi::DataType dtype, const DeviceLimits& lim) {
   const LlmcKernelLimits l = kLlmcKernels[kernel - 1].limits(p.dtype, p.C, p.block_size);
   const std::string name = "kernel " + std::to_string(kernel);
   if (!l.dtype_ok) {
@@ -49,10 +52,8 @@ ffi::Error CheckLlmcKernel(int32_t kernel, const LayernormBwdParams& p, ffi::Dat
     return ArgError(name + " steps over rows in whole warps of 16-byte vectors: C must be a multiple of " +
                     std::to_string(l.c_multiple) + " for " + DtypeName(dtype) + ", got C=" + std::to_string(p.C));
   }
-  int dev = 0, max_smem = 0;
-  LNBWD_FFI_RETURN_IF_CUDA_ERROR(cudaGetDevice(&dev));
-  LNBWD_FFI_RETURN_IF_CUDA_ERROR(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  if (l.smem_bytes > static_cast<size_t>(max_smem)) {
+  const size_t max_smem = lim.smem_optin;
+  if (l.smem_bytes > max_smem) {
     return ArgError(name + " keeps dweight/dbias sums for C=" + std::to_string(p.C) + " in " +
                     std::to_string(l.smem_bytes) + " bytes of shared memory (" + DtypeName(dtype) + ", block_size " +
                     std::to_string(l.block_size) + ") but this GPU allows " + std::to_string(max_smem) +
@@ -61,7 +62,49 @@ ffi::Error CheckLlmcKernel(int32_t kernel, const LayernormBwdParams& p, ffi::Dat
   return ffi::Error::Success();
 }
 
-ffi::Error LayernormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer weight,
+// A failed CUDA call can leave its error in the runtime's per-thread "last error", which a later
+// launch in this process (a seed kernel's cudaGetLastError after <<<>>>) would report as its own.
+// Every error path clears it; a sticky error (a faulted context) cannot be cleared, and says so.
+void ClearCudaError() { (void)cudaGetLastError(); }
+
+std::string DeviceStr(const DeviceLimits& lim) {
+  return "device " + std::to_string(lim.device) + " (sm_" + std::to_string(lim.cc_major) +
+         std::to_string(lim.cc_minor) + ", " + std::to_string(lim.sms) + " SMs, " + std::to_string(lim.smem_optin) +
+         " bytes of shared memory per block, clusters " + (lim.clusters ? "yes" : "no") + ", cooperative launch " +
+         (lim.cooperative ? "yes" : "no") + (lim.test_caps ? "; capped by JAX_LNBWD_TEST_DEVICE_LIMITS" : "") + ")";
+}
+
+std::string ProblemStr(const LayernormBwdParams& p, ffi::DataType dtype) {
+  return "x of shape (" + std::to_string(p.rows) + ", " + std::to_string(p.C) + ") " + DtypeName(dtype) + " in " +
+         std::to_string(p.segments) + (p.segments == 1 ? " segment" : " segments");
+}
+
+// The error of a failed launcher: which kernel (and which of its paths), the problem, what the
+// launch asked of the GPU and what the GPU allows.
+ffi::Error LaunchError(int32_t kernel, const LayernormBwdParams& p, ffi::DataType dtype, const LaunchPlan& plan,
+                       const DeviceLimits& lim, cudaError_t err) {
+  ClearCudaError();
+  std::string what = "kernel " + std::to_string(kernel);
+  if (plan.kernel != 0 && plan.kernel != kernel) what += " (running as kernel " + std::to_string(plan.kernel) + ")";
+  if (*plan.path) what += std::string(", path '") + plan.path + "'";
+  std::string msg = "layernorm_bwd: " + what + " failed for " + ProblemStr(p, dtype) + " on " + DeviceStr(lim) +
+                    ": " + cudaGetErrorName(err) + ": " + cudaGetErrorString(err);
+  if (plan.threads > 0) {
+    msg += "; the launch asked for " + std::to_string(plan.threads) + " threads and " + std::to_string(plan.smem) +
+           " bytes of dynamic shared memory per block" +
+           (plan.cluster > 1 ? ", clusters of " + std::to_string(plan.cluster) + " blocks" : std::string()) +
+           (plan.blocks > 0 ? ", " + std::to_string(plan.blocks) + " blocks" : std::string()) +
+           (plan.cooperative ? ", cooperative" : "");
+  }
+  if (err == cudaErrorNoKernelImageForDevice || err == cudaErrorInvalidKernelImage) {
+    msg += "; this build has no code for sm_" + std::to_string(lim.cc_major) + std::to_string(lim.cc_minor) +
+           ": rebuild with CMAKE_CUDA_ARCHITECTURES (or CUDAARCHS) including " + std::to_string(lim.cc_major) +
+           std::to_string(lim.cc_minor);
+  }
+  return ffi::Error::Internal(msg);
+}
+
+ffi::Error LayernormBwdCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer weight,
                             ffi::AnyBuffer mean, ffi::AnyBuffer rstd, ffi::Result<ffi::AnyBuffer> dx,
                             ffi::Result<ffi::AnyBuffer> dweight, ffi::Result<ffi::AnyBuffer> dbias,
                             ffi::Result<ffi::AnyBuffer> workspace, int32_t kernel, int32_t block_size) {
@@ -73,9 +116,24 @@ ffi::Error LayernormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
 
   // Zero rows: the sums over rows are exactly zero and there is no dx to write. No launch.
   if (shape.rows == 0) {
-    LNBWD_FFI_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(dweight->untyped_data(), 0, dweight->size_bytes(), stream));
-    LNBWD_FFI_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(dbias->untyped_data(), 0, dbias->size_bytes(), stream));
+    cudaError_t err = cudaMemsetAsync(dweight->untyped_data(), 0, dweight->size_bytes(), stream);
+    if (err == cudaSuccess) err = cudaMemsetAsync(dbias->untyped_data(), 0, dbias->size_bytes(), stream);
+    if (err != cudaSuccess) {
+      ClearCudaError();
+      return ffi::Error::Internal(std::string("layernorm_bwd: zeroing dweight and dbias of ") +
+                                  ShapeStr(dweight->dimensions()) + " failed: " + cudaGetErrorString(err));
+    }
     return ffi::Error::Success();
+  }
+  DeviceLimits lim;
+  if (cudaError_t err = device_limits(device, &lim); err != cudaSuccess) {
+    ClearCudaError();
+    const char* caps = std::getenv("JAX_LNBWD_TEST_DEVICE_LIMITS");
+    return ffi::Error::Internal("layernorm_bwd: reading the limits of device " + std::to_string(device) +
+                                " failed: " + cudaGetErrorString(err) +
+                                (caps ? std::string(" (JAX_LNBWD_TEST_DEVICE_LIMITS='") + caps +
+                                            "': expected e.g. 'smem=101376,clusters=0,cooperative=0,sms=8')"
+                                      : std::string()));
   }
 
   LayernormBwdParams p;
@@ -95,24 +153,33 @@ ffi::Error LayernormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
   p.block_size = block_size;
   p.workspace = workspace->untyped_data();
   p.workspace_bytes = workspace->size_bytes();
-  if (p.workspace_bytes < kWorkspaceHeaderBytes + 2 * static_cast<size_t>(p.C) * (p.dtype == Dtype::kF64 ? 8 : 4)) {
-    return ArgError("'workspace' has shape " + ShapeStr(workspace->dimensions()) +
-                    " but expected room for at least one partial slot of 2*C accumulators");
+  p.device = device;
+  const size_t one_slot = kWorkspaceHeaderBytes + 2 * static_cast<size_t>(p.C) * (p.dtype == Dtype::kF64 ? 8 : 4);
+  if (p.workspace_bytes < one_slot) {
+    return ArgError("'workspace' has shape " + ShapeStr(workspace->dimensions()) + " but expected at least " +
+                    std::to_string(one_slot) + " bytes (a " + std::to_string(kWorkspaceHeaderBytes) +
+                    "-byte header and one partial slot of 2*C accumulators) for x of shape " +
+                    ShapeStr(x.dimensions()));
   }
+  const ffi::DataType dtype = x.element_type();
 
   switch (kernel) {
     case 1: case 2: case 3: case 4: case 5: case 6: case 7: case 8: case 9: case 10: {
       if (auto e = CheckOneSegment(kernel, p, *dweight, weight); e.failure()) return e;
-      if (auto e = CheckLlmcKernel(kernel, p, x.element_type()); e.failure()) return e;
-      LNBWD_FFI_RETURN_IF_CUDA_ERROR(kLlmcKernels[kernel - 1].launch(p, stream));
+      if (auto e = CheckLlmcKernel(kernel, p, dtype, lim); e.failure()) return e;
+      if (cudaError_t err = kLlmcKernels[kernel - 1].launch(p, stream); err != cudaSuccess) {
+        return LaunchError(kernel, p, dtype, LaunchPlan{}, lim, err);
+      }
       break;
     }
     case 11:
-      LNBWD_FFI_RETURN_IF_CUDA_ERROR(layernorm_bwd_kernel11(p, stream));
+    case 12: {
+      LaunchPlan plan;
+      p.plan = &plan;
+      const cudaError_t err = kernel == 11 ? layernorm_bwd_kernel11(p, stream) : layernorm_bwd_kernel12(p, stream);
+      if (err != cudaSuccess) return LaunchError(kernel, p, dtype, plan, lim, err);
       break;
-    case 12:
-      LNBWD_FFI_RETURN_IF_CUDA_ERROR(layernorm_bwd_kernel12(p, stream));
-      break;
+    }
     default:
       return ArgError("'kernel' is " + std::to_string(kernel) + " but this build has no such CUDA kernel");
   }
@@ -129,6 +196,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxLnbwdLayernormBwdCuda, lnbwd::LayernormBwdCuda,
     xla::ffi::Ffi::Bind()
         .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()   // XLA's stream
+        .Ctx<xla::ffi::DeviceOrdinal>()                  // the CUDA device of that stream
         .Arg<xla::ffi::AnyBuffer>()   // dy [rows, C] dtype
         .Arg<xla::ffi::AnyBuffer>()   // x [rows, C] dtype
         .Arg<xla::ffi::AnyBuffer>()   // weight [1 or segments, C] dtype
