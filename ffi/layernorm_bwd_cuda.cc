@@ -10,6 +10,7 @@
 
 #include "checks.h"
 #include "kernels/api.h"
+#include "launch_errors.h"
 #include "layernorm_bwd_cuda.h"
 
 namespace lnbwd {
@@ -67,41 +68,11 @@ ffi::Error CheckLlmcKernel(int32_t kernel, const LayernormBwdParams& p, ffi::Dat
 // Every error path clears it; a sticky error (a faulted context) cannot be cleared, and says so.
 void ClearCudaError() { (void)cudaGetLastError(); }
 
-std::string DeviceStr(const DeviceLimits& lim) {
-  return "device " + std::to_string(lim.device) + " (sm_" + std::to_string(lim.cc_major) +
-         std::to_string(lim.cc_minor) + ", " + std::to_string(lim.sms) + " SMs, " + std::to_string(lim.smem_optin) +
-         " bytes of shared memory per block, clusters " + (lim.clusters ? "yes" : "no") + ", cooperative launch " +
-         (lim.cooperative ? "yes" : "no") + (lim.test_caps ? "; capped by JAX_LNBWD_TEST_DEVICE_LIMITS" : "") + ")";
-}
-
-std::string ProblemStr(const LayernormBwdParams& p, ffi::DataType dtype) {
-  return "x of shape (" + std::to_string(p.rows) + ", " + std::to_string(p.C) + ") " + DtypeName(dtype) + " in " +
-         std::to_string(p.segments) + (p.segments == 1 ? " segment" : " segments");
-}
-
-// The error of a failed launcher: which kernel (and which of its paths), the problem, what the
-// launch asked of the GPU and what the GPU allows.
+// The error of a failed launcher (launch_errors.h), with the CUDA error cleared.
 ffi::Error LaunchError(int32_t kernel, const LayernormBwdParams& p, ffi::DataType dtype, const LaunchPlan& plan,
                        const DeviceLimits& lim, cudaError_t err) {
   ClearCudaError();
-  std::string what = "kernel " + std::to_string(kernel);
-  if (plan.kernel != 0 && plan.kernel != kernel) what += " (running as kernel " + std::to_string(plan.kernel) + ")";
-  if (*plan.path) what += std::string(", path '") + plan.path + "'";
-  std::string msg = "layernorm_bwd: " + what + " failed for " + ProblemStr(p, dtype) + " on " + DeviceStr(lim) +
-                    ": " + cudaGetErrorName(err) + ": " + cudaGetErrorString(err);
-  if (plan.threads > 0) {
-    msg += "; the launch asked for " + std::to_string(plan.threads) + " threads and " + std::to_string(plan.smem) +
-           " bytes of dynamic shared memory per block" +
-           (plan.cluster > 1 ? ", clusters of " + std::to_string(plan.cluster) + " blocks" : std::string()) +
-           (plan.blocks > 0 ? ", " + std::to_string(plan.blocks) + " blocks" : std::string()) +
-           (plan.cooperative ? ", cooperative" : "");
-  }
-  if (err == cudaErrorNoKernelImageForDevice || err == cudaErrorInvalidKernelImage) {
-    msg += "; this build has no code for sm_" + std::to_string(lim.cc_major) + std::to_string(lim.cc_minor) +
-           ": rebuild with CMAKE_CUDA_ARCHITECTURES (or CUDAARCHS) including " + std::to_string(lim.cc_major) +
-           std::to_string(lim.cc_minor);
-  }
-  return ffi::Error::Internal(msg);
+  return ffi::Error::Internal(LaunchFailure(kernel, p.rows, p.C, DtypeName(dtype), p.segments, plan, lim, err));
 }
 
 ffi::Error LayernormBwdCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer weight,

@@ -17,6 +17,7 @@
 #include <nanobind/stl/string.h>
 
 #include "kernels/api.h"
+#include "launch_errors.h"
 #include "layernorm_bwd_cuda.h"
 #endif
 
@@ -60,10 +61,17 @@ nb::dict LimitsDict(int device) {
 
 nb::dict PlanDict(int kernel, const std::string& dtype, int64_t rows, int64_t C, int64_t segments, int device) {
   lnbwd::LaunchPlan plan;
-  ThrowIfCudaError(lnbwd::layernorm_bwd_workspace_bytes(kernel, DtypeFromName(dtype), rows, C, segments, device, &plan),
-                   "planning kernel " + std::to_string(kernel) + " for (" + std::to_string(rows) + ", " +
-                       std::to_string(C) + ") " + dtype + " in " + std::to_string(segments) + " segments on device " +
-                       std::to_string(device));
+  const cudaError_t err =
+      lnbwd::layernorm_bwd_workspace_bytes(kernel, DtypeFromName(dtype), rows, C, segments, device, &plan);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    lnbwd::DeviceLimits lim;
+    if (lnbwd::device_limits(device, &lim) != cudaSuccess) {
+      (void)cudaGetLastError();
+      lim = lnbwd::DeviceLimits{};
+    }
+    throw std::runtime_error(lnbwd::LaunchFailure(kernel, rows, C, dtype, segments, plan, lim, err));
+  }
   nb::dict d;
   d["kernel"] = plan.kernel;
   d["path"] = std::string(plan.path);
