@@ -45,6 +45,24 @@ finalize_partials(T* __restrict__ dweight, T* __restrict__ dbias, const acc_t<T>
                                   static_cast<int>(blockDim.x / 32), sums);
 }
 
+// Whether the finalize launch may carry the programmatic-serialization attribute: griddepcontrol
+// needs sm_90, and stream capture (XLA's command buffers) records programmatic dependencies from
+// CUDA 12.3 on; an older driver that is capturing gets a plain launch.
+bool dependent_launch_ok(const DeviceLimits& lim, cudaStream_t stream) {
+  if (lim.cc_major < 9) return false;
+  static const int driver = [] {
+    int v = 0;
+    return cudaDriverGetVersion(&v) == cudaSuccess ? v : 0;
+  }();
+  if (driver >= 12030) return true;
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capturing) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return capturing == cudaStreamCaptureStatusNone;
+}
+
 template <typename T, int V, int MAX_WARPS>
 cudaError_t launch(const LayernormBwdParams& p, const DeviceLimits& lim, int slots, cudaStream_t stream) {
   const int64_t tiles = ceil_div<int64_t>(p.C, 32 * V);
@@ -58,7 +76,7 @@ cudaError_t launch(const LayernormBwdParams& p, const DeviceLimits& lim, int slo
   cfg.blockDim = dim3(32 * warps);
   cfg.stream = stream;
   cfg.attrs = &dependent;
-  cfg.numAttrs = lim.cc_major >= 9 ? 1 : 0;   // griddepcontrol needs sm_90; before it, a plain launch
+  cfg.numAttrs = dependent_launch_ok(lim, stream) ? 1 : 0;
   return cudaLaunchKernelEx(&cfg, finalize_partials<T, V, MAX_WARPS>, static_cast<T*>(p.dweight),
                             static_cast<T*>(p.dbias), static_cast<const acc_t<T>*>(partials_of<T>(p)), slots,
                             static_cast<int>(p.C), static_cast<int>(tiles));
