@@ -57,8 +57,7 @@ __device__ __forceinline__ Packed<acc_t<T>, N> to_acc(const Packed<T, N>& v) {
 // two elements: the even (low) element shifted up, the odd (high) one with the low half masked
 // off. One integer instruction each; converted one element at a time, nvcc 13 extracts the odd
 // element with a PRMT before shifting it: two. Kernel 12 is issue-bound enough at C = 1600 for
-// that to show (H200, 16384x1600: under ncu bf16 executed 7% more instructions than fp16, whose
-// HADD2.F32 widens in one, and ran 7% longer; harness sweep 48.5 -> 47.0 us with this, fp16 46.5).
+// that extra instruction per element to cost time.
 template <int N>
 __device__ __forceinline__ Packed<float, N> to_acc(const Packed<__nv_bfloat16, N>& v) {
   Packed<float, N> out;

@@ -82,11 +82,8 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   // The leader issues the group's bulk copies. In register mode without split rows (fp32) it is
   // the first thread of the group's last warp: a row's vectors run out from the top, so the
   // first warp can have a vector more per thread than the last (fp32 C = 1600: 4 against 3), and
-  // the leader's work then lands on a warp with less. Harness sweep on an H200 (interleaved
-  // processes of three timings each): fp32 16384x1600 87.1-87.4 -> 86.0-86.1 us; unchanged at
-  // 16384x2048, 16384x4096 and 1024x768; 8192x8192 (one group of 16 equal warps) 209.9-210.1 ->
-  // 211.0-211.1. Elsewhere it is thread 0: moved there too, fp16 16384x1600 ran 1 us slower
-  // (45.6-46.0 -> 46.8-46.9 us; the loop was scheduled differently) and bf16 gained 0.2.
+  // the leader's work then lands on a warp with less. Elsewhere it is thread 0 (for 16-bit rows
+  // the other choice changed the loop's schedule for the worse; docs/kernel12.md).
   const bool leader = t == (REGS && SPLIT == 1 ? tpr - 32 : 0);
   // Split rows (SPLIT = 2): the block of cluster rank h takes the columns [h * Cb, (h + 1) * Cb)
   // of every row its cluster works on; Cb is this block's share of a row, and every column index
@@ -114,9 +111,8 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   // Split rows: per group, two (barrier, pair) slots that the other block's group sends its
   // half-row sums into, alternating between rows. They follow all groups' exchange pairs.
   // (Each is found from the previous group-offset pointer: back by the offset, on by the region.
-  // Taking each region's start plus the offset gives the same addresses, but nvcc 13 allocated
-  // the split-row variants' registers differently, and fp16 4096x16384 ran 2.4% slower on an
-  // H200: 114.6-116.8 against 113.0-113.7 us, three interleaved harness sweeps each.)
+  // Each region's start plus the offset gives the same addresses, but nvcc allocates the
+  // split-row variants' registers worse with that form.)
   uint64_t* peer_bar =
       reinterpret_cast<uint64_t*>(exchange - g * 2 * warps_per_row + groups * 2 * warps_per_row) + g * 2;
   Pair* peer_sum = reinterpret_cast<Pair*>(peer_bar - g * 2 + groups * 2) + g * 2;
@@ -310,29 +306,20 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
 
   // The block's sums: each column's over the groups, in group order, into this block's partial
   // slot (split rows: the two blocks of a cluster fill the two halves of one). First the groups'
-  // sums meet in shared memory, in two ways measured on an H200 (harness sweep, two to five
-  // interleaved runs each):
+  // sums meet in shared memory, in one of two ways:
   //  * Whole rows: each group stores its sums into its own ring buffers (2 * Cb accumulators fit
   //    in NB >= 2 rows of dy and x), which are idle once every thread of the group is past its
   //    last row, so a group that finishes early stores them while the others still compute; the
-  //    block then adds 16 bytes of each sum per thread and step. Against the block-wide layout
-  //    below: fp16 16384x1600 46.6 -> 46.1 us, fp32 88.6 -> 87.7, bf16 16384x2048 56.0 -> 55.3,
-  //    bf16 1024x768 7.0 -> 6.6; but bf16 16384x1600 47.1 -> 47.4. (%globaltimer stamps at
-  //    16384x1600 in 16-bit: the block-wide stores took 0.9 us after a block's last row, and
-  //    the loop that added one column a thread 1.4 us more.)
-  //  * Split rows keep the block-wide layout: with the other, nvcc 13 scheduled their row loop
-  //    differently, and 4096x16384 ran 3-6% slower (bf16 110.7 -> 114.2 us, fp16 112.6 ->
-  //    119.4), though 8192x8192 ran 1.3% faster (bf16 109.0 -> 107.6).
+  //    block then adds 16 bytes of each sum per thread and step.
+  //  * Split rows keep a block-wide layout (below): with the per-group one, nvcc scheduled their
+  //    row loop worse.
   // Past sync_row_sharers nobody waits on the ring's mbarriers any more: their leaders retire
   // them. Split rows: every pair this block sent has landed too (the other block waited for
   // each), so no send is in flight into a block that has moved on.
   if constexpr (SPLIT == 1) {
     // The group's own barrier first (every thread of the group is done with its ring buffers),
-    // then the balancing one. In the other order, nvcc 13 reloaded five kernel parameters from
-    // the constant bank inside the 16-bit row loop (1025 instructions a pass against 1014), and
-    // the harness sweep (H200, two processes of three timings each, interleaved) measured bf16
-    // 16384x1600 47.0-47.2 -> 46.5-46.9 us, fp16 46.0-46.4 -> 45.7-45.9; 16384x2048 bf16 and
-    // 16384x1600 fp32 unchanged.
+    // then the balancing one. In the other order, nvcc reloads kernel parameters from the
+    // constant bank inside the 16-bit row loop.
     group_sync(1 + g, tpr);
     if (balance) group_sync(1 + g, tpr);
     A* own = reinterpret_cast<A*>(buf_dy(g, 0));   // [2][Cb]: dbias sums, then dweight sums
