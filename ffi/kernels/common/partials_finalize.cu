@@ -52,9 +52,10 @@ finalize_partials(T* __restrict__ dweight, T* __restrict__ dbias, const acc_t<T>
 
 // Whether the finalize launch may carry the programmatic-serialization attribute: griddepcontrol
 // needs sm_90, and stream capture (XLA's command buffers) records programmatic dependencies from
-// CUDA 12.3 on; an older driver that is capturing gets a plain launch.
+// CUDA 12.3 on; an older driver that is capturing gets a plain launch, and so does the legacy
+// default stream (the standalone harness's checks), which synchronizes with every other stream.
 bool dependent_launch_ok(const DeviceLimits& lim, cudaStream_t stream) {
-  if (lim.cc_major < 9) return false;
+  if (lim.cc_major < 9 || stream == nullptr || stream == cudaStreamLegacy) return false;
   static const int driver = [] {
     int v = 0;
     return cudaDriverGetVersion(&v) == cudaSuccess ? v : 0;
