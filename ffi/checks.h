@@ -125,7 +125,7 @@ inline ffi::Error CheckKernelAttrs(int32_t kernel, int32_t block_size, const Ker
 // Whether the kernel takes this call (dtype, block size, segments, C, the device's shared
 // memory): the one check of its limits, through the registry. Python asks the same at trace time.
 inline ffi::Error CheckKernelLimits(const KernelFacts& k, int32_t block_size, const LayernormBwdShape& shape,
-                                    Dtype dtype, const DeviceLimits& device) {
+                                    Dtype dtype, const RefusalLimits& device) {
   const std::string why = KernelRefusal(k, {dtype, shape.C, block_size, shape.segments, shape.weight_rows}, device);
   if (!why.empty()) return ArgError(why);
   return ffi::Error::Success();

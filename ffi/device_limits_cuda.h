@@ -1,30 +1,24 @@
-// The registry's DeviceLimits (registry.h) of a CUDA device, asked of the CUDA runtime. Used by
-// the CUDA handler (the device of XLA's stream) and by the module (jax_lnbwd.KERNELS' refusals
-// at trace time); CUDA build only.
+// The registry's RefusalLimits (registry.h) of a CUDA device: its shared memory as the launchers
+// see it (device_limits, ffi/kernels/api.h, where the test-only JAX_LNBWD_TEST_DEVICE_LIMITS
+// caps apply too). Used by the module (jax_lnbwd.KERNELS' refusals at trace time) and the CUDA
+// check tools; CUDA build only. The handler converts the limits it already holds.
 #pragma once
 
 #include <cstdint>
 
 #include <cuda_runtime_api.h>
 
+#include "kernels/api.h"
 #include "registry.h"
 
 namespace lnbwd {
 
-inline cudaError_t QueryDeviceLimits(int device, DeviceLimits* out) {
-  int smem = 0;
-  const cudaError_t err = cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+inline cudaError_t QueryRefusalLimits(int device, RefusalLimits* out) {
+  DeviceLimits l;
+  const cudaError_t err = device_limits(device, &l);
   if (err != cudaSuccess) return err;
-  *out = DeviceLimits{smem, "this GPU"};
+  *out = RefusalLimits{static_cast<int64_t>(l.smem_optin), "this GPU"};
   return cudaSuccess;
-}
-
-// The current device's limits (the device XLA runs the call on).
-inline cudaError_t QueryCurrentDeviceLimits(DeviceLimits* out) {
-  int device = 0;
-  const cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  return QueryDeviceLimits(device, out);
 }
 
 }  // namespace lnbwd

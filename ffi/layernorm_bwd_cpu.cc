@@ -91,7 +91,7 @@ ffi::Error LayernormBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer w
   if (auto e = ToKernelDtype(x.element_type(), &dtype); e.failure()) return e;
   // As on the GPU, zero rows run nothing, so no kernel limit applies (the sums are zeros).
   if (shape.rows > 0) {
-    if (auto e = CheckKernelLimits(*k, block_size, shape, dtype, kDefaultDeviceLimits); e.failure()) return e;
+    if (auto e = CheckKernelLimits(*k, block_size, shape, dtype, kDefaultRefusalLimits); e.failure()) return e;
   }
   switch (x.element_type()) {
     case ffi::DataType::F32: Impl<F32>(dy, x, weight, mean, rstd, *dx, *dweight, *dbias, shape); break;

@@ -1,20 +1,35 @@
 // CUDA handler of the layernorm backward FFI target: checks the buffers, checks the kernel's
 // limits once through the registry (registry.h, with this GPU's limits), handles zero rows, and
 // hands plain pointers to the kernel launcher that `kernel` selects. No math here.
+// A failure comes back as an ffi::Error that names the kernel, the shape and the device's limits,
+// and leaves no CUDA error behind for the next call (ClearCudaError).
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include <cuda_runtime_api.h>
 
 #include "checks.h"
-#include "device_limits_cuda.h"
 #include "kernels/api.h"
+#include "launch_errors.h"
 #include "layernorm_bwd_cuda.h"
 
 namespace lnbwd {
 namespace {
 
-ffi::Error LayernormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer weight,
+// A failed CUDA call can leave its error in the runtime's per-thread "last error", which a later
+// launch in this process (an llm.c kernel's cudaGetLastError after <<<>>>) would report as its own.
+// Every error path clears it; a sticky error (a faulted context) cannot be cleared, and says so.
+void ClearCudaError() { (void)cudaGetLastError(); }
+
+// The error of a failed launcher (launch_errors.h), with the CUDA error cleared.
+ffi::Error LaunchError(int32_t kernel, const LayernormBwdParams& p, ffi::DataType dtype, const LaunchPlan& plan,
+                       const DeviceLimits& lim, cudaError_t err) {
+  ClearCudaError();
+  return ffi::Error::Internal(LaunchFailure(kernel, p.rows, p.C, DtypeName(dtype), p.segments, plan, lim, err));
+}
+
+ffi::Error LayernormBwdCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer weight,
                             ffi::AnyBuffer mean, ffi::AnyBuffer rstd, ffi::Result<ffi::AnyBuffer> dx,
                             ffi::Result<ffi::AnyBuffer> dweight, ffi::Result<ffi::AnyBuffer> dbias,
                             ffi::Result<ffi::AnyBuffer> workspace, int32_t kernel, int32_t block_size) {
@@ -29,14 +44,29 @@ ffi::Error LayernormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
 
   // Zero rows: the sums over rows are exactly zero and there is no dx to write. No launch.
   if (shape.rows == 0) {
-    LNBWD_FFI_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(dweight->untyped_data(), 0, dweight->size_bytes(), stream));
-    LNBWD_FFI_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(dbias->untyped_data(), 0, dbias->size_bytes(), stream));
+    cudaError_t err = cudaMemsetAsync(dweight->untyped_data(), 0, dweight->size_bytes(), stream);
+    if (err == cudaSuccess) err = cudaMemsetAsync(dbias->untyped_data(), 0, dbias->size_bytes(), stream);
+    if (err != cudaSuccess) {
+      ClearCudaError();
+      return ffi::Error::Internal(std::string("layernorm_bwd: zeroing dweight and dbias of ") +
+                                  ShapeStr(dweight->dimensions()) + " failed: " + cudaGetErrorString(err));
+    }
     return ffi::Error::Success();
   }
+  DeviceLimits lim;
+  if (cudaError_t err = device_limits(device, &lim); err != cudaSuccess) {
+    ClearCudaError();
+    const char* caps = std::getenv("JAX_LNBWD_TEST_DEVICE_LIMITS");
+    return ffi::Error::Internal("layernorm_bwd: reading the limits of device " + std::to_string(device) +
+                                " failed: " + cudaGetErrorString(err) +
+                                (caps ? std::string(" (JAX_LNBWD_TEST_DEVICE_LIMITS='") + caps +
+                                            "': expected e.g. 'smem=101376,clusters=0,cooperative=0,sms=8')"
+                                      : std::string()));
+  }
 
-  DeviceLimits device = kDefaultDeviceLimits;   // only asked of the GPU where the limits depend on it
-  if (k->device_limited) LNBWD_FFI_RETURN_IF_CUDA_ERROR(QueryCurrentDeviceLimits(&device));
-  if (auto e = CheckKernelLimits(*k, block_size, shape, dtype, device); e.failure()) return e;
+  // The registry judges the kernel's limits against this GPU's shared memory.
+  const RefusalLimits refusal = {static_cast<int64_t>(lim.smem_optin), "this GPU"};
+  if (auto e = CheckKernelLimits(*k, block_size, shape, dtype, refusal); e.failure()) return e;
 
   LayernormBwdParams p;
   p.dx = dx->untyped_data();
@@ -55,21 +85,30 @@ ffi::Error LayernormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
   p.block_size = block_size;
   p.workspace = workspace->untyped_data();
   p.workspace_bytes = workspace->size_bytes();
-  if (p.workspace_bytes < kWorkspaceHeaderBytes + 2 * static_cast<size_t>(p.C) * (p.dtype == Dtype::kF64 ? 8 : 4)) {
-    return ArgError("'workspace' has shape " + ShapeStr(workspace->dimensions()) +
-                    " but expected room for at least one partial slot of 2*C accumulators");
+  p.device = device;
+  // A launcher uses as many partial slots as it finds room for, down to one per segment.
+  const size_t least = kWorkspaceHeaderBytes +
+                       static_cast<size_t>(p.segments) * 2 * static_cast<size_t>(p.C) * (p.dtype == Dtype::kF64 ? 8 : 4);
+  if (p.workspace_bytes < least) {
+    return ArgError("'workspace' has shape " + ShapeStr(workspace->dimensions()) + " but expected at least " +
+                    std::to_string(least) + " bytes (a " + std::to_string(kWorkspaceHeaderBytes) +
+                    "-byte header and a partial slot of 2*C accumulators per segment) for x of shape " +
+                    ShapeStr(x.dimensions()) + " in " + std::to_string(p.segments) + " segment(s)");
   }
-
   switch (kernel) {
     case 1: case 2: case 3: case 4: case 5: case 6: case 7: case 8: case 9: case 10:
-      LNBWD_FFI_RETURN_IF_CUDA_ERROR(kLlmcLaunchers[kernel - 1](p, stream));
+      if (cudaError_t err = kLlmcLaunchers[kernel - 1](p, stream); err != cudaSuccess) {
+        return LaunchError(kernel, p, x.element_type(), LaunchPlan{}, lim, err);
+      }
       break;
     case 11:
-      LNBWD_FFI_RETURN_IF_CUDA_ERROR(layernorm_bwd_kernel11(p, stream));
+    case 12: {
+      LaunchPlan plan;
+      p.plan = &plan;
+      const cudaError_t err = kernel == 11 ? layernorm_bwd_kernel11(p, stream) : layernorm_bwd_kernel12(p, stream);
+      if (err != cudaSuccess) return LaunchError(kernel, p, x.element_type(), plan, lim, err);
       break;
-    case 12:
-      LNBWD_FFI_RETURN_IF_CUDA_ERROR(layernorm_bwd_kernel12(p, stream));
-      break;
+    }
     default:
       return ArgError("'kernel' is " + std::to_string(kernel) + " but this build has no launcher for it");
   }
@@ -86,6 +125,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxLnbwdLayernormBwdCuda, lnbwd::LayernormBwdCuda,
     xla::ffi::Ffi::Bind()
         .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()   // XLA's stream
+        .Ctx<xla::ffi::DeviceOrdinal>()                  // the CUDA device of that stream
         .Arg<xla::ffi::AnyBuffer>()   // dy [rows, C] dtype
         .Arg<xla::ffi::AnyBuffer>()   // x [rows, C] dtype
         .Arg<xla::ffi::AnyBuffer>()   // weight [1 or segments, C] dtype

@@ -11,7 +11,7 @@ std::string Kernel(const KernelFacts& k) { return "kernel " + std::to_string(k.i
 
 // llm.c's kernels: C a multiple of their vector step (kernels 8-9), and the block's dweight/dbias
 // sums for all C columns in the device's shared memory.
-std::string LlmcLimitsOf(const KernelFacts& k, const KernelRequest& r, const DeviceLimits& device) {
+std::string LlmcLimitsOf(const KernelFacts& k, const KernelRequest& r, const RefusalLimits& device) {
   const LlmcLimits l = llmc_limits(k.id, r.dtype, r.C, r.block_size);
   if (r.C % l.c_multiple != 0) {
     return Kernel(k) + " steps over rows in whole warps of 16-byte vectors: C must be a multiple of " +
@@ -27,7 +27,7 @@ std::string LlmcLimitsOf(const KernelFacts& k, const KernelRequest& r, const Dev
 }
 
 // Kernels 11 and 12 take any C >= 1 (kernel 12 falls back to kernel 11 where its ring cannot go).
-std::string AnyC(const KernelFacts&, const KernelRequest&, const DeviceLimits&) { return ""; }
+std::string AnyC(const KernelFacts&, const KernelRequest&, const RefusalLimits&) { return ""; }
 
 constexpr unsigned kAll = dtype_bit(Dtype::kF32) | dtype_bit(Dtype::kBF16) | dtype_bit(Dtype::kF16) | dtype_bit(Dtype::kF64);
 
@@ -146,7 +146,7 @@ std::string DtypeList(unsigned dtypes) {
   return out;
 }
 
-std::string KernelRefusal(const KernelFacts& k, const KernelRequest& r, const DeviceLimits& device) {
+std::string KernelRefusal(const KernelFacts& k, const KernelRequest& r, const RefusalLimits& device) {
   if (!TakesDtype(k, r.dtype)) {
     return Kernel(k) + " does not support dtype " + dtype_name(r.dtype) + " (it takes " + DtypeList(k.dtypes) + ")";
   }

@@ -13,14 +13,14 @@
 namespace lnbwd {
 
 // What a kernel's limits depend on in the GPU it runs on.
-struct DeviceLimits {
+struct RefusalLimits {
   int64_t max_smem_per_block;   // dynamic shared memory a block may opt in to (bytes)
   const char* source;           // where the numbers come from, for refusal messages
 };
 
 // Where no GPU is present (the CPU handler; Python without a GPU), refusals use an H100/H200's
 // limits, so that a program traced there is refused what it would be refused on the GPU.
-inline constexpr DeviceLimits kDefaultDeviceLimits = {232448, "an H100/H200 (no GPU to ask)"};
+inline constexpr RefusalLimits kDefaultRefusalLimits = {232448, "an H100/H200 (no GPU to ask)"};
 
 // One call, as far as the limits care.
 struct KernelRequest {
@@ -44,11 +44,11 @@ struct KernelFacts {
   bool deterministic;       // bit-identical run to run
   bool precise;             // sums in fp32 (fp64); false: rounded in the output dtype
   bool segments;            // keeps one dweight/dbias sum per segment
-  bool device_limited;      // its limits depend on DeviceLimits (shared memory)
+  bool device_limited;      // its limits depend on RefusalLimits (shared memory)
   const char* constraints;  // what limits C, in words
   // "" if the kernel accepts the request on such a device, else why not: a sentence that names
   // the kernel, the setting and the limit.
-  std::string (*limits)(const KernelFacts&, const KernelRequest&, const DeviceLimits&);
+  std::string (*limits)(const KernelFacts&, const KernelRequest&, const RefusalLimits&);
 };
 
 // Every kernel, in id order.
@@ -66,7 +66,7 @@ int ResolvedBlockSize(const KernelFacts& k, int block_size);
 
 // "" if `k` accepts the request on such a device, else why not (see KernelFacts::limits). The
 // dtype, block size and segments are checked here for every kernel, then k.limits.
-std::string KernelRefusal(const KernelFacts& k, const KernelRequest& r, const DeviceLimits& device);
+std::string KernelRefusal(const KernelFacts& k, const KernelRequest& r, const RefusalLimits& device);
 
 // Names the dtypes of a set, "float32, bfloat16, float16".
 std::string DtypeList(unsigned dtypes);

@@ -28,7 +28,7 @@ Dtype ParseDtype(const std::string& name) {
   throw nb::value_error(("unknown dtype '" + name + "' (float32, bfloat16, float16, float64)").c_str());
 }
 
-nb::dict LimitsDict(const DeviceLimits& l) {
+nb::dict LimitsDict(const RefusalLimits& l) {
   nb::dict out;
   out["max_smem_per_block"] = l.max_smem_per_block;
   out["source"] = std::string(l.source);
@@ -65,10 +65,10 @@ nb::object VisibleDeviceLimits() {
     cudaGetLastError();   // clear the runtime's error state: no GPU is not an error here
     return nb::none();
   }
-  DeviceLimits out{};
+  RefusalLimits out{};
   for (int dev = 0; dev < count; ++dev) {
-    DeviceLimits l{};
-    if (QueryDeviceLimits(dev, &l) != cudaSuccess) {
+    RefusalLimits l{};
+    if (QueryRefusalLimits(dev, &l) != cudaSuccess) {
       cudaGetLastError();
       return nb::none();
     }
@@ -94,14 +94,14 @@ void BindRegistry(nb::module_& m) {
           const KernelFacts* k = FindKernel(kernel);
           if (k == nullptr) throw nb::value_error(("no kernel " + std::to_string(kernel)).c_str());
           const std::string why =
-              KernelRefusal(*k, {ParseDtype(dtype), C, block_size}, DeviceLimits{max_smem_per_block, source.c_str()});
+              KernelRefusal(*k, {ParseDtype(dtype), C, block_size}, RefusalLimits{max_smem_per_block, source.c_str()});
           if (why.empty()) return nb::none();
           return nb::str(why.c_str());
         },
         nb::arg("kernel"), nb::arg("dtype"), nb::arg("C"), nb::arg("block_size"), nb::arg("max_smem_per_block"),
         nb::arg("source"), "None if the kernel takes one segment of this (C, dtype, block_size), else why not.");
-  m.def("device_limits", &VisibleDeviceLimits, "The GPUs' limits the kernels depend on, or None without a GPU.");
-  m.attr("default_device_limits") = LimitsDict(kDefaultDeviceLimits);
+  m.def("visible_device_limits", &VisibleDeviceLimits, "The GPUs' limits the kernels depend on, or None without a GPU.");
+  m.attr("default_device_limits") = LimitsDict(kDefaultRefusalLimits);
 }
 
 }  // namespace lnbwd

@@ -43,7 +43,7 @@ double tolerance(Dtype d, bool precise_sums) {
 // (cudaErrorInvalidValue), a block size or C they cannot run (cudaErrorInvalidConfiguration), and
 // more shared memory than the GPU has (the driver's error at the opt-in).
 int check_refusals(const std::vector<int>& kernels, int* checked) {
-  const DeviceLimits device = device0_limits();
+  const RefusalLimits device = device0_refusal_limits();
   int failures = 0;
   // exact: the launcher must return `want`; otherwise any error will do.
   auto expect = [&](int kernel, Dtype d, int64_t C, int block_size, int64_t segments, cudaError_t want, bool exact,
@@ -90,7 +90,7 @@ int check_refusals(const std::vector<int>& kernels, int* checked) {
 
 int check(const std::vector<int>& kernels) {
   const int sms = device0_attribute(cudaDevAttrMultiProcessorCount);
-  const DeviceLimits device = device0_limits();
+  const RefusalLimits device = device0_refusal_limits();
   // LNBWD_QUICK=1 (for the sanitizers, which run kernels 10-100x slower) keeps the shapes that
   // exercise every code path: misaligned and aligned C, a row count past the grid's warps.
   const bool quick = std::getenv("LNBWD_QUICK") != nullptr;
@@ -136,7 +136,7 @@ int check(const std::vector<int>& kernels) {
             const bool tight = grid_fits_slots(kernel) && rows == rs.back() && bs == sizes.back();
             // Kernel 12: its default, then every configuration it can pick from (each one is
             // reachable from the default on some C).
-            const std::vector<Kernel12Config> k12 = kernel == 12 ? kernel12_candidates(d, C) : std::vector<Kernel12Config>{};
+            const std::vector<Kernel12Config> k12 = kernel == 12 ? kernel12_candidates(d, C, device0_limits()) : std::vector<Kernel12Config>{};
             for (int v = -1; v < int(k12.size()); ++v)
             for (int64_t slots : {int64_t(0), int64_t(1)}) {
               if (slots == 1 && (!tight || v >= 0)) continue;

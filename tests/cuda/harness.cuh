@@ -146,14 +146,21 @@ inline const KernelFacts& facts(int kernel) {
 }
 
 // Device 0's limits, as the registry's refusals take them.
+// Device 0's limits as the launchers see them (api.h; JAX_LNBWD_TEST_DEVICE_LIMITS applies).
 inline DeviceLimits device0_limits() {
   DeviceLimits l;
-  CHECK_CUDA(QueryDeviceLimits(0, &l));
+  CHECK_CUDA(device_limits(0, &l));
+  return l;
+}
+
+inline RefusalLimits device0_refusal_limits() {
+  RefusalLimits l;
+  CHECK_CUDA(QueryRefusalLimits(0, &l));
   return l;
 }
 
 // Whether the registry refuses (kernel, dtype, C, block size) on this GPU: such a case is not run.
-inline bool refuses(int kernel, Dtype d, int64_t C, int block_size, const DeviceLimits& device) {
+inline bool refuses(int kernel, Dtype d, int64_t C, int block_size, const RefusalLimits& device) {
   return !KernelRefusal(facts(kernel), {d, C, block_size}, device).empty();
 }
 

@@ -23,7 +23,7 @@ namespace {
 // data: what llm.c's own benchmark loop did, to pick each kernel's default block size.
 int blocks(int64_t rows, int64_t C, Dtype d, const std::vector<int>& kernels) {
   const int sms = device0_attribute(cudaDevAttrMultiProcessorCount);
-  const DeviceLimits device = device0_limits();
+  const RefusalLimits device = device0_refusal_limits();
   const size_t it = dtype_item_bytes(d), st = dtype_acc_bytes(d);
   const double bytes = double(3 * rows * C + 3 * C) * it + 2.0 * rows * st;
   Problem pb(d, rows, C, 5);
@@ -184,9 +184,9 @@ int sweep(int64_t rows, int64_t C, Dtype d, bool default_only) {
   upload(f.rstd, stat, [] { return 1.0; }, rows);
   const LayernormBwdParams& p = f.p;
   Kernel11Config picked;
-  const bool has_pick = kernel11_pick(d, C, C % (16 / it) == 0, &picked);
+  const bool has_pick = kernel11_pick(d, C, C % (16 / it) == 0, device0_limits(), &picked);
   std::vector<Kernel11Config> cfgs;
-  if (!default_only) cfgs = kernel11_candidates(d, C, C % (16 / it) == 0);
+  if (!default_only) cfgs = kernel11_candidates(d, C, C % (16 / it) == 0, device0_limits());
   for (const Kernel11Config& c : cfgs) {
     Outputs o;
     const cudaError_t err = run(pb, 11, 0, &c, &o, sms);
@@ -201,13 +201,13 @@ int sweep(int64_t rows, int64_t C, Dtype d, bool default_only) {
     const double us = time_it([&](cudaStream_t st) { CHECK_CUDA(layernorm_bwd_kernel11_wide(p, st)); });
     std::printf("  k11 wide path: %8.1f us %6.0f GB/s %5.1f%% of copy\n", us, bytes / us / 1e3, 100 * copy_us / us);
   }
-  if (kernel12_wide_fits(d, C) && !default_only) {
+  if (kernel12_wide_fits(d, C, device0_limits()) && !default_only) {
     const double us = time_it([&](cudaStream_t st) { CHECK_CUDA(layernorm_bwd_kernel12_wide(p, st)); });
     std::printf("  k12 wide path: %8.1f us %6.0f GB/s %5.1f%% of copy\n", us, bytes / us / 1e3, 100 * copy_us / us);
   }
   Kernel12Config pick12;
-  const bool has12 = kernel12_pick(d, C, &pick12);
-  for (const Kernel12Config& c : kernel12_candidates(d, C)) {
+  const bool has12 = kernel12_pick(d, C, device0_limits(), &pick12);
+  for (const Kernel12Config& c : kernel12_candidates(d, C, device0_limits())) {
     const bool is_pick = has12 && c.nv == pick12.nv && c.nb == pick12.nb && c.tpr == pick12.tpr &&
                          c.groups == pick12.groups && c.raw_weight == pick12.raw_weight && c.split == pick12.split;
     if (default_only && !is_pick) continue;

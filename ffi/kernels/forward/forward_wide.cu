@@ -81,7 +81,7 @@ cudaError_t launch(const FwdArgs<T, P>& a, const LayernormFwdConfig& cfg, cudaSt
   // driver is asked once) and checks that a block of it fits at all.
   auto kernel = forward_wide<T, P, VEC, true>;
   int fit = 0;
-  LNBWD_FWD_RETURN_IF_ERROR(resident_units(reinterpret_cast<const void*>(kernel), cfg.threads, cfg.smem_bytes, 1, &fit));
+  LNBWD_FWD_RETURN_IF_ERROR(resident_units(-1, reinterpret_cast<const void*>(kernel), cfg.threads, cfg.smem_bytes, 1, &fit));
   if (fit < 1) return cudaErrorInvalidConfiguration;
   kernel<<<blocks, cfg.threads, cfg.smem_bytes, stream>>>(a);
   return cudaGetLastError();
