@@ -1,5 +1,5 @@
-// CUDA handler of the layernorm backward FFI target: checks the buffers, maps the dtype, handles
-// zero rows, and hands plain pointers to the kernel launcher that `kernel` selects. No math here.
+// CUDA handlers of the layernorm backward FFI targets v1 and v2: check the buffers, map the dtype,
+// handle zero rows, and hand plain pointers to the kernel launcher that `kernel` selects. No math here.
 #include <cstdint>
 #include <string>
 
@@ -61,27 +61,25 @@ ffi::Error CheckLlmcKernel(int32_t kernel, const LayernormBwdParams& p, ffi::Dat
   return ffi::Error::Success();
 }
 
-ffi::Error LayernormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer weight,
-                            ffi::AnyBuffer mean, ffi::AnyBuffer rstd, ffi::Result<ffi::AnyBuffer> dx,
-                            ffi::Result<ffi::AnyBuffer> dweight, ffi::Result<ffi::AnyBuffer> dbias,
-                            ffi::Result<ffi::AnyBuffer> workspace, int32_t kernel, int32_t block_size) {
-  LayernormBwdShape shape;
-  if (auto e = CheckLayernormBwdArgs(dy, x, weight, mean, rstd, *dx, *dweight, *dbias, &shape); e.failure()) {
-    return e;
-  }
+// Both targets. v1 passes dresidual null and a shape whose weight_f32 is false; v2 has checked
+// its additions (CheckResidual, CheckV2Kernel) before it comes here.
+ffi::Error Run(cudaStream_t stream, const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x, const ffi::AnyBuffer& weight,
+               const ffi::AnyBuffer& mean, const ffi::AnyBuffer& rstd, const void* dresidual, ffi::AnyBuffer dx,
+               ffi::AnyBuffer dweight, ffi::AnyBuffer dbias, ffi::AnyBuffer workspace, int32_t kernel,
+               int32_t block_size, const LayernormBwdShape& shape) {
   if (block_size < 0) return ArgError("'block_size' is " + std::to_string(block_size) + " but expected >= 0");
 
   // Zero rows: the sums over rows are exactly zero and there is no dx to write. No launch.
   if (shape.rows == 0) {
-    LNBWD_FFI_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(dweight->untyped_data(), 0, dweight->size_bytes(), stream));
-    LNBWD_FFI_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(dbias->untyped_data(), 0, dbias->size_bytes(), stream));
+    LNBWD_FFI_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(dweight.untyped_data(), 0, dweight.size_bytes(), stream));
+    LNBWD_FFI_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(dbias.untyped_data(), 0, dbias.size_bytes(), stream));
     return ffi::Error::Success();
   }
 
   LayernormBwdParams p;
-  p.dx = dx->untyped_data();
-  p.dweight = dweight->untyped_data();
-  p.dbias = dbias->untyped_data();
+  p.dx = dx.untyped_data();
+  p.dweight = dweight.untyped_data();
+  p.dbias = dbias.untyped_data();
   p.dy = dy.untyped_data();
   p.x = x.untyped_data();
   p.weight = weight.untyped_data();
@@ -93,16 +91,18 @@ ffi::Error LayernormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
   p.weight_stride = shape.weight_rows == 1 ? 0 : shape.C;
   p.dtype = ToKernelDtype(x.element_type());
   p.block_size = block_size;
-  p.workspace = workspace->untyped_data();
-  p.workspace_bytes = workspace->size_bytes();
+  p.workspace = workspace.untyped_data();
+  p.workspace_bytes = workspace.size_bytes();
+  p.dresidual = dresidual;
+  p.weight_f32 = shape.weight_f32;
   if (p.workspace_bytes < kWorkspaceHeaderBytes + 2 * static_cast<size_t>(p.C) * (p.dtype == Dtype::kF64 ? 8 : 4)) {
-    return ArgError("'workspace' has shape " + ShapeStr(workspace->dimensions()) +
+    return ArgError("'workspace' has shape " + ShapeStr(workspace.dimensions()) +
                     " but expected room for at least one partial slot of 2*C accumulators");
   }
 
   switch (kernel) {
     case 1: case 2: case 3: case 4: case 5: case 6: case 7: case 8: case 9: case 10: {
-      if (auto e = CheckOneSegment(kernel, p, *dweight, weight); e.failure()) return e;
+      if (auto e = CheckOneSegment(kernel, p, dweight, weight); e.failure()) return e;
       if (auto e = CheckLlmcKernel(kernel, p, x.element_type()); e.failure()) return e;
       LNBWD_FFI_RETURN_IF_CUDA_ERROR(kLlmcKernels[kernel - 1].launch(p, stream));
       break;
@@ -117,6 +117,34 @@ ffi::Error LayernormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
       return ArgError("'kernel' is " + std::to_string(kernel) + " but this build has no such CUDA kernel");
   }
   return ffi::Error::Success();
+}
+
+ffi::Error LayernormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer weight,
+                            ffi::AnyBuffer mean, ffi::AnyBuffer rstd, ffi::Result<ffi::AnyBuffer> dx,
+                            ffi::Result<ffi::AnyBuffer> dweight, ffi::Result<ffi::AnyBuffer> dbias,
+                            ffi::Result<ffi::AnyBuffer> workspace, int32_t kernel, int32_t block_size) {
+  LayernormBwdShape shape;
+  if (auto e = CheckLayernormBwdArgs(dy, x, weight, mean, rstd, *dx, *dweight, *dbias, &shape); e.failure()) {
+    return e;
+  }
+  return Run(stream, dy, x, weight, mean, rstd, nullptr, *dx, *dweight, *dbias, *workspace, kernel, block_size, shape);
+}
+
+ffi::Error LayernormBwdV2Cuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer weight,
+                              ffi::AnyBuffer mean, ffi::AnyBuffer rstd, ffi::AnyBuffer dresidual,
+                              ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dweight,
+                              ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> workspace,
+                              int32_t kernel, int32_t block_size, bool has_residual) {
+  LayernormBwdShape shape;
+  if (auto e = CheckLayernormBwdArgs(dy, x, weight, mean, rstd, *dx, *dweight, *dbias, &shape,
+                                     /*allow_f32_weight=*/true);
+      e.failure()) {
+    return e;
+  }
+  if (auto e = CheckResidual(dresidual, has_residual, x); e.failure()) return e;
+  if (auto e = CheckV2Kernel(kernel, shape, has_residual); e.failure()) return e;
+  return Run(stream, dy, x, weight, mean, rstd, has_residual ? dresidual.untyped_data() : nullptr, *dx, *dweight,
+             *dbias, *workspace, kernel, block_size, shape);
 }
 
 }  // namespace
@@ -140,4 +168,33 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<xla::ffi::AnyBuffer>()   // workspace [bytes] uint8: flags, then per-block partial sums
         .Attr<int32_t>("kernel")      // which CUDA kernel (ids as in jax_lnbwd.KERNELS)
         .Attr<int32_t>("block_size"), // threads per block, 0 = the kernel's best
+    {xla::ffi::Traits::kCmdBufferCompatible});
+
+// Target jax_lnbwd_layernorm_bwd_v2: v1 plus two things (kernels 11 and 12; 1-10 refuse them).
+//  * Mixed precision: weight may be float32 beside bfloat16/float16 x ("pdtype" below: x's dtype,
+//    or float32). g = weight * dy is formed in fp32 from the float32 weight, never rounded, and
+//    dweight/dbias, summed in fp32 as always, are stored as pdtype.
+//  * A residual gradient: with has_residual, dx = layernorm's dx + dresidual, added in fp32 and
+//    rounded once (the backward of add_layernorm: the residual stream's gradient passes through).
+//    The caller aliases dresidual to dx (input_output_aliases {5: 0}): XLA then writes dx in
+//    dresidual's buffer where that is dead after the call, and copies it first where it is not.
+//    Each element is read once and written once, by the same thread. Absent (has_residual
+//    false), dresidual is a placeholder with no elements, e.g. a (0,) array, and nothing aliases.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxLnbwdLayernormBwdV2Cuda, lnbwd::LayernormBwdV2Cuda,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()   // XLA's stream
+        .Arg<xla::ffi::AnyBuffer>()   // dy [rows, C] dtype
+        .Arg<xla::ffi::AnyBuffer>()   // x [rows, C] dtype
+        .Arg<xla::ffi::AnyBuffer>()   // weight [1 or segments, C] pdtype: dtype, or float32 beside bf16/f16
+        .Arg<xla::ffi::AnyBuffer>()   // mean [rows] float32 (float64 for float64 x)
+        .Arg<xla::ffi::AnyBuffer>()   // rstd [rows] float32 (float64 for float64 x)
+        .Arg<xla::ffi::AnyBuffer>()   // dresidual [rows, C] dtype, aliased to dx; (0,) when !has_residual
+        .Ret<xla::ffi::AnyBuffer>()   // dx [rows, C] dtype: layernorm's dx (+ dresidual)
+        .Ret<xla::ffi::AnyBuffer>()   // dweight [segments, C] pdtype: sums over each segment's rows
+        .Ret<xla::ffi::AnyBuffer>()   // dbias [segments, C] pdtype
+        .Ret<xla::ffi::AnyBuffer>()   // workspace [bytes] uint8: flags, then per-block partial sums
+        .Attr<int32_t>("kernel")      // which CUDA kernel (ids as in jax_lnbwd.KERNELS)
+        .Attr<int32_t>("block_size")  // threads per block, 0 = the kernel's best
+        .Attr<bool>("has_residual"),  // whether dresidual is added (else it is a placeholder)
     {xla::ffi::Traits::kCmdBufferCompatible});

@@ -25,20 +25,21 @@ namespace lnbwd {
 namespace {
 
 // LANES warps per tile of 32 columns; BATCH slots whose loads a thread issues before it adds them.
-template <typename T, int LANES, int BATCH>
+// O: the type of dweight and dbias (T, or float beside 16-bit T: mixed precision).
+template <typename T, typename O, int LANES, int BATCH>
 __global__ void __launch_bounds__(32 * LANES)
-finalize_partials(T* __restrict__ dweight, T* __restrict__ dbias, const acc_t<T>* __restrict__ partials,
+finalize_partials(O* __restrict__ dweight, O* __restrict__ dbias, const acc_t<T>* __restrict__ partials,
                   int slots, int C) {
   __shared__ acc_t<T> sums[2 * LANES * 32];
   const size_t segment = blockIdx.y;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");   // the partials' writer has finished
 #endif
-  sum_partials_tile<T, BATCH>(dweight + segment * C, dbias + segment * C, partials + segment * slots * 2 * C, slots,
+  sum_partials_tile<T, BATCH, 1, O>(dweight + segment * C, dbias + segment * C, partials + segment * slots * 2 * C, slots,
                               C, blockIdx.x * 32, LANES, sums);
 }
 
-template <typename T, int LANES, int BATCH>
+template <typename T, typename O, int LANES, int BATCH>
 cudaError_t launch(const LayernormBwdParams& p, int slots, cudaStream_t stream) {
   int major = 0;
   LNBWD_RETURN_IF_CUDA_ERROR(compute_capability_major(&major));
@@ -51,8 +52,8 @@ cudaError_t launch(const LayernormBwdParams& p, int slots, cudaStream_t stream) 
   cfg.stream = stream;
   cfg.attrs = &dependent;
   cfg.numAttrs = major >= 9 ? 1 : 0;   // griddepcontrol needs sm_90; before it, a plain launch
-  return cudaLaunchKernelEx(&cfg, finalize_partials<T, LANES, BATCH>, static_cast<T*>(p.dweight),
-                            static_cast<T*>(p.dbias), static_cast<const acc_t<T>*>(partials_of<T>(p)), slots,
+  return cudaLaunchKernelEx(&cfg, finalize_partials<T, O, LANES, BATCH>, static_cast<O*>(p.dweight),
+                            static_cast<O*>(p.dbias), static_cast<const acc_t<T>*>(partials_of<T>(p)), slots,
                             static_cast<int>(p.C));
 }
 
@@ -60,9 +61,10 @@ cudaError_t launch(const LayernormBwdParams& p, int slots, cudaStream_t stream) 
 
 cudaError_t finalize_partials_launch(const LayernormBwdParams& p, int slots, cudaStream_t stream) {
   if (p.segments > 65535) return cudaErrorInvalidConfiguration;   // grid.y limit
-  return dispatch_dtype(p.dtype, [&](auto t) {
+  return dispatch_types(p, [&](auto t, auto o, auto) {
     using T = decltype(t);
-    return p.C <= 8192 ? launch<T, 32, 4>(p, slots, stream) : launch<T, 16, 4>(p, slots, stream);
+    using O = decltype(o);
+    return p.C <= 8192 ? launch<T, O, 32, 4>(p, slots, stream) : launch<T, O, 16, 4>(p, slots, stream);
   });
 }
 
