@@ -1,12 +1,16 @@
 // CUDA handlers of the layernorm backward FFI targets v1 and v2: check the buffers, map the dtype,
 // handle zero rows, and hand plain pointers to the kernel launcher that `kernel` selects. No math here.
+// A failure comes back as an ffi::Error that names the kernel, the shape and the device's limits,
+// and leaves no CUDA error behind for the next call (ClearCudaError).
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include <cuda_runtime_api.h>
 
 #include "checks.h"
 #include "kernels/api.h"
+#include "launch_errors.h"
 #include "layernorm_bwd_cuda.h"
 
 namespace lnbwd {
@@ -34,7 +38,7 @@ ffi::Error CheckOneSegment(int32_t kernel, const LayernormBwdParams& p, const ff
 
 // What a seed kernel would refuse (its launcher returns a bare cudaError_t), as a message that
 // names the kernel, the setting and what it accepts. Python refuses the same at trace time.
-ffi::Error CheckLlmcKernel(int32_t kernel, const LayernormBwdParams& p, ffi::DataType dtype) {
+ffi::Error CheckLlmcKernel(int32_t kernel, const LayernormBwdParams& p, ffi::DataType dtype, const DeviceLimits& lim) {
   const LlmcKernelLimits l = kLlmcKernels[kernel - 1].limits(p.dtype, p.C, p.block_size);
   const std::string name = "kernel " + std::to_string(kernel);
   if (!l.dtype_ok) {
@@ -49,10 +53,8 @@ ffi::Error CheckLlmcKernel(int32_t kernel, const LayernormBwdParams& p, ffi::Dat
     return ArgError(name + " steps over rows in whole warps of 16-byte vectors: C must be a multiple of " +
                     std::to_string(l.c_multiple) + " for " + DtypeName(dtype) + ", got C=" + std::to_string(p.C));
   }
-  int dev = 0, max_smem = 0;
-  LNBWD_FFI_RETURN_IF_CUDA_ERROR(cudaGetDevice(&dev));
-  LNBWD_FFI_RETURN_IF_CUDA_ERROR(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  if (l.smem_bytes > static_cast<size_t>(max_smem)) {
+  const size_t max_smem = lim.smem_optin;
+  if (l.smem_bytes > max_smem) {
     return ArgError(name + " keeps dweight/dbias sums for C=" + std::to_string(p.C) + " in " +
                     std::to_string(l.smem_bytes) + " bytes of shared memory (" + DtypeName(dtype) + ", block_size " +
                     std::to_string(l.block_size) + ") but this GPU allows " + std::to_string(max_smem) +
@@ -61,25 +63,52 @@ ffi::Error CheckLlmcKernel(int32_t kernel, const LayernormBwdParams& p, ffi::Dat
   return ffi::Error::Success();
 }
 
+// A failed CUDA call can leave its error in the runtime's per-thread "last error", which a later
+// launch in this process (a seed kernel's cudaGetLastError after <<<>>>) would report as its own.
+// Every error path clears it; a sticky error (a faulted context) cannot be cleared, and says so.
+void ClearCudaError() { (void)cudaGetLastError(); }
+
+// The error of a failed launcher (launch_errors.h), with the CUDA error cleared.
+ffi::Error LaunchError(int32_t kernel, const LayernormBwdParams& p, ffi::DataType dtype, const LaunchPlan& plan,
+                       const DeviceLimits& lim, cudaError_t err) {
+  ClearCudaError();
+  return ffi::Error::Internal(LaunchFailure(kernel, p.rows, p.C, DtypeName(dtype), p.segments, plan, lim, err));
+}
+
 // Both targets. v1 passes dresidual null and a shape whose weight_f32 is false; v2 has checked
 // its additions (CheckResidual, CheckV2Kernel) before it comes here.
-ffi::Error Run(cudaStream_t stream, const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x, const ffi::AnyBuffer& weight,
-               const ffi::AnyBuffer& mean, const ffi::AnyBuffer& rstd, const void* dresidual, ffi::AnyBuffer dx,
-               ffi::AnyBuffer dweight, ffi::AnyBuffer dbias, ffi::AnyBuffer workspace, int32_t kernel,
-               int32_t block_size, const LayernormBwdShape& shape) {
+ffi::Error Run(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x,
+               const ffi::AnyBuffer& weight, const ffi::AnyBuffer& mean, const ffi::AnyBuffer& rstd,
+               const void* dresidual, ffi::AnyBuffer* dx, ffi::AnyBuffer* dweight, ffi::AnyBuffer* dbias,
+               ffi::AnyBuffer* workspace, int32_t kernel, int32_t block_size, const LayernormBwdShape& shape) {
   if (block_size < 0) return ArgError("'block_size' is " + std::to_string(block_size) + " but expected >= 0");
 
   // Zero rows: the sums over rows are exactly zero and there is no dx to write. No launch.
   if (shape.rows == 0) {
-    LNBWD_FFI_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(dweight.untyped_data(), 0, dweight.size_bytes(), stream));
-    LNBWD_FFI_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(dbias.untyped_data(), 0, dbias.size_bytes(), stream));
+    cudaError_t err = cudaMemsetAsync(dweight->untyped_data(), 0, dweight->size_bytes(), stream);
+    if (err == cudaSuccess) err = cudaMemsetAsync(dbias->untyped_data(), 0, dbias->size_bytes(), stream);
+    if (err != cudaSuccess) {
+      ClearCudaError();
+      return ffi::Error::Internal(std::string("layernorm_bwd: zeroing dweight and dbias of ") +
+                                  ShapeStr(dweight->dimensions()) + " failed: " + cudaGetErrorString(err));
+    }
     return ffi::Error::Success();
+  }
+  DeviceLimits lim;
+  if (cudaError_t err = device_limits(device, &lim); err != cudaSuccess) {
+    ClearCudaError();
+    const char* caps = std::getenv("JAX_LNBWD_TEST_DEVICE_LIMITS");
+    return ffi::Error::Internal("layernorm_bwd: reading the limits of device " + std::to_string(device) +
+                                " failed: " + cudaGetErrorString(err) +
+                                (caps ? std::string(" (JAX_LNBWD_TEST_DEVICE_LIMITS='") + caps +
+                                            "': expected e.g. 'smem=101376,clusters=0,cooperative=0,sms=8')"
+                                      : std::string()));
   }
 
   LayernormBwdParams p;
-  p.dx = dx.untyped_data();
-  p.dweight = dweight.untyped_data();
-  p.dbias = dbias.untyped_data();
+  p.dx = dx->untyped_data();
+  p.dweight = dweight->untyped_data();
+  p.dbias = dbias->untyped_data();
   p.dy = dy.untyped_data();
   p.x = x.untyped_data();
   p.weight = weight.untyped_data();
@@ -91,50 +120,62 @@ ffi::Error Run(cudaStream_t stream, const ffi::AnyBuffer& dy, const ffi::AnyBuff
   p.weight_stride = shape.weight_rows == 1 ? 0 : shape.C;
   p.dtype = ToKernelDtype(x.element_type());
   p.block_size = block_size;
-  p.workspace = workspace.untyped_data();
-  p.workspace_bytes = workspace.size_bytes();
+  p.workspace = workspace->untyped_data();
+  p.workspace_bytes = workspace->size_bytes();
+  p.device = device;
   p.dresidual = dresidual;
   p.weight_f32 = shape.weight_f32;
-  if (p.workspace_bytes < kWorkspaceHeaderBytes + 2 * static_cast<size_t>(p.C) * (p.dtype == Dtype::kF64 ? 8 : 4)) {
-    return ArgError("'workspace' has shape " + ShapeStr(workspace.dimensions()) +
-                    " but expected room for at least one partial slot of 2*C accumulators");
+  const size_t one_slot = kWorkspaceHeaderBytes + 2 * static_cast<size_t>(p.C) * (p.dtype == Dtype::kF64 ? 8 : 4);
+  if (p.workspace_bytes < one_slot) {
+    return ArgError("'workspace' has shape " + ShapeStr(workspace->dimensions()) + " but expected at least " +
+                    std::to_string(one_slot) + " bytes (a " + std::to_string(kWorkspaceHeaderBytes) +
+                    "-byte header and one partial slot of 2*C accumulators) for x of shape " +
+                    ShapeStr(x.dimensions()));
   }
+  const ffi::DataType dtype = x.element_type();
 
   switch (kernel) {
     case 1: case 2: case 3: case 4: case 5: case 6: case 7: case 8: case 9: case 10: {
-      if (auto e = CheckOneSegment(kernel, p, dweight, weight); e.failure()) return e;
-      if (auto e = CheckLlmcKernel(kernel, p, x.element_type()); e.failure()) return e;
-      LNBWD_FFI_RETURN_IF_CUDA_ERROR(kLlmcKernels[kernel - 1].launch(p, stream));
+      if (auto e = CheckOneSegment(kernel, p, *dweight, weight); e.failure()) return e;
+      if (auto e = CheckLlmcKernel(kernel, p, dtype, lim); e.failure()) return e;
+      if (cudaError_t err = kLlmcKernels[kernel - 1].launch(p, stream); err != cudaSuccess) {
+        return LaunchError(kernel, p, dtype, LaunchPlan{}, lim, err);
+      }
       break;
     }
     case 11:
-      LNBWD_FFI_RETURN_IF_CUDA_ERROR(layernorm_bwd_kernel11(p, stream));
+    case 12: {
+      LaunchPlan plan;
+      p.plan = &plan;
+      const cudaError_t err = kernel == 11 ? layernorm_bwd_kernel11(p, stream) : layernorm_bwd_kernel12(p, stream);
+      if (err != cudaSuccess) return LaunchError(kernel, p, dtype, plan, lim, err);
       break;
-    case 12:
-      LNBWD_FFI_RETURN_IF_CUDA_ERROR(layernorm_bwd_kernel12(p, stream));
-      break;
+    }
     default:
       return ArgError("'kernel' is " + std::to_string(kernel) + " but this build has no such CUDA kernel");
   }
   return ffi::Error::Success();
 }
 
-ffi::Error LayernormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer weight,
-                            ffi::AnyBuffer mean, ffi::AnyBuffer rstd, ffi::Result<ffi::AnyBuffer> dx,
-                            ffi::Result<ffi::AnyBuffer> dweight, ffi::Result<ffi::AnyBuffer> dbias,
-                            ffi::Result<ffi::AnyBuffer> workspace, int32_t kernel, int32_t block_size) {
+ffi::Error LayernormBwdCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer dy, ffi::AnyBuffer x,
+                            ffi::AnyBuffer weight, ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
+                            ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dweight,
+                            ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> workspace, int32_t kernel,
+                            int32_t block_size) {
   LayernormBwdShape shape;
   if (auto e = CheckLayernormBwdArgs(dy, x, weight, mean, rstd, *dx, *dweight, *dbias, &shape); e.failure()) {
     return e;
   }
-  return Run(stream, dy, x, weight, mean, rstd, nullptr, *dx, *dweight, *dbias, *workspace, kernel, block_size, shape);
+  return Run(stream, device, dy, x, weight, mean, rstd, nullptr, &*dx, &*dweight, &*dbias,
+             &*workspace, kernel, block_size, shape);
 }
 
-ffi::Error LayernormBwdV2Cuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer weight,
-                              ffi::AnyBuffer mean, ffi::AnyBuffer rstd, ffi::AnyBuffer dresidual,
-                              ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dweight,
-                              ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> workspace,
-                              int32_t kernel, int32_t block_size, bool has_residual) {
+ffi::Error LayernormBwdV2Cuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer dy, ffi::AnyBuffer x,
+                              ffi::AnyBuffer weight, ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
+                              ffi::AnyBuffer dresidual, ffi::Result<ffi::AnyBuffer> dx,
+                              ffi::Result<ffi::AnyBuffer> dweight, ffi::Result<ffi::AnyBuffer> dbias,
+                              ffi::Result<ffi::AnyBuffer> workspace, int32_t kernel, int32_t block_size,
+                              bool has_residual) {
   LayernormBwdShape shape;
   if (auto e = CheckLayernormBwdArgs(dy, x, weight, mean, rstd, *dx, *dweight, *dbias, &shape,
                                      /*allow_f32_weight=*/true);
@@ -143,8 +184,8 @@ ffi::Error LayernormBwdV2Cuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBu
   }
   if (auto e = CheckResidual(dresidual, has_residual, x); e.failure()) return e;
   if (auto e = CheckV2Kernel(kernel, shape, has_residual); e.failure()) return e;
-  return Run(stream, dy, x, weight, mean, rstd, has_residual ? dresidual.untyped_data() : nullptr, *dx, *dweight,
-             *dbias, *workspace, kernel, block_size, shape);
+  return Run(stream, device, dy, x, weight, mean, rstd, has_residual ? dresidual.untyped_data() : nullptr, &*dx,
+             &*dweight, &*dbias, &*workspace, kernel, block_size, shape);
 }
 
 }  // namespace
@@ -157,6 +198,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxLnbwdLayernormBwdCuda, lnbwd::LayernormBwdCuda,
     xla::ffi::Ffi::Bind()
         .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()   // XLA's stream
+        .Ctx<xla::ffi::DeviceOrdinal>()                  // the CUDA device of that stream
         .Arg<xla::ffi::AnyBuffer>()   // dy [rows, C] dtype
         .Arg<xla::ffi::AnyBuffer>()   // x [rows, C] dtype
         .Arg<xla::ffi::AnyBuffer>()   // weight [1 or segments, C] dtype
@@ -184,6 +226,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxLnbwdLayernormBwdV2Cuda, lnbwd::LayernormBwdV2Cuda,
     xla::ffi::Ffi::Bind()
         .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()   // XLA's stream
+        .Ctx<xla::ffi::DeviceOrdinal>()                  // the CUDA device of that stream
         .Arg<xla::ffi::AnyBuffer>()   // dy [rows, C] dtype
         .Arg<xla::ffi::AnyBuffer>()   // x [rows, C] dtype
         .Arg<xla::ffi::AnyBuffer>()   // weight [1 or segments, C] pdtype: dtype, or float32 beside bf16/f16

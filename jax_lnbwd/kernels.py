@@ -272,8 +272,34 @@ DEFAULT_KERNEL = 12
 
 
 @functools.cache
+def _cuda_device() -> int | None:
+    """CUDA ordinal of JAX's first GPU, when this build has the CUDA handler and JAX a GPU."""
+    from . import _jax_lnbwd
+
+    if not _jax_lnbwd.with_cuda:
+        return None
+    try:
+        import jax
+
+        gpus = jax.devices("gpu")
+    except Exception:  # no GPU backend here
+        return None
+    if not gpus:
+        return None
+    hw = getattr(gpus[0], "local_hardware_id", None)
+    return int(hw if hw is not None else gpus[0].id)
+
+
+@functools.cache
 def sm_count() -> int:
-    """Multiprocessors of the first local CUDA GPU, or an H200's 132 when there is none."""
+    """Multiprocessors of the first local CUDA GPU, as the launchers see them (the device's limits,
+    ffi/kernels/api.h, with JAX_LNBWD_TEST_DEVICE_LIMITS applied), or an H200's 132 when there is
+    no GPU."""
+    dev = _cuda_device()
+    if dev is not None:
+        from . import _jax_lnbwd
+
+        return int(_jax_lnbwd.device_limits(dev)["sms"])
     try:
         import jax
 
@@ -285,9 +311,17 @@ def sm_count() -> int:
 def workspace_bytes(kernel: int, rows: int, C: int, dtype: str, block_size: int, segments: int = 1) -> int:
     """Scratch the kernel needs: a flag header, then 2*C accumulators per partial slot.
 
-    With segments (per-example sums under vmap) every segment gets its own slots; the launcher
-    never uses more slots than it finds, so this only has to be an upper bound of what helps.
+    Kernels 11 and 12 on a GPU: exactly what their launcher uses, asked of the C++ that plans the
+    launch (layernorm_bwd_workspace_bytes, ffi/kernels/api.h) for JAX's first GPU. Without one (a
+    CPU-only build or machine, where the workspace goes unused), and for the seed kernels, by the
+    rules of KernelInfo.partial_slots. With segments (per-example sums under vmap) every segment
+    gets its own slots; a launcher never uses more slots than it finds.
     """
+    dev = _cuda_device() if kernel in (11, 12) else None
+    if dev is not None:
+        from . import _jax_lnbwd
+
+        return int(_jax_lnbwd.launch_plan(kernel, dtype, rows, C, segments, dev)["workspace_bytes"])
     info = KERNELS[kernel]
     per_segment = info.partial_slots(max(rows // segments, 1), block_size, max(sm_count() // segments, 1))
     return WORKSPACE_HEADER_BYTES + segments * per_segment * 2 * C * _acc_bytes(dtype)

@@ -126,6 +126,26 @@ def test_vmap_of_grad_more_examples_than_resident_blocks(platform, dtype):
             assert_close(f"{name}[{i}]", g[i], w[i], dtype)
 
 
+@pytest.mark.gpu
+def test_vmap_of_grad_over_100000_examples(platform="gpu"):
+    # 100,000 segments: more than a grid's y dimension allows (65,535), so the finalize kernel's
+    # grid is one-dimensional over (segment, tile) (ffi/kernels/common/partials_finalize.cu).
+    # GPU only: the CPU handler loops over segments and has no such limit.
+    n, rows, C = 100_000, 2, 64
+    rng = np.random.default_rng(46)
+    x, r = rng.standard_normal((n, rows, C)), rng.standard_normal((n, rows, C))
+    w, b = 1 + 0.1 * rng.standard_normal(C), rng.standard_normal(C)
+    x, r, w, b = (a.astype(np.float32) for a in (x, r, w, b))
+    in_axes = (0, None, None, 0)
+    got = jax.jit(jax.vmap(_grads(layernorm), in_axes=in_axes))(*put(platform, x, w, b, r))
+    want = on_cpu_f64(jax.vmap(_grads(reference.layernorm), in_axes=in_axes))(x, w, b, r)
+    assert got[1].shape == got[2].shape == (n, C)
+    assert_all_close(got, want)
+    for name, g, wt in zip(("dweight", "dbias"), got[1:], want[1:]):  # every example, not the norm of all
+        for i in (0, 65_535, 65_536, n - 1):
+            assert_close(f"{name}[{i}]", g[i], wt[i], "float32")
+
+
 @pytest.mark.parametrize("platform", PLATFORMS)
 def test_vmap_of_grad_split_rows_more_examples_than_resident_clusters(platform):
     # bf16 rows of 4096 columns: on Hopper kernel 12 splits each row over a cluster of two blocks

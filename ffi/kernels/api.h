@@ -33,6 +33,41 @@ namespace lnbwd {
 
 enum class Dtype { kF32, kBF16, kF16, kF64 };
 
+// What the launchers need to know of a GPU, read from the device (common/device_limits.cu) and
+// remembered per device. Kernel choice and configuration follow these, never constants of one
+// GPU: e.g. 227 KB of shared memory per block on H100/H200, 163 KB on A100, 99 KB on
+// sm_86/89/120.
+// Test-only: the environment variable JAX_LNBWD_TEST_DEVICE_LIMITS, e.g.
+// "smem=101376,clusters=0,cooperative=0,sms=8", replaces smem and sms and can switch clusters
+// and cooperative launch off, so that one GPU runs the choices of smaller ones. It is read once
+// per process; a malformed value makes device_limits return cudaErrorInvalidValue.
+struct DeviceLimits {
+  int device = -1;
+  int cc_major = 0;          // compute capability
+  int cc_minor = 0;
+  int sms = 0;               // multiprocessors: persistent grids are sized from this
+  size_t smem_optin = 0;     // shared memory a block may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin)
+  bool clusters = false;     // thread-block clusters (sm_90 on)
+  bool cooperative = false;  // cooperative launch
+  bool test_caps = false;    // JAX_LNBWD_TEST_DEVICE_LIMITS changed any of the above
+};
+cudaError_t device_limits(int device, DeviceLimits* out);
+
+// What the launcher of kernel 11 or 12 chose for a problem: filled when LayernormBwdParams::plan
+// is set, whether it then launches or not (plan_only), and on failure as far as it got, so that
+// an error can say what was asked of the GPU.
+struct LaunchPlan {
+  int kernel = 0;             // the kernel that runs: 12 falls back to 11 where it cannot run
+  const char* path = "";      // which of its paths, e.g. "ring", "wide rows", "rows in registers"
+  int threads = 0;            // per block
+  size_t smem = 0;            // dynamic shared memory per block
+  int cluster = 1;            // blocks per thread-block cluster
+  int64_t blocks = 0;         // in the grid
+  int64_t slots = 0;          // partial slots written, all segments together
+  bool cooperative = false;   // the grid sums its own slots after a grid-wide barrier (opt-in)
+  size_t workspace_bytes = 0; // kWorkspaceHeaderBytes + slots * 2 * C accumulators
+};
+
 // Every kernel writes its outputs (never accumulates into them: XLA's buffers are uninitialized).
 struct LayernormBwdParams {
   void* dx;             // [rows, C] dtype
@@ -51,6 +86,9 @@ struct LayernormBwdParams {
   int block_size;       // threads per block; 0 picks the kernel's best
   void* workspace;      // scratch from XLA: a header (flags) then per-block partial sums
   size_t workspace_bytes;
+  int device = -1;      // CUDA ordinal of the device `stream` belongs to; -1: the current device
+  LaunchPlan* plan = nullptr;  // kernels 11 and 12: where to report the launch they choose
+  bool plan_only = false;      // with `plan`: choose and report, launch nothing
   // Kernels 11 and 12 only: the seed kernels 1-10 ignore these two, so the FFI glue refuses them there.
   const void* dresidual = nullptr;  // [rows, C] dtype, added to dx; null: nothing added
   bool weight_f32 = false;  // weight, dweight, dbias are float32 while dtype is kBF16 or kF16
@@ -58,8 +96,9 @@ struct LayernormBwdParams {
 
 // The workspace starts with a header of this many bytes (completion flags, zeroed by the
 // launcher with cudaMemsetAsync on the caller's stream); per-block fp32 (fp64 for kF64)
-// partial sums of dbias and dweight follow, 2 * C accumulators per partial slot.
-// jax_lnbwd/_ffi.py mirrors this layout when it sizes the workspace at trace time.
+// partial sums of dbias and dweight follow, 2 * C accumulators per partial slot. Kernels 11
+// and 12 size it with layernorm_bwd_workspace_bytes; jax_lnbwd/kernels.py sizes the seed
+// kernels' by the same layout.
 constexpr size_t kWorkspaceHeaderBytes = 256;
 
 // Seed kernels 1-10: llm.c's kernels, repaired, each keeping its technique (see the comment at
@@ -113,6 +152,13 @@ inline constexpr LlmcKernel kLlmcKernels[] = {
     {layernorm_bwd_kernel9, layernorm_bwd_kernel9_limits}, {layernorm_bwd_kernel10, layernorm_bwd_kernel10_limits},
 };
 
+// Workspace bytes kernel 11 or 12 uses for a problem on `device` (-1: the current one), with
+// 16-byte aligned buffers (XLA's are): the header and the partial slots of the launch it would
+// make. The launcher plans the same way; given fewer bytes, it uses fewer blocks, never more
+// slots than there are. jax_lnbwd/kernels.py asks this at trace time (ffi/module.cc).
+cudaError_t layernorm_bwd_workspace_bytes(int kernel, Dtype dtype, int64_t rows, int64_t C, int64_t segments,
+                                          int device, LaunchPlan* plan);
+
 // Kernel 11: rows kept in registers between the two passes, per-block fp32 partial sums of
 // dweight/dbias added up in a fixed order (see kernel11_rows_in_registers.cu).
 // Any C >= 1, any number of segments; block shape is chosen from C (p.block_size is ignored).
@@ -120,7 +166,8 @@ cudaError_t layernorm_bwd_kernel11(const LayernormBwdParams& p, cudaStream_t str
 
 // Kernel 12: rows streamed into a shared-memory ring by the bulk copy engine (sm_90), sums in
 // registers, per-block partials as kernel 11 (see kernel12_bulk_copy_ring.cu). Falls back to
-// kernel 11 for misaligned rows, rows too wide for the ring, and GPUs before sm_90.
+// kernel 11 for misaligned rows, rows too wide for the ring in the device's shared memory, GPUs
+// before sm_90, and builds without sm_90 code (CUDA architectures without 90).
 cudaError_t layernorm_bwd_kernel12(const LayernormBwdParams& p, cudaStream_t stream);
 
 }  // namespace lnbwd

@@ -54,6 +54,13 @@ static int device0_attribute(cudaDeviceAttr attr) {
   return v;
 }
 
+// Device 0's limits as the launchers see them (api.h; JAX_LNBWD_TEST_DEVICE_LIMITS applies).
+static DeviceLimits device0_limits() {
+  DeviceLimits l;
+  CHECK_CUDA(device_limits(0, &l));
+  return l;
+}
+
 static size_t item_bytes(Dtype d) { return d == Dtype::kF64 ? 8 : d == Dtype::kF32 ? 4 : 2; }
 static size_t acc_bytes(Dtype d) { return d == Dtype::kF64 ? 8 : 4; }
 static const char* dtype_name(Dtype d) {
@@ -341,7 +348,7 @@ static int check(const std::vector<int>& kernels) {
             const bool tight = grid_fits_slots(kernel) && rows == rs.back() && bs == sizes.back();
             // Kernel 12: its default, then every configuration it can pick from (each one is
             // reachable from the default on some C).
-            const std::vector<Kernel12Config> k12 = kernel == 12 ? kernel12_candidates(d, C) : std::vector<Kernel12Config>{};
+            const std::vector<Kernel12Config> k12 = kernel == 12 ? kernel12_candidates(d, C, device0_limits()) : std::vector<Kernel12Config>{};
             for (int v = -1; v < int(k12.size()); ++v)
             for (int64_t slots : {int64_t(0), int64_t(1)}) {
               if (slots == 1 && (!tight || v >= 0)) continue;
@@ -558,9 +565,9 @@ static int sweep(int64_t rows, int64_t C, Dtype d, bool default_only) {
   upload(f.rstd, stat, [] { return 1.0; }, rows);
   const LayernormBwdParams& p = f.p;
   Kernel11Config picked;
-  const bool has_pick = kernel11_pick(d, C, C % (16 / it) == 0, &picked);
+  const bool has_pick = kernel11_pick(d, C, C % (16 / it) == 0, device0_limits(), &picked);
   std::vector<Kernel11Config> cfgs;
-  if (!default_only) cfgs = kernel11_candidates(d, C, C % (16 / it) == 0);
+  if (!default_only) cfgs = kernel11_candidates(d, C, C % (16 / it) == 0, device0_limits());
   for (const Kernel11Config& c : cfgs) {
     Outputs o;
     const cudaError_t err = run(pb, 11, 0, &c, &o, sms);
@@ -575,13 +582,13 @@ static int sweep(int64_t rows, int64_t C, Dtype d, bool default_only) {
     const double us = time_it([&](cudaStream_t st) { CHECK_CUDA(layernorm_bwd_kernel11_wide(p, st)); });
     std::printf("  k11 wide path: %8.1f us %6.0f GB/s %5.1f%% of copy\n", us, bytes / us / 1e3, 100 * copy_us / us);
   }
-  if (kernel12_wide_fits(d, C) && !default_only) {
+  if (kernel12_wide_fits(d, C, device0_limits()) && !default_only) {
     const double us = time_it([&](cudaStream_t st) { CHECK_CUDA(layernorm_bwd_kernel12_wide(p, st)); });
     std::printf("  k12 wide path: %8.1f us %6.0f GB/s %5.1f%% of copy\n", us, bytes / us / 1e3, 100 * copy_us / us);
   }
   Kernel12Config pick12;
-  const bool has12 = kernel12_pick(d, C, &pick12);
-  for (const Kernel12Config& c : kernel12_candidates(d, C)) {
+  const bool has12 = kernel12_pick(d, C, device0_limits(), &pick12);
+  for (const Kernel12Config& c : kernel12_candidates(d, C, device0_limits())) {
     const bool is_pick = has12 && c.nv == pick12.nv && c.nb == pick12.nb && c.tpr == pick12.tpr &&
                          c.groups == pick12.groups && c.raw_weight == pick12.raw_weight && c.split == pick12.split;
     if (default_only && !is_pick) continue;

@@ -1,7 +1,8 @@
 // Device code shared by the two ways the per-block partial slots become dweight and dbias: the
-// finalize_partials kernel (partials_finalize.cu) and a cooperative grid that finishes its own
-// sums after a grid-wide barrier (finish_partials_in_grid, kernels 11 and 12). Both add every
-// column over the slots in the same fixed order every run: deterministic.
+// finalize_partials kernel (partials_finalize.cu, the default) and, opted in with
+// JAX_LNBWD_COOPERATIVE_FINISH=1, a cooperative grid that finishes its own sums after a
+// grid-wide barrier (finish_partials_in_grid, kernels 11 and 12). Both add every column over the
+// slots in the same fixed order every run: deterministic.
 //   dbias[c]   = sum over slots s of partials[s][0][c]
 //   dweight[c] = sum over slots s of partials[s][1][c]
 // T is the data's type (it sets the accumulator, acc_t<T>, and the tuning), O the type dweight
@@ -132,7 +133,7 @@ constexpr int kTileBatch = sizeof(T) == 2 && V == 1 ? 16 : 8;
 // written, then the blocks share the tiles of all segments and sum them as finalize_partials
 // would, with one kernel launch and its drain fewer. The first `warps` warps of each block add
 // (the others only pass the barriers); `sums` is shared memory for 2 * 32 * warps * f.vec
-// accumulators (grid_finish_smem, dispatch.cuh), free by now. Every thread of every block calls it.
+// accumulators (grid_finish_smem, launch.cuh), free by now. Every thread of every block calls it.
 //
 // Each warp takes every warps-th slot and loads kTileBatch of them at a time: 16 warps (512
 // threads) cover 128 or 256 slots per round, about one block per SM.

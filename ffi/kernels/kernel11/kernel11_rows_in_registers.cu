@@ -18,8 +18,8 @@
 //          dbias_i += dy_i and dweight_i += dy_i * xhat_i in the group's shared-memory sums.
 // Because a thread owns its columns, its shared-memory sums need no atomics and no barriers.
 // At the end the block adds its groups' sums (in group order) and writes them to its partial
-// slot; the slots are then added in slot order (launch_with_partials, dispatch.cuh: by the grid
-// itself after a grid-wide barrier, or by finalize_partials).
+// slot; the slots are then added in slot order (launch_with_partials, common/launch.cuh: by
+// finalize_partials, or, opted in, by the grid itself after a grid-wide barrier).
 //
 // Bytes in flight. Memory-bound code is fast only if enough loads are outstanding: each thread
 // issues all 2*NV of its 16-byte loads for a row before using any. With PREFETCH, the loads of
@@ -33,8 +33,6 @@
 namespace lnbwd {
 namespace {
 
-// Shared-memory budget per block for the groups' dweight/dbias sums (Hopper allows 227 KB).
-constexpr size_t kSmemBudget = 200 * 1024;
 constexpr int kMaxThreads = 1024;
 // Threads per block for a variant. A block of 1024 threads can have 64 registers per thread at
 // most; variants with more row data per thread (NV >= 2) are capped at 512 threads, which lets
@@ -237,6 +235,10 @@ size_t smem_bytes(const Kernel11Config& cfg, int64_t C, size_t acc_bytes) {
 
 template <typename T, typename O, bool RESID, int VEC, int NV, bool PREFETCH>
 cudaError_t launch(const LayernormBwdParams& p, const Kernel11Config& cfg, cudaStream_t stream) {
+  if (p.plan) {
+    p.plan->kernel = 11;
+    p.plan->path = "rows in registers";
+  }
   // Persistent grid: as many blocks as fit on the GPU at once, but no more than there are row
   // groups of work, and no more than the workspace has partial slots.
   return launch_with_partials<T, O>(p, kernel11_rows<T, O, RESID, VEC, NV, PREFETCH>, cfg.tpr * cfg.groups,
@@ -274,7 +276,10 @@ cudaError_t launch_variant(const LayernormBwdParams& p, const Kernel11Config& cf
 
 }  // namespace
 
-std::vector<Kernel11Config> kernel11_candidates(Dtype dtype, int64_t C, bool vectorized) {
+// The groups' dweight/dbias sums live in shared memory: a block has as many groups as the
+// device's opt-in shared memory holds (lim.smem_optin), and a row too wide for one group takes
+// the wide path.
+std::vector<Kernel11Config> kernel11_candidates(Dtype dtype, int64_t C, bool vectorized, const DeviceLimits& lim) {
   const int item = dtype_bytes(dtype);
   const int vec = vectorized ? 16 / item : 1;
   const size_t acc = dtype == Dtype::kF64 ? 8 : 4;
@@ -297,15 +302,15 @@ std::vector<Kernel11Config> kernel11_candidates(Dtype dtype, int64_t C, bool vec
     if (tpr > block_max) continue;
     cfg.tpr = static_cast<int>(tpr);
     cfg.groups = cfg.tpr == 32 ? block_max / 32 : std::min(block_max / cfg.tpr, kMaxNamedBarrierGroups);
-    while (cfg.groups > 0 && smem_bytes(cfg, C, acc) > kSmemBudget) --cfg.groups;
+    while (cfg.groups > 0 && smem_bytes(cfg, C, acc) > lim.smem_optin) --cfg.groups;
     if (cfg.groups == 0) continue;
     out.push_back(cfg);
   }
   return out;
 }
 
-bool kernel11_pick(Dtype dtype, int64_t C, bool vectorized, Kernel11Config* cfg) {
-  const std::vector<Kernel11Config> all = kernel11_candidates(dtype, C, vectorized);
+bool kernel11_pick(Dtype dtype, int64_t C, bool vectorized, const DeviceLimits& lim, Kernel11Config* cfg) {
+  const std::vector<Kernel11Config> all = kernel11_candidates(dtype, C, vectorized, lim);
   if (all.empty()) return false;
   // Prefer: at least 70% of the threads' vector slots used; then prefetching; then more
   // vectors per thread (more bytes in flight per thread, fewer threads per row to reduce over).
@@ -334,13 +339,15 @@ cudaError_t layernorm_bwd_kernel11_config(const LayernormBwdParams& p, const Ker
 }
 
 cudaError_t layernorm_bwd_kernel11(const LayernormBwdParams& p, cudaStream_t stream) {
+  DeviceLimits lim;
+  LNBWD_RETURN_IF_CUDA_ERROR(device_limits(p.device, &lim));
   bool vectorized = false;
   dispatch_dtype(p.dtype, [&](auto t) {
     vectorized = can_vectorize<decltype(t)>(p);
     return cudaSuccess;
   });
   Kernel11Config cfg;
-  if (kernel11_pick(p.dtype, p.C, vectorized, &cfg)) return layernorm_bwd_kernel11_config(p, cfg, stream);
+  if (kernel11_pick(p.dtype, p.C, vectorized, lim, &cfg)) return layernorm_bwd_kernel11_config(p, cfg, stream);
   return layernorm_bwd_kernel11_wide(p, stream);
 }
 

@@ -111,6 +111,10 @@ kernel11_wide(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
 
 template <typename T, typename O, bool RESID, int VEC>
 cudaError_t launch(const LayernormBwdParams& p, cudaStream_t stream) {
+  if (p.plan) {
+    p.plan->kernel = 11;
+    p.plan->path = "wide rows";
+  }
   return launch_with_partials<T, O>(p, kernel11_wide<T, O, RESID, VEC>, kThreads, 0, BlocksPerSm::kOccupancyAtLeastOne, 1, 1,
                                  stream);
 }

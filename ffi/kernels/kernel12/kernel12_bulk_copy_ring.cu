@@ -28,8 +28,9 @@
 //   pass 2: dx_i = (g_i - s1/C - xhat_i s2 rstd/C) rstd, straight to global memory;
 //           dbias_i += dy_i, dweight_i += dy_i xhat_i in registers.
 // At the end the groups' sums meet in shared memory (in group order) and the block writes its
-// partial slot; the slots are then added in slot order (launch_with_partials, dispatch.cuh: by the
-// grid itself after a grid-wide barrier, or by finalize_partials). Deterministic.
+// partial slot; the slots are then added in slot order (launch_with_partials, common/launch.cuh:
+// by finalize_partials, or, opted in, by the grid itself after a grid-wide barrier).
+// Deterministic.
 //
 // Split rows (SPLIT = 2, kernel12_pick says where): the blocks come in clusters of two, and both
 // blocks of a cluster walk the same rows, block h taking the columns [h C/2, (h + 1) C/2) of
@@ -56,7 +57,6 @@ namespace {
 // block allows, more needs the 128 of a 512-thread block (else the compiler reports spills).
 constexpr int max_threads(size_t sum_bytes) { return sum_bytes <= 32 ? 1024 : 512; }
 constexpr int kMaxGroups = 15;               // named barriers 1..15
-constexpr size_t kSmemBudget = 227 * 1024;   // the opt-in maximum of sm_90
 
 // O: the type of weight, dweight and dbias (T, or float beside 16-bit T: mixed precision);
 // RESID: dresidual is added to dx (dispatch_types, launch.cuh).
@@ -419,13 +419,18 @@ size_t smem_bytes(const Kernel12Config& cfg, int64_t C, size_t item, size_t acc)
 
 template <typename T, typename O, bool RESID, int VEC, int NV, int NB, bool REGS, typename W, int SPLIT>
 cudaError_t launch(const LayernormBwdParams& p, Kernel12Config cfg, cudaStream_t stream) {
+  if (p.plan) {
+    p.plan->kernel = 12;
+    p.plan->path = SPLIT > 1 ? "ring, rows split over a cluster" : "ring";
+  }
   // Fewer rows than the SMs have groups: fewer groups per block, so that the rows spread over
   // more SMs and each block's end (its groups' sums added column by column in shared memory, a
   // chain of 2 * groups loads per column) is shorter. (A cluster of SPLIT blocks takes a row
-  // per group.)
-  int sms = 0;
-  LNBWD_RETURN_IF_CUDA_ERROR(sm_count(&sms));
-  cfg.groups = static_cast<int>(std::clamp<int64_t>(ceil_div<int64_t>(p.rows, sms / SPLIT), 1, cfg.groups));
+  // per group; a GPU, or a partition of one, can have fewer SMs than SPLIT.)
+  DeviceLimits lim;
+  LNBWD_RETURN_IF_CUDA_ERROR(device_limits(p.device, &lim));
+  const int64_t units_on_gpu = std::max(1, lim.sms / SPLIT);
+  cfg.groups = static_cast<int>(std::clamp<int64_t>(ceil_div<int64_t>(p.rows, units_on_gpu), 1, cfg.groups));
   return launch_with_partials<T, O>(p, kernel12_ring<T, O, RESID, VEC, NV, NB, REGS, W, SPLIT>, cfg.tpr * cfg.groups,
                                  smem_bytes(cfg, p.C / SPLIT, sizeof(T), sizeof(acc_t<T>)), BlocksPerSm::kOccupancy,
                                  cfg.groups, SPLIT, stream, cfg.tpr, cfg.groups);
@@ -509,13 +514,15 @@ bool pick_buffers(const std::vector<Kernel12Config>& all, Dtype dtype, int64_t C
 
 }  // namespace
 
-std::vector<Kernel12Config> kernel12_candidates(Dtype dtype, int64_t C, bool weight_f32) {
+// Configurations whose ring fits the device's opt-in shared memory; split rows only where the
+// device launches clusters and has two SMs for one.
+std::vector<Kernel12Config> kernel12_candidates(Dtype dtype, int64_t C, const DeviceLimits& lim, bool weight_f32) {
   const int item = dtype_bytes(dtype);
   const int vec = 16 / item;
   const size_t acc = dtype == Dtype::kF64 ? 8 : 4;
   std::vector<Kernel12Config> out;
   for (const int split : {1, 2}) {
-    if (split > 1 && !can_split(dtype)) continue;
+    if (split > 1 && (!can_split(dtype) || !lim.clusters || lim.sms < split)) continue;
     if (C % (split * vec) != 0) continue;
     const int64_t Cb = C / split;
     for (const auto [nb, raw_weight] : {std::pair{3, false}, {2, false}, {3, true}}) {
@@ -531,7 +538,7 @@ std::vector<Kernel12Config> kernel12_candidates(Dtype dtype, int64_t C, bool wei
       if (tpr > block_max) continue;
       cfg.tpr = static_cast<int>(tpr);
       cfg.groups = std::min(block_max / cfg.tpr, kMaxGroups);
-      while (cfg.groups > 0 && smem_bytes(cfg, Cb, item, acc) > kSmemBudget) --cfg.groups;
+      while (cfg.groups > 0 && smem_bytes(cfg, Cb, item, acc) > lim.smem_optin) --cfg.groups;
       if (cfg.groups == 0) continue;
       out.push_back(cfg);
     }
@@ -539,7 +546,7 @@ std::vector<Kernel12Config> kernel12_candidates(Dtype dtype, int64_t C, bool wei
   return out;
 }
 
-bool kernel12_pick(Dtype dtype, int64_t C, Kernel12Config* cfg, bool weight_f32) {
+bool kernel12_pick(Dtype dtype, int64_t C, const DeviceLimits& lim, Kernel12Config* cfg, bool weight_f32) {
   // Split rows where they measured faster: 16-bit rows of 4096 columns and more (H200, harness
   // sweep, the pick without split against the pick with: 4096x16384 bf16 128.7 -> 111.0 us,
   // fp16 122.6 -> 115.1; 8192x8192 bf16 115.6 -> 111.9, fp16 111.9 -> 110.1; 16384x4096 bf16
@@ -550,7 +557,7 @@ bool kernel12_pick(Dtype dtype, int64_t C, Kernel12Config* cfg, bool weight_f32)
   // partial sums' traffic (17 MB of slots at C = 16384 in 16-bit: 4% of the bytes, each written
   // and read once). fp32 rows split only where a whole row does not fit (C > 8192; 4096x16384
   // 221.3 us on the wide-row path, 218.2 split; 8192x8192 212.6 whole, 212.7 split).
-  const std::vector<Kernel12Config> all = kernel12_candidates(dtype, C, weight_f32);
+  const std::vector<Kernel12Config> all = kernel12_candidates(dtype, C, lim, weight_f32);
   if (dtype_bytes(dtype) == 2 && C >= 4096 && pick_buffers(all, dtype, C, 2, cfg)) return true;
   return pick_buffers(all, dtype, C, 1, cfg) || pick_buffers(all, dtype, C, 2, cfg);
 }
@@ -570,21 +577,34 @@ cudaError_t layernorm_bwd_kernel12_config(const LayernormBwdParams& p, const Ker
   });
 }
 
+bool kernel12_has_code(int device) {
+  // The ring and the wide-row kernel are compiled in one CMake target, for the same
+  // architectures: one of them answers for both.
+  int arch = 0;
+  if (kernel_code_arch(device, reinterpret_cast<const void*>(kernel12_ring<float, float, false, 4, 4, 2, true, float, 1>), &arch) !=
+      cudaSuccess) {
+    (void)cudaGetLastError();   // no code for this GPU at all: kernel 11 will say so
+    return false;
+  }
+  return arch >= 90;
+}
+
 cudaError_t layernorm_bwd_kernel12(const LayernormBwdParams& p, cudaStream_t stream) {
-  int major = 0;
-  LNBWD_RETURN_IF_CUDA_ERROR(compute_capability_major(&major));
+  DeviceLimits lim;
+  LNBWD_RETURN_IF_CUDA_ERROR(device_limits(p.device, &lim));
   bool vectorized = false;
   dispatch_dtype(p.dtype, [&](auto t) {
     vectorized = can_vectorize<decltype(t)>(p);
     return cudaSuccess;
   });
-  // The bulk copy engine needs sm_90 and 16-byte aligned rows; otherwise kernel 11 does the job,
-  // as it does for rows wider than the ring and the wide path take (fp32 and 16-bit C > 16384
-  // and 32768, fp64 beyond the ring).
-  if (major >= 9 && vectorized) {
+  // The bulk copy engine needs sm_90 and 16-byte aligned rows, and the build must have sm_90
+  // code (else the body, guarded by __CUDA_ARCH__ >= 900, is empty). Otherwise kernel 11 does
+  // the job, as it does for rows wider than the ring and the wide path take in this device's
+  // shared memory (on Hopper: fp32 and 16-bit C > 16384 and 32768, fp64 beyond the ring).
+  if (lim.cc_major >= 9 && vectorized && kernel12_has_code(lim.device)) {
     Kernel12Config cfg;
-    if (kernel12_pick(p.dtype, p.C, &cfg, p.weight_f32)) return layernorm_bwd_kernel12_config(p, cfg, stream);
-    if (kernel12_wide_fits(p.dtype, p.C)) return layernorm_bwd_kernel12_wide(p, stream);
+    if (kernel12_pick(p.dtype, p.C, lim, &cfg, p.weight_f32)) return layernorm_bwd_kernel12_config(p, cfg, stream);
+    if (kernel12_wide_fits(p.dtype, p.C, lim)) return layernorm_bwd_kernel12_wide(p, stream);
   }
   return layernorm_bwd_kernel11(p, stream);
 }

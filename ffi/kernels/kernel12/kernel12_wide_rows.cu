@@ -22,7 +22,7 @@
 // Work split: consumer thread t owns the columns (j * 512 + t) * VEC for j < NV, so its sums
 // stay in registers for the whole kernel; chunk c holds j in [c * NVC, (c + 1) * NVC). At the
 // end each thread writes its columns of the block's partial slot; the slots are then added in
-// slot order (launch_with_partials, dispatch.cuh). Deterministic.
+// slot order (launch_with_partials, common/launch.cuh). Deterministic.
 #include "kernel12/bulk_copy.cuh"
 #include "common/launch.cuh"
 #include "kernel12/kernel12.h"
@@ -37,7 +37,6 @@ constexpr int kConsumers = 512;
 constexpr int kConsumerWarps = kConsumers / 32;
 constexpr int kThreads = kConsumers + 32;   // plus the producer warp
 constexpr int kNB = 4;                      // ring buffers (chunks in flight)
-constexpr size_t kSmemBudget = 227 * 1024;  // the opt-in maximum of sm_90
 
 __device__ __forceinline__ void consumers_sync() {
   asm volatile("bar.sync 1, %0;" ::"n"(kConsumers) : "memory");
@@ -254,17 +253,23 @@ size_t smem_bytes(int64_t C, size_t item, size_t acc, int chunk) {
 
 }  // namespace
 
-bool kernel12_wide_fits(Dtype dtype, int64_t C) {
+bool kernel12_wide_fits(Dtype dtype, int64_t C, const DeviceLimits& lim) {
   if (dtype != Dtype::kF32 && dtype != Dtype::kBF16 && dtype != Dtype::kF16) return false;
   const size_t item = dtype == Dtype::kF32 ? 4 : 2;
   const int vec = static_cast<int>(16 / item);
   const int nv = item == 4 ? kNV<float> : kNV<__nv_bfloat16>;
   return C % vec == 0 && C <= static_cast<int64_t>(kConsumers) * nv * vec &&
-         smem_bytes(C, item, 4, kConsumers * kNVC * vec) <= kSmemBudget;
+         smem_bytes(C, item, 4, kConsumers * kNVC * vec) <= lim.smem_optin;
 }
 
 cudaError_t layernorm_bwd_kernel12_wide(const LayernormBwdParams& p, cudaStream_t stream) {
-  if (!kernel12_wide_fits(p.dtype, p.C)) return cudaErrorInvalidValue;
+  DeviceLimits lim;
+  LNBWD_RETURN_IF_CUDA_ERROR(device_limits(p.device, &lim));
+  if (p.plan) {
+    p.plan->kernel = 12;
+    p.plan->path = "wide rows";
+  }
+  if (!kernel12_wide_fits(p.dtype, p.C, lim)) return cudaErrorInvalidConfiguration;
   return dispatch_types(p, [&](auto tag, auto o, auto resid) -> cudaError_t {
     using T = decltype(tag);
     using O = decltype(o);
