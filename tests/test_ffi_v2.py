@@ -261,3 +261,23 @@ def test_python_wrapper_checks_at_trace_time():
         _ffi.layernorm_bwd_segments_v2(dy, x, w.astype(np_dtype("bfloat16")), mean, rstd, **kw)
     with pytest.raises(ValueError, match=r"'dresidual' has shape \(4, 7\) but x has shape \(4, 8\)"):
         _ffi.layernorm_bwd_segments_v2(dy, x, w, mean, rstd, dresidual=res[:, :7], **kw)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_v2_exports_and_runs_again(platform):
+    """A program calling target v2 (mixed precision, aliased residual) exports, serializes and
+    runs again with the same bits; target v1 stays registered beside it."""
+    from jax import export
+    dy, x, w, mean, rstd, res = make(12, 264, "bfloat16", "float32", seed=11)
+    ws = 256 + 12 * 2 * 264 * 4
+
+    def f(dy, x, w, mean, rstd, res):
+        return _ffi.layernorm_bwd_segments_v2(dy, x, w, mean, rstd, segments=1, kernel=12, block_size=0,
+                                              workspace_bytes=ws, dresidual=res)
+    args = put(platform, dy, x, w, mean, rstd, res)
+    exported = export.export(jax.jit(f), platforms=[{"cpu": "cpu", "gpu": "cuda"}[platform]],
+                             disabled_checks=[export.DisabledSafetyCheck.custom_call(_ffi.TARGET_V2)])(*args)
+    assert f"@{_ffi.TARGET_V2}(" in exported.mlir_module()
+    restored = export.deserialize(exported.serialize())
+    for got, want in zip(jax.jit(restored.call)(*args), jax.jit(f)(*args)):
+        np.testing.assert_array_equal(f64(got), f64(want))
