@@ -125,12 +125,14 @@ ffi::Error Run(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& dy, co
   p.device = device;
   p.dresidual = dresidual;
   p.weight_f32 = shape.weight_f32;
-  const size_t one_slot = kWorkspaceHeaderBytes + 2 * static_cast<size_t>(p.C) * (p.dtype == Dtype::kF64 ? 8 : 4);
-  if (p.workspace_bytes < one_slot) {
+  // A launcher uses as many partial slots as it finds room for, down to one per segment.
+  const size_t least = kWorkspaceHeaderBytes +
+                       static_cast<size_t>(p.segments) * 2 * static_cast<size_t>(p.C) * (p.dtype == Dtype::kF64 ? 8 : 4);
+  if (p.workspace_bytes < least) {
     return ArgError("'workspace' has shape " + ShapeStr(workspace->dimensions()) + " but expected at least " +
-                    std::to_string(one_slot) + " bytes (a " + std::to_string(kWorkspaceHeaderBytes) +
-                    "-byte header and one partial slot of 2*C accumulators) for x of shape " +
-                    ShapeStr(x.dimensions()));
+                    std::to_string(least) + " bytes (a " + std::to_string(kWorkspaceHeaderBytes) +
+                    "-byte header and a partial slot of 2*C accumulators per segment) for x of shape " +
+                    ShapeStr(x.dimensions()) + " in " + std::to_string(p.segments) + " segment(s)");
   }
   const ffi::DataType dtype = x.element_type();
 

@@ -113,9 +113,9 @@ def test_nested_vmap_of_grad(platform):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_vmap_of_grad_more_examples_than_resident_blocks(platform, dtype):
     # 1500 examples: one segment each, so the GPU grid has at least 1500 blocks, more than fit on
-    # the GPU at once (at most 2048 threads of 132 SMs on an H200). The kernel then cannot
-    # finish the sums at a grid-wide barrier (a cooperative launch must fit); it is launched
-    # plainly and finalize_partials sums the slots (launch_with_partials, ffi/kernels/common/launch.cuh).
+    # the GPU at once (at most 2048 threads of 132 SMs on an H200): later blocks start as earlier
+    # ones finish, and finalize_partials sums each segment's slots (launch_with_partials,
+    # ffi/kernels/common/launch.cuh).
     x, w, b, r = _batch((2, 64), 1500, seed=45, dtype=dtype)
     got = jax.jit(jax.vmap(_grads(layernorm)))(*put(platform, x, w, b, r))
     want = on_cpu_f64(jax.vmap(_grads(reference.layernorm)))(x, w, b, r)

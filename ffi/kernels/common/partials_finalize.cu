@@ -11,9 +11,11 @@
 // Shapes, chosen before the launch:
 //  * V, columns per lane: the narrowest tiles of which there are no more than SMs (finish_vec),
 //    so that wide rows take fewer, larger 16-byte loads and narrow rows spread over more SMs;
-//  * warps per block: enough that one round of BATCH loads per thread covers the slots, at most
-//    32 (16 where C > 8192 or V > 1: there are then enough blocks to fill the GPU, and more
-//    requests at once only queue). One slot a segment (many vmapped segments): one warp.
+//  * warps per block: enough that one round of BATCH loads per thread covers a segment's slots
+//    (a slot per block of a grid sized to the GPU: about 132 on an H200), at most 16. A tile's
+//    time is one round trip to L2 for the loads, then the warps' sums added in warp order, one
+//    after another: few warps with many loads each keep that chain short. One slot a segment
+//    (many vmapped segments): one warp.
 //
 // Programmatic dependent launch (sm_90). The finalize kernel is launched while the kernel that
 // writes the partials still runs, and waits for it on the GPU (griddepcontrol.wait: the earlier
@@ -27,7 +29,10 @@
 namespace lnbwd {
 namespace {
 
-constexpr int kBatch = 4;   // slots whose loads a thread issues before it adds them
+constexpr int kMaxWarps = 16;
+// Slots whose loads a thread issues before it adds them: 2 * BATCH * V accumulators in registers.
+template <int V>
+constexpr int kBatch = V == 1 ? 16 : 8;
 
 // At most MAX_WARPS warps (blockDim.x / 32 of them run) per tile of 32 * V columns. O: the type
 // of dweight and dbias (T, or float beside 16-bit T: mixed precision).
@@ -41,16 +46,35 @@ finalize_partials(O* __restrict__ dweight, O* __restrict__ dbias, const acc_t<T>
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");   // the partials' writer has finished
 #endif
-  sum_partials_tile<T, kBatch, V, O>(dweight + segment * C, dbias + segment * C,
+  sum_partials_tile<T, kBatch<V>, V, O>(dweight + segment * C, dbias + segment * C,
                                   partials + segment * slots * 2 * static_cast<size_t>(C), slots, C, tile * 32 * V,
                                   static_cast<int>(blockDim.x / 32), sums);
+}
+
+// Whether the finalize launch may carry the programmatic-serialization attribute: griddepcontrol
+// needs sm_90, and stream capture (XLA's command buffers) records programmatic dependencies from
+// CUDA 12.3 on; an older driver that is capturing gets a plain launch, and so does the legacy
+// default stream (the standalone harness's checks), which synchronizes with every other stream.
+bool dependent_launch_ok(const DeviceLimits& lim, cudaStream_t stream) {
+  if (lim.cc_major < 9 || stream == nullptr || stream == cudaStreamLegacy) return false;
+  static const int driver = [] {
+    int v = 0;
+    return cudaDriverGetVersion(&v) == cudaSuccess ? v : 0;
+  }();
+  if (driver >= 12030) return true;
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capturing) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return capturing == cudaStreamCaptureStatusNone;
 }
 
 template <typename T, typename O, int V, int MAX_WARPS>
 cudaError_t launch(const LayernormBwdParams& p, const DeviceLimits& lim, int slots, cudaStream_t stream) {
   const int64_t tiles = ceil_div<int64_t>(p.C, 32 * V);
   if (tiles * p.segments > INT32_MAX) return cudaErrorInvalidConfiguration;
-  const int warps = static_cast<int>(std::clamp<int64_t>(ceil_div<int64_t>(slots, kBatch), 1, MAX_WARPS));
+  const int warps = static_cast<int>(std::clamp<int64_t>(ceil_div<int64_t>(slots, kBatch<V>), 1, MAX_WARPS));
   cudaLaunchAttribute dependent;
   dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   dependent.val.programmaticStreamSerializationAllowed = 1;
@@ -59,7 +83,7 @@ cudaError_t launch(const LayernormBwdParams& p, const DeviceLimits& lim, int slo
   cfg.blockDim = dim3(32 * warps);
   cfg.stream = stream;
   cfg.attrs = &dependent;
-  cfg.numAttrs = lim.cc_major >= 9 ? 1 : 0;   // griddepcontrol needs sm_90; before it, a plain launch
+  cfg.numAttrs = dependent_launch_ok(lim, stream) ? 1 : 0;
   return cudaLaunchKernelEx(&cfg, finalize_partials<T, O, V, MAX_WARPS>, static_cast<O*>(p.dweight),
                             static_cast<O*>(p.dbias), static_cast<const acc_t<T>*>(partials_of<T>(p)), slots,
                             static_cast<int>(p.C), static_cast<int>(tiles));
@@ -75,10 +99,10 @@ cudaError_t finalize_partials_launch(const LayernormBwdParams& p, const DeviceLi
     using O = decltype(o);
     const int vec = finish_vec<T>(p.C, p.segments, lim.sms);
     if constexpr (kFinishMaxVec<T> >= 4) {
-      if (vec == 4) return launch<T, O, 4, 16>(p, lim, slots, stream);
+      if (vec == 4) return launch<T, O, 4, kMaxWarps>(p, lim, slots, stream);
     }
-    if (vec == 2) return launch<T, O, 2, 16>(p, lim, slots, stream);
-    return p.C <= 8192 ? launch<T, O, 1, 32>(p, lim, slots, stream) : launch<T, O, 1, 16>(p, lim, slots, stream);
+    if (vec == 2) return launch<T, O, 2, kMaxWarps>(p, lim, slots, stream);
+    return launch<T, O, 1, kMaxWarps>(p, lim, slots, stream);
   });
 }
 
