@@ -9,6 +9,8 @@ signature and results (tests at the end).
 """
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -165,7 +167,13 @@ def test_residual_is_donated_in_place(platform):
         return _ffi.layernorm_bwd_segments_v2(dy, x, w, mean, rstd, segments=1, kernel=12, block_size=0,
                                               workspace_bytes=ws, dresidual=res)
     args = put(platform, res, dy, x, w, mean, rstd)
-    got = jax.jit(f, donate_argnums=0)(*args)
+    donated = jax.jit(f, donate_argnums=0)
+    # dx is written into dresidual's buffer: the call aliases them and nothing copies dresidual.
+    # (Without donation XLA copies it first, as it must: the caller still holds it.)
+    hlo = donated.lower(*args).compile().as_text()
+    assert "output_to_operand_aliasing={{0}: (5, {})}" in hlo
+    assert not re.search(r"= bf16\[16,128\]\S* copy\(", hlo), hlo
+    got = donated(*args)
     check("donated", tuple(np.asarray(o) for o in got), dy, x, w, mean, rstd, res, "bfloat16", "float32")
 
 
