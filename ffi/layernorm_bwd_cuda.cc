@@ -1,6 +1,6 @@
-// CUDA handler of the layernorm backward FFI target: checks the buffers, checks the kernel's
-// limits once through the registry (registry.h, with this GPU's limits), handles zero rows, and
-// hands plain pointers to the kernel launcher that `kernel` selects. No math here.
+// CUDA handlers of the layernorm backward FFI targets v1 and v2: check the buffers, map the dtype,
+// check the kernel's limits once through the registry (registry.h, with this GPU's limits),
+// handle zero rows, and hand plain pointers to the launcher that `kernel` selects. No math here.
 // A failure comes back as an ffi::Error that names the kernel, the shape and the device's limits,
 // and leaves no CUDA error behind for the next call (ClearCudaError).
 #include <cstdint>
@@ -29,14 +29,12 @@ ffi::Error LaunchError(int32_t kernel, const LayernormBwdParams& p, ffi::DataTyp
   return ffi::Error::Internal(LaunchFailure(kernel, p.rows, p.C, DtypeName(dtype), p.segments, plan, lim, err));
 }
 
-ffi::Error LayernormBwdCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer weight,
-                            ffi::AnyBuffer mean, ffi::AnyBuffer rstd, ffi::Result<ffi::AnyBuffer> dx,
-                            ffi::Result<ffi::AnyBuffer> dweight, ffi::Result<ffi::AnyBuffer> dbias,
-                            ffi::Result<ffi::AnyBuffer> workspace, int32_t kernel, int32_t block_size) {
-  LayernormBwdShape shape;
-  if (auto e = CheckLayernormBwdArgs(dy, x, weight, mean, rstd, *dx, *dweight, *dbias, &shape); e.failure()) {
-    return e;
-  }
+// Both targets. v1 passes dresidual null and a shape whose weight_f32 is false; v2 has checked
+// its additions (CheckResidual, CheckV2Kernel) before it comes here.
+ffi::Error Run(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x,
+               const ffi::AnyBuffer& weight, const ffi::AnyBuffer& mean, const ffi::AnyBuffer& rstd,
+               const void* dresidual, ffi::AnyBuffer* dx, ffi::AnyBuffer* dweight, ffi::AnyBuffer* dbias,
+               ffi::AnyBuffer* workspace, int32_t kernel, int32_t block_size, const LayernormBwdShape& shape) {
   const KernelFacts* k = nullptr;
   if (auto e = CheckKernelAttrs(kernel, block_size, &k); e.failure()) return e;
   Dtype dtype;
@@ -86,6 +84,8 @@ ffi::Error LayernormBwdCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
   p.workspace = workspace->untyped_data();
   p.workspace_bytes = workspace->size_bytes();
   p.device = device;
+  p.dresidual = dresidual;
+  p.weight_f32 = shape.weight_f32;
   // A launcher uses as many partial slots as it finds room for, down to one per segment.
   const size_t least = kWorkspaceHeaderBytes +
                        static_cast<size_t>(p.segments) * 2 * static_cast<size_t>(p.C) * (p.dtype == Dtype::kF64 ? 8 : 4);
@@ -115,6 +115,37 @@ ffi::Error LayernormBwdCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
   return ffi::Error::Success();
 }
 
+ffi::Error LayernormBwdCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer dy, ffi::AnyBuffer x,
+                            ffi::AnyBuffer weight, ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
+                            ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dweight,
+                            ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> workspace, int32_t kernel,
+                            int32_t block_size) {
+  LayernormBwdShape shape;
+  if (auto e = CheckLayernormBwdArgs(dy, x, weight, mean, rstd, *dx, *dweight, *dbias, &shape); e.failure()) {
+    return e;
+  }
+  return Run(stream, device, dy, x, weight, mean, rstd, nullptr, &*dx, &*dweight, &*dbias,
+             &*workspace, kernel, block_size, shape);
+}
+
+ffi::Error LayernormBwdV2Cuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer dy, ffi::AnyBuffer x,
+                              ffi::AnyBuffer weight, ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
+                              ffi::AnyBuffer dresidual, ffi::Result<ffi::AnyBuffer> dx,
+                              ffi::Result<ffi::AnyBuffer> dweight, ffi::Result<ffi::AnyBuffer> dbias,
+                              ffi::Result<ffi::AnyBuffer> workspace, int32_t kernel, int32_t block_size,
+                              bool has_residual) {
+  LayernormBwdShape shape;
+  if (auto e = CheckLayernormBwdArgs(dy, x, weight, mean, rstd, *dx, *dweight, *dbias, &shape,
+                                     /*allow_f32_weight=*/true);
+      e.failure()) {
+    return e;
+  }
+  if (auto e = CheckResidual(dresidual, has_residual, x); e.failure()) return e;
+  if (auto e = CheckV2Kernel(kernel, shape, has_residual); e.failure()) return e;
+  return Run(stream, device, dy, x, weight, mean, rstd, has_residual ? dresidual.untyped_data() : nullptr, &*dx,
+             &*dweight, &*dbias, &*workspace, kernel, block_size, shape);
+}
+
 }  // namespace
 }  // namespace lnbwd
 
@@ -137,4 +168,34 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<xla::ffi::AnyBuffer>()   // workspace [bytes] uint8: flags, then per-block partial sums
         .Attr<int32_t>("kernel")      // which CUDA kernel (ids as in jax_lnbwd.KERNELS)
         .Attr<int32_t>("block_size"), // threads per block, 0 = the kernel's best
+    {xla::ffi::Traits::kCmdBufferCompatible});
+
+// Target jax_lnbwd_layernorm_bwd_v2: v1 plus two things (kernels 11 and 12; 1-10 refuse them).
+//  * Mixed precision: weight may be float32 beside bfloat16/float16 x ("pdtype" below: x's dtype,
+//    or float32). g = weight * dy is formed in fp32 from the float32 weight, never rounded, and
+//    dweight/dbias, summed in fp32 as always, are stored as pdtype.
+//  * A residual gradient: with has_residual, dx = layernorm's dx + dresidual, added in fp32 and
+//    rounded once (the backward of add_layernorm: the residual stream's gradient passes through).
+//    The caller aliases dresidual to dx (input_output_aliases {5: 0}): XLA then writes dx in
+//    dresidual's buffer where that is dead after the call, and copies it first where it is not.
+//    Each element is read once and written once, by the same thread. Absent (has_residual
+//    false), dresidual is a placeholder with no elements, e.g. a (0,) array, and nothing aliases.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxLnbwdLayernormBwdV2Cuda, lnbwd::LayernormBwdV2Cuda,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()   // XLA's stream
+        .Ctx<xla::ffi::DeviceOrdinal>()                  // the CUDA device of that stream
+        .Arg<xla::ffi::AnyBuffer>()   // dy [rows, C] dtype
+        .Arg<xla::ffi::AnyBuffer>()   // x [rows, C] dtype
+        .Arg<xla::ffi::AnyBuffer>()   // weight [1 or segments, C] pdtype: dtype, or float32 beside bf16/f16
+        .Arg<xla::ffi::AnyBuffer>()   // mean [rows] float32 (float64 for float64 x)
+        .Arg<xla::ffi::AnyBuffer>()   // rstd [rows] float32 (float64 for float64 x)
+        .Arg<xla::ffi::AnyBuffer>()   // dresidual [rows, C] dtype, aliased to dx; (0,) when !has_residual
+        .Ret<xla::ffi::AnyBuffer>()   // dx [rows, C] dtype: layernorm's dx (+ dresidual)
+        .Ret<xla::ffi::AnyBuffer>()   // dweight [segments, C] pdtype: sums over each segment's rows
+        .Ret<xla::ffi::AnyBuffer>()   // dbias [segments, C] pdtype
+        .Ret<xla::ffi::AnyBuffer>()   // workspace [bytes] uint8: flags, then per-block partial sums
+        .Attr<int32_t>("kernel")      // which CUDA kernel (ids as in jax_lnbwd.KERNELS)
+        .Attr<int32_t>("block_size")  // threads per block, 0 = the kernel's best
+        .Attr<bool>("has_residual"),  // whether dresidual is added (else it is a placeholder)
     {xla::ffi::Traits::kCmdBufferCompatible});

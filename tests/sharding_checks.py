@@ -345,6 +345,46 @@ def export_inside_shard_map():
 
 
 @check
+def v2_mixed_residual_rows_sharded():
+    """Target v2 (sharding.layernorm_bwd_segments_v2) with bf16 data, a float32 weight and a
+    residual gradient, rows over both mesh axes: equal to one device's, dx and dresidual keep
+    x's sharding, dweight/dbias are float32, and the one psum is f32[2, C]; with both partitioners."""
+    from jax_lnbwd import sharding
+    rng = np.random.default_rng(3)
+    shape, C = ENV.grid(128), 128
+    t = jnp.bfloat16
+    x, dy, res = (rng.standard_normal(shape).astype(t) for _ in range(3))
+    w = (1 + 0.1 * rng.standard_normal(C)).astype(np.float32)
+    xf = jnp.asarray(x, jnp.float32)
+    mean = xf.mean(-1)
+    rstd = jax.lax.rsqrt(((xf - mean[..., None]) ** 2).mean(-1) + 1e-5)
+    for residual in (False, True):
+        def f(dy, x, w, mean, rstd, res):
+            return sharding.layernorm_bwd_segments_v2(dy, x, w, mean, rstd, 0, 12, 0,
+                                                      dresidual=res if residual else None)
+        args = (dy, x, w, mean, rstd, res)
+        want = ENV.one_device(f, *args)
+        for shardy in (True, False):
+            jax.config.update("jax_use_shardy_partitioner", shardy)
+            try:
+                rows, rep = NamedSharding(ENV.mesh2, P("a", "b")), NamedSharding(ENV.mesh2, P())
+                stats = NamedSharding(ENV.mesh2, P("a", "b"))
+                jitted = jax.jit(f, in_shardings=(rows, rows, rep, stats, stats, rows))
+                got = jitted(*args)
+            finally:
+                jax.config.update("jax_use_shardy_partitioner", True)
+            what = f"residual={residual} shardy={shardy}"
+            assert got[1].dtype == got[2].dtype == jnp.float32, (what, got[1].dtype)
+            for name, g, w_ in zip(("dx", "dweight", "dbias"), got, want):
+                err = rel_err(g, w_)
+                tol = RTOL["bfloat16"] if name == "dx" else RTOL["float32"]
+                assert err <= tol, f"{what} {name}: rel_err {err:.2e} > {tol:.0e}"
+            assert got[0].sharding.is_equivalent_to(rows, 3), (what, got[0].sharding)
+            if shardy:
+                assert_one_psum_no_gather(jitted, args, C)
+
+
+@check
 def gspmd_partitioner():
     """The older GSPMD partitioner (jax_use_shardy_partitioner=False) uses the same partition
     and infer_sharding_from_operands: same results, same single psum."""

@@ -14,6 +14,14 @@
 // Segments (for per-example gradients under vmap): the rows may be split into S equal,
 // contiguous segments, each with its own dweight/dbias row (and optionally its own weight row).
 // S = 1 is the plain op.
+//
+// Mixed precision (weight_f32): x, dy and dx are bf16 or fp16 while weight, dweight and dbias are
+// float32. g_i = weight_i * dy_i is then formed in fp32 from the float32 weight itself (never
+// rounded to 16 bits), and the fp32 sums are stored as float32.
+//
+// Residual gradient (dresidual): dx_i = (layernorm's dx_i, in fp32) + dresidual_i, rounded once.
+// dresidual may be dx itself (the FFI caller aliases it to the output): each element is read
+// once, by the thread that then writes the same element of dx.
 #pragma once
 
 #include <cstddef>
@@ -63,11 +71,11 @@ struct LaunchPlan {
 // Every kernel writes its outputs (never accumulates into them: XLA's buffers are uninitialized).
 struct LayernormBwdParams {
   void* dx;             // [rows, C] dtype
-  void* dweight;        // [segments, C] dtype
-  void* dbias;          // [segments, C] dtype
+  void* dweight;        // [segments, C] dtype (float32 when weight_f32)
+  void* dbias;          // [segments, C] dtype (float32 when weight_f32)
   const void* dy;       // [rows, C] dtype
   const void* x;        // [rows, C] dtype
-  const void* weight;   // [C] dtype, or [segments, C] when weight_stride == C
+  const void* weight;   // [C] dtype (float32 when weight_f32), or [segments, C] when weight_stride == C
   const void* mean;     // [rows] float32 (float64 when dtype is kF64)
   const void* rstd;     // [rows] float32 (float64 when dtype is kF64)
   int64_t rows;
@@ -81,6 +89,9 @@ struct LayernormBwdParams {
   int device = -1;      // CUDA ordinal of the device `stream` belongs to; -1: the current device
   LaunchPlan* plan = nullptr;  // kernels 11 and 12: where to report the launch they choose
   bool plan_only = false;      // with `plan`: choose and report, launch nothing
+  // Kernels 11 and 12 only: the seed kernels 1-10 ignore these two, so the FFI glue refuses them there.
+  const void* dresidual = nullptr;  // [rows, C] dtype, added to dx; null: nothing added
+  bool weight_f32 = false;  // weight, dweight, dbias are float32 while dtype is kBF16 or kF16
 };
 
 // The workspace starts with a header of this many bytes (completion flags, zeroed by the

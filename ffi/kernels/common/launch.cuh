@@ -34,6 +34,25 @@ cudaError_t dispatch_dtype(Dtype dtype, F&& f) {
   return cudaErrorInvalidValue;
 }
 
+// Calls f(T{}, O{}, R{}) with the data's C++ type T, the type O of weight, dweight and dbias (T,
+// or float beside 16-bit data when p.weight_f32: mixed precision) and R =
+// std::bool_constant<p.dresidual != nullptr> (a residual gradient added to dx). The launchers
+// compile each combination as its own kernel, so the plain one (O = T, no residual) is the same
+// code as before these options existed. An impossible combination is an error.
+template <typename F>
+cudaError_t dispatch_types(const LayernormBwdParams& p, F&& f) {
+  return dispatch_dtype(p.dtype, [&](auto t) -> cudaError_t {
+    using T = decltype(t);
+    auto with = [&](auto o) -> cudaError_t {
+      if (p.dresidual) return f(t, o, std::true_type{});
+      return f(t, o, std::false_type{});
+    };
+    if (!p.weight_f32) return with(t);
+    if constexpr (sizeof(T) == 2) return with(float{});
+    return cudaErrorInvalidValue;   // weight_f32 is for bf16/fp16 data only
+  });
+}
+
 // 16-byte accesses need every row to start on a 16-byte boundary: C * sizeof(T) % 16 == 0 and
 // 16-byte aligned base pointers. Otherwise the kernels fall back to one element per access.
 template <typename T>
@@ -41,7 +60,7 @@ bool can_vectorize(const LayernormBwdParams& p) {
   constexpr int vec = 16 / sizeof(T);
   auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
   return p.C % vec == 0 && aligned(p.dx) && aligned(p.dy) && aligned(p.x) && aligned(p.weight) &&
-         aligned(p.dweight) && aligned(p.dbias);
+         aligned(p.dweight) && aligned(p.dbias) && (!p.dresidual || aligned(p.dresidual));
 }
 
 // How many per-block partial slots (2 * C accumulators each) fit in the workspace XLA gave us.
@@ -95,13 +114,14 @@ enum class BlocksPerSm {
 };
 
 // The signature of the kernels that write per-block partial sums of dbias/dweight into the
-// workspace: (dx, partials, dy, x, weight, mean, rstd, rows_per_segment, blocks_per_segment,
-// weight_stride, C, finish, extra...). Each ends with
+// workspace: (dx, partials, dy, x, weight, dresidual, mean, rstd, rows_per_segment,
+// blocks_per_segment, weight_stride, C, finish, extra...); weight has type O (dispatch_types),
+// dresidual is null unless the kernel was compiled to add it. Each ends with
 //   if (finish.dweight) finish_partials_in_grid(finish, partials, blocks_per_segment, C, warps, smem);
 // with at least grid_finish_smem bytes of dynamic shared memory free by then.
-template <typename T, typename... Extra>
-using PartialsKernel = void (*)(T*, acc_t<T>*, const T*, const T*, const T*, const stat_t<T>*, const stat_t<T>*,
-                                int64_t, int, int64_t, int, GridFinish<T>, Extra...);
+template <typename T, typename O, typename... Extra>
+using PartialsKernel = void (*)(T*, acc_t<T>*, const T*, const T*, const O*, const T*, const stat_t<T>*,
+                                const stat_t<T>*, int64_t, int, int64_t, int, GridFinish<T, O>, Extra...);
 
 template <typename T>
 constexpr size_t grid_finish_smem(int threads) {
@@ -130,8 +150,8 @@ constexpr size_t grid_finish_smem(int threads) {
 //
 // Everything is decided before anything is launched; with p.plan_only nothing is (the launch is
 // planned for layernorm_bwd_workspace_bytes). p.plan, if set, receives the decisions.
-template <typename T, typename... Extra, typename... Args>
-cudaError_t launch_with_partials(const LayernormBwdParams& p, PartialsKernel<T, Extra...> kernel, int threads,
+template <typename T, typename O, typename... Extra, typename... Args>
+cudaError_t launch_with_partials(const LayernormBwdParams& p, PartialsKernel<T, O, Extra...> kernel, int threads,
                                  size_t smem, BlocksPerSm per_sm_rule, int rows_per_block, int cluster,
                                  cudaStream_t stream, Args... extra) {
   LaunchPlan own;
@@ -178,10 +198,10 @@ cudaError_t launch_with_partials(const LayernormBwdParams& p, PartialsKernel<T, 
   cudaLaunchAttribute attrs[2];
   int n_attrs = 0;
   if (cluster > 1) attrs[n_attrs++] = cluster_dimension(cluster);
-  GridFinish<T> finish;   // dweight null: the blocks only write their slots
+  GridFinish<T, O> finish;   // dweight null: the blocks only write their slots
   if (in_grid) {
-    finish.dweight = static_cast<T*>(p.dweight);
-    finish.dbias = static_cast<T*>(p.dbias);
+    finish.dweight = static_cast<O*>(p.dweight);
+    finish.dbias = static_cast<O*>(p.dbias);
     finish.segments = static_cast<int>(p.segments);
     finish.vec = finish_vec<T>(p.C, p.segments, bps * p.segments);
     attrs[n_attrs].id = cudaLaunchAttributeCooperative;
@@ -197,7 +217,8 @@ cudaError_t launch_with_partials(const LayernormBwdParams& p, PartialsKernel<T, 
   cfg.numAttrs = n_attrs;
   LNBWD_RETURN_IF_CUDA_ERROR(cudaLaunchKernelEx(
       &cfg, kernel, static_cast<T*>(p.dx), partials_of<T>(p), static_cast<const T*>(p.dy),
-      static_cast<const T*>(p.x), static_cast<const T*>(p.weight), static_cast<const stat_t<T>*>(p.mean),
+      static_cast<const T*>(p.x), static_cast<const O*>(p.weight), static_cast<const T*>(p.dresidual),
+      static_cast<const stat_t<T>*>(p.mean),
       static_cast<const stat_t<T>*>(p.rstd), p.rows / p.segments, static_cast<int>(bps), p.weight_stride,
       static_cast<int>(p.C), finish, extra...));
   return in_grid ? cudaSuccess : finalize_partials_launch(p, lim, static_cast<int>(units), stream);

@@ -34,10 +34,11 @@ constexpr int kMaxWarps = 16;
 template <int V>
 constexpr int kBatch = V == 1 ? 16 : 8;
 
-// At most MAX_WARPS warps (blockDim.x / 32 of them run) per tile of 32 * V columns.
-template <typename T, int V, int MAX_WARPS>
+// At most MAX_WARPS warps (blockDim.x / 32 of them run) per tile of 32 * V columns. O: the type
+// of dweight and dbias (T, or float beside 16-bit T: mixed precision).
+template <typename T, typename O, int V, int MAX_WARPS>
 __global__ void __launch_bounds__(32 * MAX_WARPS)
-finalize_partials(T* __restrict__ dweight, T* __restrict__ dbias, const acc_t<T>* __restrict__ partials,
+finalize_partials(O* __restrict__ dweight, O* __restrict__ dbias, const acc_t<T>* __restrict__ partials,
                   int slots, int C, int tiles) {
   __shared__ __align__(16) acc_t<T> sums[2 * MAX_WARPS * 32 * V];
   const int64_t segment = blockIdx.x / tiles;
@@ -45,7 +46,7 @@ finalize_partials(T* __restrict__ dweight, T* __restrict__ dbias, const acc_t<T>
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");   // the partials' writer has finished
 #endif
-  sum_partials_tile<T, kBatch<V>, V>(dweight + segment * C, dbias + segment * C,
+  sum_partials_tile<T, kBatch<V>, V, O>(dweight + segment * C, dbias + segment * C,
                                   partials + segment * slots * 2 * static_cast<size_t>(C), slots, C, tile * 32 * V,
                                   static_cast<int>(blockDim.x / 32), sums);
 }
@@ -69,7 +70,7 @@ bool dependent_launch_ok(const DeviceLimits& lim, cudaStream_t stream) {
   return capturing == cudaStreamCaptureStatusNone;
 }
 
-template <typename T, int V, int MAX_WARPS>
+template <typename T, typename O, int V, int MAX_WARPS>
 cudaError_t launch(const LayernormBwdParams& p, const DeviceLimits& lim, int slots, cudaStream_t stream) {
   const int64_t tiles = ceil_div<int64_t>(p.C, 32 * V);
   if (tiles * p.segments > INT32_MAX) return cudaErrorInvalidConfiguration;
@@ -83,8 +84,8 @@ cudaError_t launch(const LayernormBwdParams& p, const DeviceLimits& lim, int slo
   cfg.stream = stream;
   cfg.attrs = &dependent;
   cfg.numAttrs = dependent_launch_ok(lim, stream) ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, finalize_partials<T, V, MAX_WARPS>, static_cast<T*>(p.dweight),
-                            static_cast<T*>(p.dbias), static_cast<const acc_t<T>*>(partials_of<T>(p)), slots,
+  return cudaLaunchKernelEx(&cfg, finalize_partials<T, O, V, MAX_WARPS>, static_cast<O*>(p.dweight),
+                            static_cast<O*>(p.dbias), static_cast<const acc_t<T>*>(partials_of<T>(p)), slots,
                             static_cast<int>(p.C), static_cast<int>(tiles));
 }
 
@@ -93,14 +94,15 @@ cudaError_t launch(const LayernormBwdParams& p, const DeviceLimits& lim, int slo
 cudaError_t finalize_partials_launch(const LayernormBwdParams& p, const DeviceLimits& lim, int slots,
                                      cudaStream_t stream) {
   if (slots < 1) return cudaErrorInvalidValue;
-  return dispatch_dtype(p.dtype, [&](auto t) -> cudaError_t {
+  return dispatch_types(p, [&](auto t, auto o, auto) -> cudaError_t {
     using T = decltype(t);
+    using O = decltype(o);
     const int vec = finish_vec<T>(p.C, p.segments, lim.sms);
     if constexpr (kFinishMaxVec<T> >= 4) {
-      if (vec == 4) return launch<T, 4, kMaxWarps>(p, lim, slots, stream);
+      if (vec == 4) return launch<T, O, 4, kMaxWarps>(p, lim, slots, stream);
     }
-    if (vec == 2) return launch<T, 2, kMaxWarps>(p, lim, slots, stream);
-    return launch<T, 1, kMaxWarps>(p, lim, slots, stream);
+    if (vec == 2) return launch<T, O, 2, kMaxWarps>(p, lim, slots, stream);
+    return launch<T, O, 1, kMaxWarps>(p, lim, slots, stream);
   });
 }
 

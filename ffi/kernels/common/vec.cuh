@@ -92,6 +92,27 @@ __device__ __forceinline__ To same_bytes(const From& v) {
 
 template <typename V> __device__ __forceinline__ V load(const V* p) { return *p; }
 
+// N elements of T from memory known to be 16-byte aligned: one access where that is at most 16
+// bytes, else 16-byte pieces. (The wider case is a float32 weight beside 16-bit data: 8 floats,
+// 32 bytes, whose alignment XLA promises only to 16.)
+template <int N, typename T>
+__device__ __forceinline__ Packed<T, N> load_vec(const T* p) {
+  if constexpr (sizeof(T) * N <= 16) {
+    return load(reinterpret_cast<const Packed<T, N>*>(p));
+  } else {
+    constexpr int kPiece = 16 / sizeof(T);
+    static_assert(N % kPiece == 0, "whole 16-byte pieces");
+    Packed<T, N> out;
+#pragma unroll
+    for (int h = 0; h < N; h += kPiece) {
+      const Packed<T, kPiece> piece = load(reinterpret_cast<const Packed<T, kPiece>*>(p + h));
+#pragma unroll
+      for (int q = 0; q < kPiece; ++q) out[h + q] = piece[q];
+    }
+    return out;
+  }
+}
+
 // Streaming load (ld.global.cs, "evict first"): the data is touched once more at most, so it
 // should not push data that is reused (weight, partial sums) out of the caches.
 template <typename V>

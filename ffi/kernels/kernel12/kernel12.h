@@ -18,9 +18,11 @@ struct Kernel12Config {
   int split = 1;    // blocks sharing each row (2: a cluster of two, half a row each; not fp64)
 };
 
-// Configurations that fit (16-byte aligned rows of C elements); empty if none.
-std::vector<Kernel12Config> kernel12_candidates(Dtype dtype, int64_t C, const DeviceLimits& lim);
-bool kernel12_pick(Dtype dtype, int64_t C, const DeviceLimits& lim, Kernel12Config* cfg);
+// Configurations that fit (16-byte aligned rows of C elements); empty if none. weight_f32 (a
+// float32 weight beside 16-bit data) leaves out the configurations that stage the weight as T.
+std::vector<Kernel12Config> kernel12_candidates(Dtype dtype, int64_t C, const DeviceLimits& lim,
+                                                bool weight_f32 = false);
+bool kernel12_pick(Dtype dtype, int64_t C, const DeviceLimits& lim, Kernel12Config* cfg, bool weight_f32 = false);
 cudaError_t layernorm_bwd_kernel12_config(const LayernormBwdParams& p, const Kernel12Config& cfg, cudaStream_t stream);
 
 // Rows too wide for the per-group ring: one row per block, streamed in chunks, once per pass

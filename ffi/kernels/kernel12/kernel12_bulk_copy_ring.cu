@@ -58,15 +58,17 @@ namespace {
 constexpr int max_threads(size_t sum_bytes) { return sum_bytes <= 32 ? 1024 : 512; }
 constexpr int kMaxGroups = 15;               // named barriers 1..15
 
+// O: the type of weight, dweight and dbias (T, or float beside 16-bit T: mixed precision);
+// RESID: dresidual is added to dx (dispatch_types, launch.cuh).
 // W: the type the weight row is staged as in shared memory (shared-memory mode): acc_t<T>,
-// converted once; or T itself, half the bytes, converted in every pass, for 16-bit rows so wide
-// that an fp32 copy of the weight would cost the ring a buffer.
-template <typename T, int VEC, int NV, int NB, bool REGS, typename W, int SPLIT>
+// converted once; or T itself (O = T only), half the bytes, converted in every pass, for 16-bit
+// rows so wide that an fp32 copy of the weight would cost the ring a buffer.
+template <typename T, typename O, bool RESID, int VEC, int NV, int NB, bool REGS, typename W, int SPLIT>
 __global__ void __launch_bounds__(max_threads(NV * VEC * sizeof(acc_t<T>)), 1)
 kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __restrict__ dy,
-              const T* __restrict__ x, const T* __restrict__ weight, const stat_t<T>* __restrict__ mean,
-              const stat_t<T>* __restrict__ rstd, int64_t rows_per_segment, int blocks_per_segment,
-              int64_t weight_stride, int C, GridFinish<T> finish, int tpr, int groups) {
+              const T* __restrict__ x, const O* __restrict__ weight, const T* dresidual,
+              const stat_t<T>* __restrict__ mean, const stat_t<T>* __restrict__ rstd, int64_t rows_per_segment,
+              int blocks_per_segment, int64_t weight_stride, int C, GridFinish<T, O> finish, int tpr, int groups) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   allow_finalize_launch();
   using A = acc_t<T>;
@@ -99,6 +101,7 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   // boundary.
   extern __shared__ __align__(128) unsigned char smem[];
   constexpr bool kWeightAcc = std::is_same_v<W, A>;
+  static_assert(kWeightAcc || std::is_same_v<O, T>, "a float32 weight is staged as float, never rounded");
   W* w_sh = reinterpret_cast<W*>(smem);
   unsigned char* ring = smem + (REGS ? 0 : round_up<size_t>(static_cast<size_t>(Cb) * sizeof(W), 16));
   auto buf_dy = [&](int q, int b) { return reinterpret_cast<T*>(ring + ((size_t)q * NB + b) * 2 * row_bytes); };
@@ -131,11 +134,11 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   // every SM's first rows (tens of MB) and hold the whole block at the barrier that publishes the
   // weight for microseconds. Register mode loads the thread's own columns; shared-memory mode
   // stages the row with the whole block (at most NV loads a thread, since tpr * NV * VEC >= Cb).
-  V w_raw[NV];
+  Packed<O, VEC> w_raw[NV];
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
     const int col = (REGS ? j * tpr + t : j * static_cast<int>(blockDim.x) + static_cast<int>(threadIdx.x)) * VEC;
-    if (col < Cb) w_raw[j] = load(reinterpret_cast<const V*>(weight + col));
+    if (col < Cb) w_raw[j] = load_vec<VEC>(weight + col);
   }
   const A inv_c = A(1) / A(C);
 
@@ -176,7 +179,7 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
         wv[j] = to_acc(w_raw[j]);
       } else if constexpr (kWeightAcc) {
         *reinterpret_cast<AV*>(w_sh + col) = to_acc(w_raw[j]);
-      } else {
+      } else if constexpr (std::is_same_v<O, T>) {
         *reinterpret_cast<V*>(w_sh + col) = w_raw[j];
       }
     }
@@ -193,6 +196,17 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   bool first_row = true;
   int64_t row = first;
   for (; row < rows; row += stride) {
+    // The residual gradient of this row's columns goes out before the wait, so that its DRAM
+    // round trip overlaps the wait and pass 1. Each element is read by the thread that then
+    // writes it as dx (dresidual may be dx's own buffer, aliased).
+    V rv[NV];
+    if constexpr (RESID) {
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        const int col = (j * tpr + t) * VEC;
+        if (col < Cb) rv[j] = load_cs(reinterpret_cast<const V*>(dresidual + row * C + col0 + col));
+      }
+    }
     mbar_wait(&full[g * NB + b], phase);
     // Register mode copies the row out of shared memory once, and both passes use registers;
     // shared-memory mode reads it in each pass (fewer registers, more shared-memory loads).
@@ -283,7 +297,8 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
     for (int j = 0; j < NV; ++j) {
       const int col = (j * tpr + t) * VEC;
       if (col < Cb) {
-        const V dxv = dx_and_add_sums<T, VEC>(dy_at(j, col), x_at(j, col), w_at(j, col), m, s, coef, db[j], dw[j]);
+        const V dxv =
+            dx_and_add_sums<T, VEC, RESID>(dy_at(j, col), x_at(j, col), w_at(j, col), m, s, coef, db[j], dw[j], &rv[j]);
         store_cs(reinterpret_cast<V*>(dx + row * C + col0 + col), dxv);   // written once, not re-read here
       }
     }
@@ -402,7 +417,7 @@ size_t smem_bytes(const Kernel12Config& cfg, int64_t C, size_t item, size_t acc)
   return data + barriers + stats + static_cast<size_t>(cfg.groups) * 2 * (cfg.tpr / 32) * 2 * acc + peers;
 }
 
-template <typename T, int VEC, int NV, int NB, bool REGS, typename W, int SPLIT>
+template <typename T, typename O, bool RESID, int VEC, int NV, int NB, bool REGS, typename W, int SPLIT>
 cudaError_t launch(const LayernormBwdParams& p, Kernel12Config cfg, cudaStream_t stream) {
   if (p.plan) {
     p.plan->kernel = 12;
@@ -416,7 +431,7 @@ cudaError_t launch(const LayernormBwdParams& p, Kernel12Config cfg, cudaStream_t
   LNBWD_RETURN_IF_CUDA_ERROR(device_limits(p.device, &lim));
   const int64_t units_on_gpu = std::max(1, lim.sms / SPLIT);
   cfg.groups = static_cast<int>(std::clamp<int64_t>(ceil_div<int64_t>(p.rows, units_on_gpu), 1, cfg.groups));
-  return launch_with_partials<T>(p, kernel12_ring<T, VEC, NV, NB, REGS, W, SPLIT>, cfg.tpr * cfg.groups,
+  return launch_with_partials<T, O>(p, kernel12_ring<T, O, RESID, VEC, NV, NB, REGS, W, SPLIT>, cfg.tpr * cfg.groups,
                                  smem_bytes(cfg, p.C / SPLIT, sizeof(T), sizeof(acc_t<T>)), BlocksPerSm::kOccupancy,
                                  cfg.groups, SPLIT, stream, cfg.tpr, cfg.groups);
 }
@@ -428,18 +443,19 @@ cudaError_t launch(const LayernormBwdParams& p, Kernel12Config cfg, cudaStream_t
 template <typename T>
 constexpr bool kRegsMode = std::is_same_v<T, float>;
 
-template <typename T, int VEC, int SPLIT>
+// A float32 weight beside 16-bit data (O = float) is never staged raw: that would round it.
+template <typename T, typename O, bool RESID, int VEC, int SPLIT>
 cudaError_t launch_variant(const LayernormBwdParams& p, const Kernel12Config& cfg, cudaStream_t stream) {
   constexpr int nv = sizeof(T) == 8 ? 2 : 4;
   if (cfg.nv != nv || cfg.regs != kRegsMode<T>) return cudaErrorInvalidValue;
   if (cfg.raw_weight) {
-    if constexpr (sizeof(T) == 2) {
-      if (cfg.nb == 3) return launch<T, VEC, nv, 3, false, T, SPLIT>(p, cfg, stream);
+    if constexpr (sizeof(T) == 2 && std::is_same_v<O, T>) {
+      if (cfg.nb == 3) return launch<T, O, RESID, VEC, nv, 3, false, T, SPLIT>(p, cfg, stream);
     }
     return cudaErrorInvalidValue;
   }
-  if (cfg.nb == 3) return launch<T, VEC, nv, 3, kRegsMode<T>, acc_t<T>, SPLIT>(p, cfg, stream);
-  if (cfg.nb == 2) return launch<T, VEC, nv, 2, kRegsMode<T>, acc_t<T>, SPLIT>(p, cfg, stream);
+  if (cfg.nb == 3) return launch<T, O, RESID, VEC, nv, 3, kRegsMode<T>, acc_t<T>, SPLIT>(p, cfg, stream);
+  if (cfg.nb == 2) return launch<T, O, RESID, VEC, nv, 2, kRegsMode<T>, acc_t<T>, SPLIT>(p, cfg, stream);
   return cudaErrorInvalidValue;
 }
 
@@ -500,7 +516,7 @@ bool pick_buffers(const std::vector<Kernel12Config>& all, Dtype dtype, int64_t C
 
 // Configurations whose ring fits the device's opt-in shared memory; split rows only where the
 // device launches clusters and has two SMs for one.
-std::vector<Kernel12Config> kernel12_candidates(Dtype dtype, int64_t C, const DeviceLimits& lim) {
+std::vector<Kernel12Config> kernel12_candidates(Dtype dtype, int64_t C, const DeviceLimits& lim, bool weight_f32) {
   const int item = dtype_bytes(dtype);
   const int vec = 16 / item;
   const size_t acc = dtype == Dtype::kF64 ? 8 : 4;
@@ -510,7 +526,7 @@ std::vector<Kernel12Config> kernel12_candidates(Dtype dtype, int64_t C, const De
     if (C % (split * vec) != 0) continue;
     const int64_t Cb = C / split;
     for (const auto [nb, raw_weight] : {std::pair{3, false}, {2, false}, {3, true}}) {
-      if (raw_weight && item != 2) continue;
+      if (raw_weight && (item != 2 || weight_f32)) continue;
       Kernel12Config cfg;
       cfg.nv = item == 8 ? 2 : 4;
       cfg.nb = nb;
@@ -530,7 +546,7 @@ std::vector<Kernel12Config> kernel12_candidates(Dtype dtype, int64_t C, const De
   return out;
 }
 
-bool kernel12_pick(Dtype dtype, int64_t C, const DeviceLimits& lim, Kernel12Config* cfg) {
+bool kernel12_pick(Dtype dtype, int64_t C, const DeviceLimits& lim, Kernel12Config* cfg, bool weight_f32) {
   // Split rows where they measured faster: 16-bit rows of 4096 columns and more (H200, harness
   // sweep, the pick without split against the pick with: 4096x16384 bf16 128.7 -> 111.0 us,
   // fp16 122.6 -> 115.1; 8192x8192 bf16 115.6 -> 111.9, fp16 111.9 -> 110.1; 16384x4096 bf16
@@ -541,19 +557,21 @@ bool kernel12_pick(Dtype dtype, int64_t C, const DeviceLimits& lim, Kernel12Conf
   // partial sums' traffic (17 MB of slots at C = 16384 in 16-bit: 4% of the bytes, each written
   // and read once). fp32 rows split only where a whole row does not fit (C > 8192; 4096x16384
   // 221.3 us on the wide-row path, 218.2 split; 8192x8192 212.6 whole, 212.7 split).
-  const std::vector<Kernel12Config> all = kernel12_candidates(dtype, C, lim);
+  const std::vector<Kernel12Config> all = kernel12_candidates(dtype, C, lim, weight_f32);
   if (dtype_bytes(dtype) == 2 && C >= 4096 && pick_buffers(all, dtype, C, 2, cfg)) return true;
   return pick_buffers(all, dtype, C, 1, cfg) || pick_buffers(all, dtype, C, 2, cfg);
 }
 
 cudaError_t layernorm_bwd_kernel12_config(const LayernormBwdParams& p, const Kernel12Config& cfg, cudaStream_t stream) {
-  return dispatch_dtype(p.dtype, [&](auto t) -> cudaError_t {
+  return dispatch_types(p, [&](auto t, auto o, auto resid) -> cudaError_t {
     using T = decltype(t);
+    using O = decltype(o);
+    constexpr bool R = decltype(resid)::value;
     constexpr int vec = 16 / sizeof(T);
     if (!can_vectorize<T>(p)) return cudaErrorInvalidValue;
-    if (cfg.split == 1) return launch_variant<T, vec, 1>(p, cfg, stream);
+    if (cfg.split == 1) return launch_variant<T, O, R, vec, 1>(p, cfg, stream);
     if constexpr (kCanSplit<T>) {
-      if (cfg.split == 2 && p.C % (2 * vec) == 0) return launch_variant<T, vec, 2>(p, cfg, stream);
+      if (cfg.split == 2 && p.C % (2 * vec) == 0) return launch_variant<T, O, R, vec, 2>(p, cfg, stream);
     }
     return cudaErrorInvalidValue;
   });
@@ -563,7 +581,7 @@ bool kernel12_has_code(int device) {
   // The ring and the wide-row kernel are compiled in one CMake target, for the same
   // architectures: one of them answers for both.
   int arch = 0;
-  if (kernel_code_arch(device, reinterpret_cast<const void*>(kernel12_ring<float, 4, 4, 2, true, float, 1>), &arch) !=
+  if (kernel_code_arch(device, reinterpret_cast<const void*>(kernel12_ring<float, float, false, 4, 4, 2, true, float, 1>), &arch) !=
       cudaSuccess) {
     (void)cudaGetLastError();   // no code for this GPU at all: kernel 11 will say so
     return false;
@@ -585,7 +603,7 @@ cudaError_t layernorm_bwd_kernel12(const LayernormBwdParams& p, cudaStream_t str
   // shared memory (on Hopper: fp32 and 16-bit C > 16384 and 32768, fp64 beyond the ring).
   if (lim.cc_major >= 9 && vectorized && kernel12_has_code(lim.device)) {
     Kernel12Config cfg;
-    if (kernel12_pick(p.dtype, p.C, lim, &cfg)) return layernorm_bwd_kernel12_config(p, cfg, stream);
+    if (kernel12_pick(p.dtype, p.C, lim, &cfg, p.weight_f32)) return layernorm_bwd_kernel12_config(p, cfg, stream);
     if (kernel12_wide_fits(p.dtype, p.C, lim)) return layernorm_bwd_kernel12_wide(p, stream);
   }
   return layernorm_bwd_kernel11(p, stream);
