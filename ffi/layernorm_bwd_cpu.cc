@@ -151,9 +151,9 @@ ffi::Error LayernormBwdV2Cpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer
       e.failure()) {
     return e;
   }
-  if (auto e = CheckKernel(kernel, block_size, shape, x); e.failure()) return e;
   if (auto e = CheckResidual(dresidual, has_residual, x); e.failure()) return e;
   if (auto e = CheckV2Kernel(kernel, shape, has_residual); e.failure()) return e;
+  if (auto e = CheckKernel(kernel, block_size, shape, x); e.failure()) return e;
   return Run(dy, x, weight, mean, rstd, has_residual ? dresidual.untyped_data() : nullptr, *dx, *dweight, *dbias,
              shape);
 }
