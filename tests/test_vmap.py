@@ -218,7 +218,7 @@ def test_kernel_without_segments_refuses_vmap_at_trace_time():
     x, w, b, r = _batch((5, 24), 3, seed=90)
     grads = jax.grad(lambda x, w, b, r: jnp.sum(layernorm(x, w, b, kernel=10) * r), argnums=ARGNUMS)
     jax.eval_shape(grads, x[0], w[0], b[0], r[0])
-    with pytest.raises(ValueError, match="kernel 10.*per-example.*kernel 11"):
+    with pytest.raises(ValueError, match="^layernorm: kernel 10.*per-example.*kernel 11"):
         jax.eval_shape(jax.vmap(grads), x, w, b, r)
-    with pytest.raises(ValueError, match="kernel 10"):
+    with pytest.raises(ValueError, match="^layernorm_bwd: kernel 10"):
         jax.eval_shape(jax.vmap(functools.partial(layernorm_bwd, kernel=10)), r, x, w, *reference_stats(x))
