@@ -108,10 +108,9 @@ def _transpose(ct, x, weight, mean, rstd, dx, dweight, dbias, *, seg_dims, kerne
     def summed(g, p):
         """Per-segment sums -> p's shape: a parameter shared by segments gets their total."""
         axes = tuple(i for i in range(seg_dims) if p.aval.shape[i] == 1 and segs[i] != 1)
-        if not axes:
-            return g.reshape(p.aval.shape)
-        acc = reference.acc_dtype(g.dtype)
-        return jnp.sum(g.astype(acc), axis=axes, keepdims=True).astype(g.dtype)
+        if axes:
+            g = jnp.sum(g.astype(reference.acc_dtype(g.dtype)), axis=axes, keepdims=True)
+        return g.reshape(p.aval.shape).astype(p.aval.dtype)
 
     cts = (gx, summed(gweight, dweight), summed(gbias, dbias))
     return (None,) * N_NONLINEAR + tuple(c if ad.is_undefined_primal(t) else None for c, t in zip(cts, linear))

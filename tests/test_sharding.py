@@ -239,6 +239,44 @@ def test_forward_mode_sharded(env):
     assert_grads_close(hvp, want_hvp, what="hvp")
 
 
+@pytest.mark.parametrize("check_vma", [True, False], ids=["check_vma", "no-check_vma"])
+def test_forward_mode_inside_shard_map(env, check_vma):
+    """jax.jvp, jvp of grad and jacfwd inside a shard_map over all devices: the tangent map's
+    operands are typed varying like x (a replicated weight next to sharded rows), as jnp's are."""
+    x, w, b, t = inputs((2 * env.n, 8, 32))
+
+    def program(norm):
+        def local(x, w, b, t):
+            tangent = jax.jvp(norm, (x, w, b), (t, w, b))[1]
+            hvp = jax.jvp(jax.grad(lambda *p: jnp.sum(jnp.sin(norm(*p))), argnums=(0, 1, 2)), (x, w, b), (t, w, b))[1]
+            jac = jax.jacfwd(lambda w: norm(x[:1, :1], w, b))(w)
+            return tangent, hvp[0], hvp[1][None], jac
+        spec = P("data")
+        return jax.jit(jax.shard_map(local, mesh=env.mesh1, in_specs=(spec, P(), P(), spec),
+                                     out_specs=(spec,) * 4, check_vma=check_vma))
+
+    got = program(jax_lnbwd.layernorm)(x, w, b, t)
+    want = program(reference.layernorm)(x, w, b, t)
+    for name, g, r in zip(("jvp", "hvp dx", "hvp dweight", "jacfwd"), got, want):
+        assert_close(name, g, r, "float32")
+
+
+def test_forward_mode_explicit_mesh(env):
+    """jax.jvp and vmap of it with Explicit mesh axes: the tangent keeps x's sharding."""
+    explicit = Env(env.devices[0].platform, AxisType.Explicit)
+    x, w, b, t = inputs((2 * env.n, 8, 32))
+    rows = NamedSharding(explicit.mesh1, P("data"))
+    with jax.set_mesh(explicit.mesh1):
+        xs, ts = jax.device_put(x, rows), jax.device_put(t, rows)
+        got = jax.jit(lambda x, t: jax.jvp(jax_lnbwd.layernorm, (x, w, b), (t, w, b)))(xs, ts)
+        batched = jax.jit(jax.vmap(lambda x, t: jax.jvp(jax_lnbwd.layernorm, (x, w, b), (t, w, b))[1]))(xs, ts)
+    want = jax.jvp(reference.layernorm, (x, w, b), (t, w, b))
+    assert got[1].sharding.is_equivalent_to(rows, 3), got[1].sharding
+    assert_close("y", got[0], want[0], "float32")
+    assert_close("jvp", got[1], want[1], "float32")
+    assert_close("vmap(jvp)", batched, want[1], "float32")
+
+
 def expect_warning(fn, pattern):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
