@@ -59,9 +59,12 @@ def _loss(fn, x, w, b, r):
 
 # --- jax.jvp in every dtype -------------------------------------------------------------------
 
+# Every shape with both parameters, and every combination of parameters on one shape.
+JVP_CASES = [(shape, "weight-bias") for shape in SHAPES] + [((2, 3, 40), p) for p in PARAMS if p != "weight-bias"]
+
+
 @pytest.mark.parametrize("platform", PLATFORMS)
-@pytest.mark.parametrize("params", list(PARAMS))
-@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+@pytest.mark.parametrize("shape,params", JVP_CASES, ids=lambda v: v if isinstance(v, str) else shape_id(v))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_jvp_matches_reference(platform, dtype, shape, params):
     (x, w, b), (tx, tw, tb) = _inputs(shape, dtype, seed=1)
@@ -128,9 +131,12 @@ HESSIANS = {
 }
 
 
+# jax.hessian with every combination of parameters; the other compositions with both.
+HESSIAN_CASES = [("hessian", p) for p in PARAMS] + [(h, "weight-bias") for h in HESSIANS if h != "hessian"]
+
+
 @pytest.mark.parametrize("platform", PLATFORMS)
-@pytest.mark.parametrize("params", list(PARAMS))
-@pytest.mark.parametrize("how", list(HESSIANS))
+@pytest.mark.parametrize("how,params", HESSIAN_CASES, ids=lambda v: str(v))
 def test_hessians_float64(platform, how, params):
     (x, w, b), (r, _, _) = _inputs((3, 4), F64, seed=5)
     w, b = _params(params, w, b)
