@@ -99,21 +99,31 @@ def _transpose(ct, x, weight, mean, rstd, dx, dweight, dbias, *, seg_dims, kerne
     if type(ct) is ad.Zero or not any(ad.is_undefined_primal(t) for t in linear):
         return (None,) * 7
     segs, C = x.shape[:seg_dims], x.shape[-1]
+    # A segment axis along which the weight is shared and no per-segment sum is wanted (every
+    # parameter tangent being transposed is shared too: grad of vmap with shared parameters)
+    # is just more rows: the innermost such axes fold into the rows. Fewer segments, and the
+    # op sums over those axes itself.
+    wanted = [p for p in (dweight, dbias) if ad.is_undefined_primal(p)]
+    k = seg_dims
+    while k > 0 and weight.shape[k - 1] == 1 and all(p.aval.shape[k - 1] == 1 for p in wanted):
+        k -= 1
+    weight = weight.reshape(weight.shape[:k] + weight.shape[seg_dims:])
     # The op takes one weight shared by all segments, or one per segment.
     if math.prod(weight.shape[:-1]) != 1:
-        weight = jnp.broadcast_to(weight, (*segs, C))
-    gx, gweight, gbias = backward.backward(ct, x, weight, mean, rstd, seg_dims=seg_dims, kernel=kernel,
+        weight = jnp.broadcast_to(weight, (*segs[:k], C))
+    gx, gweight, gbias = backward.backward(ct, x, weight, mean, rstd, seg_dims=k, kernel=kernel,
                                            block_size=block_size, caller="layernorm")
 
     def summed(g, p):
         """Per-segment sums -> p's shape: a parameter shared by segments gets their total."""
-        axes = tuple(i for i in range(seg_dims) if p.aval.shape[i] == 1 and segs[i] != 1)
+        axes = tuple(i for i in range(k) if p.aval.shape[i] == 1 and segs[i] != 1)
         if axes:
             g = jnp.sum(g.astype(reference.acc_dtype(g.dtype)), axis=axes, keepdims=True)
         return g.reshape(p.aval.shape).astype(p.aval.dtype)
 
-    cts = (gx, summed(gweight, dweight), summed(gbias, dbias))
-    return (None,) * N_NONLINEAR + tuple(c if ad.is_undefined_primal(t) else None for c, t in zip(cts, linear))
+    cts = (gx if ad.is_undefined_primal(dx) else None,
+           *(summed(g, p) if ad.is_undefined_primal(p) else None for g, p in ((gweight, dweight), (gbias, dbias))))
+    return (None,) * N_NONLINEAR + cts
 
 
 def _jvp(primals, tangents, *, seg_dims, kernel, block_size):
