@@ -20,8 +20,9 @@ each transformation then sees:
     transpose rule is ONE call of the FFI op (jax_lnbwd/backward.py), which brings its own
     batching, partitioning and derivative rules;
   * vmap: the batching rule binds the primitive again with one more segment axis, the op's
-    layout (backward.py), so a vmapped reverse pass is still one FFI call with per-example
-    dweight/dbias;
+    layout (backward.py), so reverse mode over a vmap is still one FFI call: with per-example
+    dweight/dbias where they are wanted (per-example weights), and with the batch folded into
+    the rows where only their total is (weights shared by the batch);
   * derivatives of the tangent map itself (second order: hessian, jvp of jvp, grad of jvp):
     its JVP rule is the primitive again for the tangent operands (it is linear in them) plus
     the jnp JVP of the formula for x, weight, mean and rstd.
