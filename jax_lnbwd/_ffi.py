@@ -43,7 +43,7 @@ def layernorm_bwd_segments(dy, x, weight, mean, rstd, *, segments: int, kernel: 
     (segments, C): the sums over each segment's rows (per-example gradients under vmap).
 
     This is the bare primitive: it has no batching rule (no `vmap_method`, which newer JAX
-    may not accept), no derivative and no sharding rule. layernorm.py wraps it in a
+    may not accept), no derivative and no sharding rule. backward.py wraps it in a
     jax.custom_batching.custom_vmap (vmap becomes one call with more segments) and a
     jax.custom_jvp (its derivative in jnp), and sharding.py in a custom_partitioning.
 

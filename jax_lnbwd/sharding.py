@@ -4,7 +4,7 @@ XLA's SPMD partitioner cannot see into a custom call, so by default it replicate
 all-gathers dy and x onto every device and each device computes the whole backward. The op is
 therefore a `jax.experimental.custom_partitioning` function, `layernorm_bwd_segments`, that
 tells the partitioner how to split it. Its arrays keep x's leading axes (the layout is in
-layernorm.py: k segment axes, then row axes, then C), and the rule is per axis:
+backward.py: k segment axes, then row axes, then C), and the rule is per axis:
 
   * row axes (all leading axes of a plain layernorm) may be sharded over any mesh axes, and
     stay so: each device runs the FFI op on its own rows, dx keeps x's sharding (no gather),
