@@ -33,7 +33,9 @@ for stage in "$@"; do
   case $stage in
     build)
       ls .carry/wheels/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps .carry/wheels/*.whl
-      run build python3 -m pip install -q --no-build-isolation --no-deps . ;;
+      # Editable: `python -m pytest` puts the checkout first on sys.path, where an installed
+      # (non-editable) package would be shadowed by the source folder, which has no extension.
+      run build python3 -m pip install -q --no-build-isolation --no-deps -e . ;;
     tests)
       deselect=()
       [ -n "${SLOW:-}" ] || deselect=(--deselect tests/test_arch_build.py)
