@@ -18,6 +18,34 @@ for _name, _capsule, _platform in _jax_lnbwd.registrations():
     jax.ffi.register_ffi_target(_name, _capsule, platform=_platform)
 
 
+def _default_platform() -> str:
+    """The platform a computation traced now will run on unless told otherwise: that of
+    jax.default_device (or the jax_default_device setting) when set, else the default backend's.
+    Under jit the tracers carry no device, so this is the best trace time can know."""
+    device = jax.config.jax_default_device
+    if device is None:
+        return jax.default_backend()
+    return device if isinstance(device, str) else device.platform
+
+
+def check_handler_for_default_platform():
+    """Raises at trace time if the backward is headed for a GPU that has no handler of ours.
+
+    A build without nvcc has only the CPU handler (WITH_CUDA False). On a GPU XLA would fail
+    only when compiling, with "No FFI handler registered ... on a platform CUDA", which says
+    neither why nor what to do. Only the backward needs the handler (the forward is jnp), so
+    the check sits at the FFI call: inference on the GPU still works with such a build."""
+    if WITH_CUDA or _default_platform() not in ("gpu", "cuda", "rocm"):
+        return
+    raise RuntimeError(
+        "layernorm_bwd: this jax_lnbwd was built without its CUDA handler (jax_lnbwd.WITH_CUDA "
+        "is False: no CUDA compiler, nvcc, was found when it was built), but JAX's default "
+        f"device is a GPU ({_default_platform()}), where the backward pass cannot run. Install "
+        "a jax_lnbwd wheel built with the CUDA kernels, or rebuild from source with the CUDA "
+        "toolkit's nvcc on the PATH: JAX_LNBWD_CUDA=ON pip install . (ON fails loudly if nvcc "
+        "is missing). To run on the CPU instead, use jax.default_device(jax.devices('cpu')[0]).")
+
+
 def varying_axes(*arrays) -> frozenset:
     """The shard_map mesh axes along which any of the arrays varies (their type's "varying
     manual axes"): empty outside shard_map, and with shard_map(check_vma=False)."""
@@ -48,6 +76,7 @@ def layernorm_bwd_segments(dy, x, weight, mean, rstd, *, segments: int, kernel: 
     call's results have the types we declare: all inputs are brought to the same varying
     axes (a replicated weight next to sharded rows, say) and the results vary along them too.
     """
+    check_handler_for_default_platform()
     axes = varying_axes(dy, x, weight, mean, rstd)
     dy, x, weight, mean, rstd = (vary(a, axes) for a in (dy, x, weight, mean, rstd))
     # Outside shard_map the results are plain; inside, typed on the (manual) mesh in effect.
