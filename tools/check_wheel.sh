@@ -3,23 +3,27 @@
 # virtualenv with nvcc hidden and nothing fetched, then runs a gradient check through the FFI
 # call and the tests from a copy outside the source tree (so the installed package is used).
 #
-#   tools/check_wheel.sh WHEEL [PYTEST_ARGS...]      (default PYTEST_ARGS: -m gpu)
+#   tools/check_wheel.sh WHEEL [PYTEST_ARGS...]      (default PYTEST_ARGS: -m gpu tests)
 #
 # The venv sees this Python's packages (jax and its CUDA plugin, pytest, flax, ...): it is made
 # with --system-site-packages and, where this Python is itself a venv, a .pth file adds that
-# venv's site-packages. nvcc is hidden: every PATH folder holding an nvcc, and every
+# venv's site-packages. It must not hold jax_lnbwd itself (the wheel is checked to be used). nvcc is hidden: every PATH folder holding an nvcc, and every
 # LD_LIBRARY_PATH folder holding a libcudart, is dropped, and CUDA_HOME/CUDA_PATH/CUDACXX are
 # unset. On a GPU it requires jax_lnbwd.WITH_CUDA and a result from the GPU.
 set -euo pipefail
 wheel=$(readlink -f "$1"); shift
 src=$(cd "$(dirname "$0")/.." && pwd)
 py=$(command -v "${PYTHON:-python3}")
-(( $# )) || set -- -m gpu
+(( $# )) || set -- -m gpu tests
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 parent_site=$("$py" -c 'import site; print(site.getsitepackages()[0])')
-"$py" -m venv --system-site-packages "$work/venv"
+# CHECK_WHEEL_NO_SYSTEM_SITE=1 leaves out the base Python's packages (where an editable
+# jax_lnbwd installed there would shadow the wheel; a .pth line adds paths, not import hooks).
+system_site=--system-site-packages
+[[ ${CHECK_WHEEL_NO_SYSTEM_SITE:-0} == 1 ]] && system_site=
+"$py" -m venv $system_site "$work/venv"
 venv_site=$("$work/venv/bin/python" -c 'import site; print(site.getsitepackages()[0])')
 echo "$parent_site" >"$venv_site/_parent_site.pth"
 "$work/venv/bin/python" -m pip install -q --no-index --no-deps "$wheel"
@@ -53,14 +57,13 @@ assert jax_lnbwd.WITH_CUDA or not gpu, "the wheel has no CUDA handler"
 k = jax.random.split(jax.random.key(0), 4)
 x, dy = (jax.random.normal(kk, (4096, 1600), jnp.float32) for kk in k[:2])
 w, b = 1 + 0.1 * jax.random.normal(k[2], (1600,)), jax.random.normal(k[3], (1600,))
-loss = lambda f: lambda x, w, b: jnp.sum(f(x, w, b) * dy)
+loss = lambda f: lambda x, w, b, dy: jnp.sum(f(x, w, b) * dy)
 grad = jax.jit(jax.grad(loss(layernorm), argnums=(0, 1, 2)))
-assert jax_lnbwd.TARGET in grad.lower(x, w, b).as_text(), "no FFI call in the program"
-got = grad(x, w, b)
+assert jax_lnbwd.TARGET in grad.lower(x, w, b, dy).as_text(), "no FFI call in the program"
+got = grad(x, w, b, dy)
 cpu = jax.devices("cpu")[0]
 with jax.enable_x64():
-    args = [jax.device_put(np.asarray(a, np.float64), cpu) for a in (x, w, b)]
-    dy = jax.device_put(np.asarray(dy, np.float64), cpu)
+    args = [jax.device_put(np.asarray(a, np.float64), cpu) for a in (x, w, b, dy)]
     want = jax.jit(jax.grad(loss(reference.layernorm), argnums=(0, 1, 2)))(*args)
 for name, g, r in zip(("dx", "dweight", "dbias"), got, want):
     g, r = np.asarray(g, np.float64), np.asarray(r)
@@ -68,4 +71,4 @@ for name, g, r in zip(("dx", "dweight", "dbias"), got, want):
     print(f"check_wheel: {name} on {list(got[0].devices())[0]}: rel err {err:.2e} vs float64")
     assert err < 1e-5, name
 EOF
-./venv/bin/python -m pytest -p no:cacheprovider -q "$@" tests
+./venv/bin/python -m pytest -p no:cacheprovider "$@"
