@@ -23,10 +23,10 @@ parent_site=$("$py" -c 'import site; print(site.getsitepackages()[0])')
 # jax_lnbwd installed there would shadow the wheel; a .pth line adds paths, not import hooks).
 system_site=--system-site-packages
 [[ ${CHECK_WHEEL_NO_SYSTEM_SITE:-0} == 1 ]] && system_site=
-"$py" -m venv $system_site "$work/venv"
+"$py" -m venv --without-pip $system_site "$work/venv"   # this Python's pip installs into it
 venv_site=$("$work/venv/bin/python" -c 'import site; print(site.getsitepackages()[0])')
 echo "$parent_site" >"$venv_site/_parent_site.pth"
-"$work/venv/bin/python" -m pip install -q --no-index --no-deps "$wheel"
+"$py" -m pip --python "$work/venv/bin/python" install -q --no-index --no-deps "$wheel"
 
 keep() {  # $1: a ':' list, $2: a test a folder must fail to stay
   local out="" d
