@@ -1,5 +1,9 @@
 """Time a Flax transformer's jitted train step with Flax's LayerNorm and with jax_lnbwd's.
 
+For measurements use ``python -m benchmarks.e2e`` (GPT-, BERT- and ViT-style models in linen and
+nnx, interleaved rounds, a kernel trace attributed to layernorm). This script stays as the
+small model that tests/test_flax.py trains to compare the two LayerNorms' loss curves.
+
     python examples/flax_step_time.py            # H200-sized: batch 16, seq 1024, d_model 1600, bf16
     python examples/flax_step_time.py --small    # a few seconds on a CPU
 

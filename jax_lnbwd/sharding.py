@@ -4,7 +4,7 @@ XLA's SPMD partitioner cannot see into a custom call, so by default it replicate
 all-gathers dy and x onto every device and each device computes the whole backward. The op is
 therefore a `jax.experimental.custom_partitioning` function, `layernorm_bwd_segments`, that
 tells the partitioner how to split it. Its arrays keep x's leading axes (the layout is in
-layernorm.py: k segment axes, then row axes, then C), and the rule is per axis:
+backward.py: k segment axes, then row axes, then C), and the rule is per axis:
 
   * row axes (all leading axes of a plain layernorm) may be sharded over any mesh axes, and
     stay so: each device runs the FFI op on its own rows, dx keeps x's sharding (no gather),
@@ -22,6 +22,10 @@ Inside a shard_map over all mesh axes the op never reaches this rule: JAX lowers
 plain FFI call on the local arrays, so it returns the local rows' sums, like any jnp code
 would (see the README's "Flax and sharding"). On one device it is the plain FFI call too.
 A shard_map over only some mesh axes is the one case left to XLA (layernorm_bwd_segments).
+
+Target v2 (`layernorm_bwd_segments_v2`: a float32 weight beside 16-bit data, and an optional
+residual gradient added to dx) is partitioned by the same rule: dresidual shards like dy, and
+dweight/dbias (and their psum's result) have the weight's dtype.
 
 The rule is given twice: `sharding_rule` (Shardy, JAX's default partitioner) names the factor
 of every dimension, for propagation; `infer_sharding_from_operands` does the same for the older
@@ -46,25 +50,44 @@ class ShardingFallbackWarning(UserWarning):
     """The layernorm backward gathers an input because it cannot use its sharding as it is."""
 
 
-def _local_op(dy, x, weight, mean, rstd, seg_dims, kernel, block_size):
+def _local(dy, x, weight, mean, rstd, dresidual, seg_dims, kernel, block_size, v2: bool):
     """The FFI op on the arrays it is given: whole arrays, or one device's block when partitioned.
 
     Flattens the layout to the FFI's (rows, C), segments = product of the segment axes, and
     sizes the workspace from these shapes: a device's call gets a workspace for its own rows.
+    v2: target v2 (dresidual may be None); else target v1 (dresidual is None).
     """
     segs, C = x.shape[:seg_dims], x.shape[-1]
     segments, rows = math.prod(segs), math.prod(x.shape[:-1])
     ws = workspace_bytes(kernel, rows, C, str(jnp.dtype(x.dtype)), block_size, segments)
-    dx, dweight, dbias = _ffi.layernorm_bwd_segments(
-        dy.reshape(rows, C), x.reshape(rows, C), weight.reshape(math.prod(weight.shape[:-1]), C),
-        mean.reshape(rows), rstd.reshape(rows),
-        segments=segments, kernel=kernel, block_size=block_size, workspace_bytes=ws)
+    args = (dy.reshape(rows, C), x.reshape(rows, C), weight.reshape(math.prod(weight.shape[:-1]), C),
+            mean.reshape(rows), rstd.reshape(rows))
+    kw = dict(segments=segments, kernel=kernel, block_size=block_size, workspace_bytes=ws)
+    if v2:
+        res = None if dresidual is None else dresidual.reshape(rows, C)
+        dx, dweight, dbias = _ffi.layernorm_bwd_segments_v2(*args, dresidual=res, **kw)
+    else:
+        dx, dweight, dbias = _ffi.layernorm_bwd_segments(*args, **kw)
     return dx.reshape(x.shape), dweight.reshape(*segs, C), dbias.reshape(*segs, C)
 
 
-# (dy, x, weight, mean, rstd, seg_dims, kernel, block_size) -> (dx, dweight, dbias); the last
-# three are static.
+def _local_op(dy, x, weight, mean, rstd, seg_dims, kernel, block_size):
+    return _local(dy, x, weight, mean, rstd, None, seg_dims, kernel, block_size, v2=False)
+
+
+def _local_op_v2(dy, x, weight, mean, rstd, seg_dims, kernel, block_size):
+    return _local(dy, x, weight, mean, rstd, None, seg_dims, kernel, block_size, v2=True)
+
+
+def _local_op_v2_residual(dy, x, weight, mean, rstd, dresidual, seg_dims, kernel, block_size):
+    return _local(dy, x, weight, mean, rstd, dresidual, seg_dims, kernel, block_size, v2=True)
+
+
+# (dy, x, weight, mean, rstd, [dresidual,] seg_dims, kernel, block_size) -> (dx, dweight, dbias);
+# the last three are static. One per target and residual, each partitioned by the rule below.
 _partitioned_op = custom_partitioning(_local_op, static_argnums=(5, 6, 7))
+_partitioned_op_v2 = custom_partitioning(_local_op_v2, static_argnums=(5, 6, 7))
+_partitioned_op_v2_residual = custom_partitioning(_local_op_v2_residual, static_argnums=(6, 7, 8))
 
 
 def layernorm_bwd_segments(dy, x, weight, mean, rstd, seg_dims: int, kernel: int, block_size: int):
@@ -84,6 +107,24 @@ def layernorm_bwd_segments(dy, x, weight, mean, rstd, seg_dims: int, kernel: int
     return _partitioned_op(dy, x, weight, mean, rstd, seg_dims, kernel, block_size)
 
 
+def layernorm_bwd_segments_v2(dy, x, weight, mean, rstd, seg_dims: int, kernel: int, block_size: int,
+                              dresidual=None):
+    """Target v2 (mixed precision, residual gradient), partitioned as layernorm_bwd_segments.
+
+    dresidual, if given, has x's shape and dtype and is sharded like dy; dweight and dbias have
+    weight's dtype."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.manual_axes and set(mesh.manual_axes) != set(mesh.axis_names):
+        warnings.warn(f"jax_lnbwd: inside a shard_map over mesh axes {mesh.manual_axes} of "
+                      f"{mesh.axis_names}, the layernorm backward gathers dy and x along the others; "
+                      "shard_map over all axes, or jit with shardings, keeps them sharded.",
+                      ShardingFallbackWarning)
+        return _local(dy, x, weight, mean, rstd, dresidual, seg_dims, kernel, block_size, v2=True)
+    if dresidual is None:
+        return _partitioned_op_v2(dy, x, weight, mean, rstd, seg_dims, kernel, block_size)
+    return _partitioned_op_v2_residual(dy, x, weight, mean, rstd, dresidual, seg_dims, kernel, block_size)
+
+
 def _axes(entry) -> tuple[str, ...]:
     """The mesh axes of one PartitionSpec entry: None -> (), 'a' -> ('a',), ('a', 'b') -> itself."""
     if entry is None:
@@ -95,7 +136,7 @@ def _specs(seg_dims, arg_shapes, warn: bool):
     """(x's usable spec as a tuple, the mesh axes that split its rows), from x's sharding.
 
     A spec entry per axis of x; C and unevenly split axes are replaced by None (gathered)."""
-    _, x, _, _, _ = arg_shapes
+    x = arg_shapes[1]
     sharding = x.sharding
     if not isinstance(sharding, NamedSharding):
         # JAX hands the rule NamedShardings whenever the program has a mesh (any NamedSharding
@@ -124,32 +165,37 @@ def _specs(seg_dims, arg_shapes, warn: bool):
 
 
 def _shardings(seg_dims, mesh, arg_shapes, spec):
-    """(argument shardings, result shardings) for (dy, x, weight, mean, rstd) -> (dx, dw, db)."""
+    """(argument shardings, result shardings) for (dy, x, weight, mean, rstd, [dresidual]) ->
+    (dx, dw, db); dresidual, where present, is sharded like dy."""
     x, weight = arg_shapes[1], arg_shapes[2]
     # A weight axis that is not broadcast (size 1) follows its segment axis.
     weight_spec = [spec[i] if weight.shape[i] == x.shape[i] else None for i in range(seg_dims)]
     rows, sums = NamedSharding(mesh, P(*spec)), NamedSharding(mesh, P(*spec[:seg_dims], None))
     stats = NamedSharding(mesh, P(*spec[:-1]))
-    args = (rows, rows, NamedSharding(mesh, P(*weight_spec, None)), stats, stats)
+    args = (rows, rows, NamedSharding(mesh, P(*weight_spec, None)), stats, stats) + (rows,) * (len(arg_shapes) - 5)
     return args, (rows, sums, sums)
 
 
-def _partition(seg_dims, kernel, block_size, mesh, arg_shapes, result_shape):
-    """What each device runs, on the shardings it needs (the partitioner reshards to them)."""
-    spec, row_axes = _specs(seg_dims, arg_shapes, warn=True)
-    arg_shardings, result_shardings = _shardings(seg_dims, mesh, arg_shapes, spec)
-    acc = reference.acc_dtype(arg_shapes[1].dtype)
+def _partition_with(local):
+    """def_partition's `partition` for the op `local`(*arrays, seg_dims, kernel, block_size)."""
+    def partition(seg_dims, kernel, block_size, mesh, arg_shapes, result_shape):
+        """What each device runs, on the shardings it needs (the partitioner reshards to them)."""
+        spec, row_axes = _specs(seg_dims, arg_shapes, warn=True)
+        arg_shardings, result_shardings = _shardings(seg_dims, mesh, arg_shapes, spec)
+        acc = reference.acc_dtype(arg_shapes[1].dtype)
+        sums_dtype = arg_shapes[2].dtype   # weight's: x's, or float32 beside 16-bit x (v2)
 
-    def per_device(dy, x, weight, mean, rstd):
-        dx, dweight, dbias = _local_op(dy, x, weight, mean, rstd, seg_dims, kernel, block_size)
-        if row_axes:
-            # One psum for both sums, in the accumulation dtype: adding n devices' 16-bit
-            # partial sums in 16 bits would round n times.
-            sums = jax.lax.psum(jnp.stack([dweight, dbias]).astype(acc), row_axes)
-            dweight, dbias = sums[0].astype(x.dtype), sums[1].astype(x.dtype)
-        return dx, dweight, dbias
+        def per_device(*arrays):
+            dx, dweight, dbias = local(*arrays, seg_dims, kernel, block_size)
+            if row_axes:
+                # One psum for both sums, in the accumulation dtype: adding n devices' 16-bit
+                # partial sums in 16 bits would round n times.
+                sums = jax.lax.psum(jnp.stack([dweight, dbias]).astype(acc), row_axes)
+                dweight, dbias = sums[0].astype(sums_dtype), sums[1].astype(sums_dtype)
+            return dx, dweight, dbias
 
-    return mesh, per_device, result_shardings, arg_shardings
+        return mesh, per_device, result_shardings, arg_shardings
+    return partition
 
 
 def _infer_sharding_from_operands(seg_dims, kernel, block_size, mesh, arg_shapes, result_shape):
@@ -161,18 +207,22 @@ def _sharding_rule(seg_dims, kernel, block_size, mesh, value_types, result_types
     """Shardy's factors: s<i> segment axes, r<i> row axes, c columns, w<i> a weight axis of
     size 1 (broadcast over its segment axis). E.g. one segment axis and two row axes:
     's0 r0 r1 c, s0 r0 r1 c, s0 c, s0 r0 r1, s0 r0 r1 -> s0 r0 r1 c, s0 c, s0 c'. The row
-    factors are absent from dweight/dbias: our partition sums over them."""
+    factors are absent from dweight/dbias: our partition sums over them. A sixth operand
+    (dresidual, target v2) has dy's factors."""
     x_shape = ir.RankedTensorType(value_types[1]).shape
     w_shape = ir.RankedTensorType(value_types[2]).shape
     segs = [f"s{i}" for i in range(seg_dims)]
     lead = " ".join(segs + [f"r{i}" for i in range(len(x_shape) - 1 - seg_dims)])
     weight = " ".join(s if w_shape[i] == x_shape[i] else f"w{i}" for i, s in enumerate(segs))
     sums = " ".join(segs + ["c"])
-    return f"{lead} c, {lead} c, {weight} c, {lead}, {lead} -> {lead} c, {sums}, {sums}"
+    residual = f", {lead} c" * (len(value_types) - 5)
+    return f"{lead} c, {lead} c, {weight} c, {lead}, {lead}{residual} -> {lead} c, {sums}, {sums}"
 
 
-_partitioned_op.def_partition(
-    partition=_partition,
-    infer_sharding_from_operands=_infer_sharding_from_operands,
-    sharding_rule=_sharding_rule,
-)
+for _op, _fn in ((_partitioned_op, _local_op), (_partitioned_op_v2, _local_op_v2),
+                 (_partitioned_op_v2_residual, _local_op_v2_residual)):
+    _op.def_partition(
+        partition=_partition_with(_fn),
+        infer_sharding_from_operands=_infer_sharding_from_operands,
+        sharding_rule=_sharding_rule,
+    )

@@ -1,4 +1,5 @@
-"""Shared helpers for the jax_lnbwd tests: x64, platforms, inputs, error measure, tolerances.
+"""Shared helpers for the jax_lnbwd tests: x64, 8 CPU devices, platforms, inputs, error measure,
+tolerances (RTOL: the one table of per-dtype tolerances, used by every test).
 
 Every test that runs the op takes a `platform` ("cpu" or "gpu") from PLATFORMS, places its
 inputs on that platform's first device and jits, so one test body covers the C++ reference on
@@ -12,8 +13,16 @@ folder on sys.path, there being no tests/__init__.py).
 from __future__ import annotations
 
 import functools
+import os
 
-import jax
+# 8 host CPU devices, for the sharding tests (test_sharding.py): an XLA flag, read when JAX
+# creates its CPU client, so it is set before jax is imported. It changes only the CPU
+# platform: a GPU stays visible (jax.devices("gpu")), and tests that place nothing run on
+# the default device as before.
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
 
 # float64 inputs must stay float64: the f64 path and the f64 references depend on it. This must
 # run before any array is made, hence at import of conftest, before any test module.

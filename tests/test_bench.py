@@ -1,10 +1,18 @@
-"""The benchmark's command line on whatever platform this is (CPU in CI): it validates, times and
-writes its outputs. A smoke test of the tool, not a measurement: no timing is asserted."""
+"""The kernel bench (benchmarks/kernels, run from a checkout) on whatever platform this is (CPU
+in CI): it validates, times and writes its outputs. A smoke test of the tool, not a measurement:
+no timing is asserted."""
 from __future__ import annotations
 
 import json
+import os
+import sys
 
-from jax_lnbwd import bench
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the checkout: benchmarks/
+from benchmarks import _term  # noqa: E402
+from benchmarks.kernels import cli as bench  # noqa: E402
+from benchmarks.kernels import timing  # noqa: E402
 
 
 def test_bench_writes_every_group_and_marks_the_run_complete(tmp_path, capsys):
@@ -19,6 +27,36 @@ def test_bench_writes_every_group_and_marks_the_run_complete(tmp_path, capsys):
     assert all(r["us"] > 0 and r["errors"] is not None for r in out["rows"])
     printed = capsys.readouterr().out
     assert "4x24" in printed and "3x40" in printed  # each group's line, then the table
+    assert "\033[" not in printed  # captured output is no terminal: no colour codes
+    table = (tmp_path / "bench.txt").read_text()
+    assert "4x24" in table and "xla" in table
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_on_cpu_our_rows_are_marked_as_not_kernel_timings(tmp_path, capsys):
+    bench.main(["--kernels", "1,12", "--shapes", "4x24", "--dtypes", "float32", "--peers", "xla",
+                "--reps", "1", "--chain", "1", "--no-progress", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    ours = [r for r in rows if not r["peer"]]
+    assert len(ours) == 2
+    on_gpu = bench.jax.default_backend() == "gpu"
+    assert all(r["kernel_timing"] is on_gpu for r in ours)
+    assert all(r["kernel_timing"] for r in rows if r["peer"])
+    printed = capsys.readouterr().out
+    assert (bench.format_table(rows).count("[cpu-ref]") == (0 if on_gpu else 3))  # 2 rows + note
+    assert ("[cpu-ref]" in printed) is not on_gpu
+
+
+def test_colour_only_on_a_terminal_and_never_with_no_color(monkeypatch):
+    class Tty:
+        def isatty(self):
+            return True
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    assert _term.paint("x", "red", Tty()) == "\033[31mx\033[0m"
+    assert _term.paint("x", "red", open(os.devnull, "w")) == "x"  # a file or a pipe
+    monkeypatch.setenv("NO_COLOR", "1")
+    assert _term.paint("x", "red", Tty()) == "x"
 
 
 def test_bench_json_after_the_first_group_says_incomplete(tmp_path, monkeypatch):
@@ -52,7 +90,7 @@ def test_calls_per_run_reaches_the_minimum_despite_a_runs_fixed_cost():
         tried.append(n)
         return 0.002 + 0.0004 * n
 
-    n = bench.calls_per_run(run, 0.02)
+    n = timing.calls_per_run(run, 0.02)
     assert run(n) >= 0.02 and n == tried[-2]
     assert len(tried) <= 6  # a few runs, not a scan
-    assert bench.calls_per_run(lambda n: 0.0, 0.0) == 1  # CPU: no minimum, one call
+    assert timing.calls_per_run(lambda n: 0.0, 0.0) == 1  # CPU: no minimum, one call

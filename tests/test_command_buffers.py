@@ -49,7 +49,7 @@ CASES = [
     ("bfloat16", (3, 333, 768), None, None),
     ("float32", (4096, 1600), 10, None),   # kernel 10: a counter zeroed by a memset on every call
     ("bfloat16", (4, 512, 1600), None, 4),  # vmap(grad): one call with 4 segments
-    ("bfloat16", (1024, 4096), None, None),  # split rows: a cooperative launch of 2-block clusters
+    ("bfloat16", (1024, 4096), None, None),  # split rows: 2-block clusters, then the finalize kernel
 ]
 
 SCRIPT = r'''

@@ -1,10 +1,11 @@
 """Second-order derivatives: the backward op is itself differentiable.
 
-layernorm is a custom_vjp whose backward calls our FFI op; that op is a custom_jvp whose
-tangents are the JVP of the same math in jnp (jax_lnbwd.layernorm._segmented_op). So grad of
-grad works (reverse over reverse), and so does jax.jvp of jax.grad (forward over reverse, the
-usual Hessian-vector product), alone and combined with vmap in either order. Everything in
-float64 against JAX's own derivatives of the pure-jnp reference.
+layernorm's reverse mode calls our FFI op (the transpose of its tangent map, see
+jax_lnbwd/primitive.py); that op is a custom_jvp whose tangents are the JVP of the same math in
+jnp (jax_lnbwd/backward.py). So grad of grad works (reverse over reverse), and so does jax.jvp
+of jax.grad (forward over reverse, the usual Hessian-vector product), alone and combined with
+vmap in either order. Everything in float64 against JAX's own derivatives of the pure-jnp
+reference. (Forward mode of layernorm itself, and forward over forward: test_forward_mode.py.)
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def test_check_grads_second_order(platform, params):
     use_w, use_b = PARAMS[params]
     fn = jax.jit(lambda x, w, b: layernorm(x, w if use_w else None, b if use_b else None))
     with jax.default_device(device(platform)):
-        check_grads(fn, put(platform, x, w, b), order=2, modes=("rev",))
+        check_grads(fn, put(platform, x, w, b), order=2)  # default modes: forward and reverse
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jax_lnbwd
-from conftest import PLATFORMS, assert_close, f64, np_dtype, put, reference_bwd, reference_stats
+from conftest import PLATFORMS, RTOL, assert_close, f64, np_dtype, put, reference_bwd, reference_stats
 
 KERNEL_IDS = [None, 10, 11, 12]
 
@@ -154,7 +154,7 @@ def assert_close_scaled(name, got, want, dy, w, rstd, dtype):
     dx is zero up to rounding (each xhat is +-1), so relative to itself it is all noise."""
     scale = np.linalg.norm(f64(dy) * f64(w)) * float(np.max(rstd)) if name.startswith("dx") else np.linalg.norm(f64(want))
     err = np.linalg.norm(f64(got) - f64(want)) / max(scale, 1e-300)
-    assert err <= {"float32": 1e-5, "bfloat16": 1e-2}[dtype], f"{name}: {err:.2e} ({dtype}, {np.shape(got)})"
+    assert err <= RTOL[dtype], f"{name}: {err:.2e} ({dtype}, {np.shape(got)})"
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)

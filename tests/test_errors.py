@@ -1,4 +1,4 @@
-"""Bad inputs raise TypeError/ValueError at trace time, naming the argument.
+"""Bad inputs raise TypeError/ValueError at trace time, naming the function called and the argument.
 
 Each case runs three ways: eagerly, under jax.eval_shape (abstract arguments, no data: so the
 check runs while tracing) and under jax.jit(...).lower (the same, inside jit). Last, the C++
@@ -47,6 +47,11 @@ CASES = {
     "bwd-x-int32": (bwd(x=S((4, 8), jnp.int32)), TypeError, "'x'"),
     "bwd-x-rank0": (bwd(dy=S((), F32), x=S((), F32), w=S((), F32), mean=S((), F32), rstd=S((), F32)),
                     ValueError, "'x'.*rank"),
+    # a zero-width last axis (C = 0): refused, naming x's shape (rows = 0 is fine)
+    "x-C0": (ln(x=S((4, 0), F32), w=S((0,), F32), b=S((0,), F32)), ValueError, r"'x'.*\(4, 0\).*last axis"),
+    "x-C0-no-params": (ln(x=S((0,), F32), w=None, b=None), ValueError, r"'x'.*\(0,\).*last axis"),
+    "fwd-x-C0": (fwd(x=S((2, 3, 0), F64), w=None, b=None), ValueError, r"'x'.*\(2, 3, 0\).*last axis"),
+    "bwd-x-C0": (bwd(dy=S((4, 0), F32), x=S((4, 0), F32), w=S((0,), F32)), ValueError, r"'x'.*\(4, 0\).*last axis"),
     # weight and bias
     "weight-shape-C+1": (ln(w=S((9,), F32)), ValueError, r"'weight'.*\(9,\).*\(8,\)"),
     "weight-shape-2d": (ln(w=S((1, 8), F32)), ValueError, r"'weight'.*\(1, 8\)"),
@@ -110,15 +115,30 @@ def _run(how, fn, args):
     if how == "jit_lower":
         return jax.jit(fn).lower(*args)
     # eager: real (zero) arrays
-    return fn(*(jnp.zeros(a.shape, a.dtype) for a in args))
+    return fn(*(None if a is None else jnp.zeros(a.shape, a.dtype) for a in args))
 
 
 @pytest.mark.parametrize("how", ["eval_shape", "jit_lower", "eager"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_input_raises(case, how):
     (fn, args), exc, match = CASES[case]
-    with pytest.raises(exc, match=match):
+    with pytest.raises(exc, match=match) as e:
         _run(how, fn, args)
+    # Every message starts with the name of the function the user called.
+    assert str(e.value).startswith(f"{fn.func.__name__}: "), str(e.value)
+
+
+@pytest.mark.parametrize("fn", [ln, bwd], ids=["layernorm", "layernorm_bwd"])
+@pytest.mark.parametrize("kernel", [k for k in sorted(KERNELS) if tuple(KERNELS[k].block_sizes) == (0,)])
+def test_self_sizing_kernel_says_what_to_pass(fn, kernel):
+    # Kernels 11 and 12 choose their block shape themselves: the error says so, and what to pass.
+    f, args = fn(kernel=kernel, block_size=256)
+    name = f.func.__name__
+    with pytest.raises(ValueError, match=rf"^{name}: kernel {kernel} picks its own block size; "
+                                         r"pass block_size=None \(or 0\), got 256"):
+        jax.eval_shape(f, *args)
+    for ok in (None, 0):
+        jax.eval_shape(fn(kernel=kernel, block_size=ok)[0], *args)
 
 
 def test_valid_inputs_do_not_raise():

@@ -42,8 +42,7 @@ CFG = example.SMALL  # batch 4, seq 16, d_model 64, 2 blocks: 5 LayerNorms
 # two differ only in rounding: Flax's fast variance (E[x²] - E[x]²) against our centered one,
 # the order of the backward's sums and, in bfloat16, the params rounded to bfloat16 inside our
 # LayerNorm (see jax_lnbwd/flax/linen.py). Measured on the CPU: float32 1.9e-7, bfloat16
-# 4.4e-3 (the loss falls from 4.7 to 0.23).
-LOSS_RTOL = {"float32": 1e-5, "bfloat16": 1e-2}
+# 4.4e-3 (the loss falls from 4.7 to 0.23): within RTOL, the tests' per-dtype table.
 
 
 def train(cfg, norm):
@@ -96,7 +95,7 @@ def test_param_trees_identical(runs):
 def test_loss_curves_match(runs):
     cfg, (_, flax_losses, _), (_, our_losses, _) = runs
     assert flax_losses[-1] < 0.5 * flax_losses[0]  # it trains
-    np.testing.assert_allclose(our_losses, flax_losses, rtol=LOSS_RTOL[cfg.dtype])
+    np.testing.assert_allclose(our_losses, flax_losses, rtol=RTOL[cfg.dtype])
 
 
 def test_train_step_calls_our_backward(runs):

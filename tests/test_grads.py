@@ -49,7 +49,7 @@ def test_check_grads_float64(platform, shape):
     # check_grads calls f on perturbed copies of the arguments; the default device keeps any
     # copy it makes uncommitted (and so every call of our FFI op) on the platform under test.
     with jax.default_device(device(platform)):
-        check_grads(f, put(platform, x, w, b), order=1, modes=("rev",))
+        check_grads(f, put(platform, x, w, b), order=1)  # default modes: forward and reverse
 
 
 # --- (b) gradients against the float64 reference -------------------------------------------

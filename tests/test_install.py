@@ -58,6 +58,14 @@ def test_layernorm_bwd_without_handler_on_gpu_raises(gpu_machine):
         jax.eval_shape(layernorm_bwd, X, X, W, ROWS, ROWS)
 
 
+def test_ffi_forward_without_handler_on_gpu_raises(gpu_machine):
+    """The optional FFI forward (forward.layernorm_fwd_op) needs the handler too."""
+    from jax_lnbwd.forward import layernorm_fwd_op
+    gpu_machine.setattr(_ffi, "WITH_CUDA", False)
+    with pytest.raises(RuntimeError, match=r"^layernorm_fwd_op: .*" + NO_HANDLER):
+        jax.eval_shape(layernorm_fwd_op, X, W, W)
+
+
 def test_forward_without_handler_on_gpu_traces(gpu_machine):
     """The forward is jnp: inference needs no handler."""
     gpu_machine.setattr(_ffi, "WITH_CUDA", False)

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import jax_lnbwd
-from conftest import (DTYPES, PLATFORMS, RTOL, assert_close, f64, make_inputs, put, reference_bwd,
-                      reference_stats, shape_id)
+from conftest import (DTYPES, HAS_GPU, PLATFORMS, RTOL, assert_close, direct_ffi_call, f64, make_inputs, put,
+                      reference_bwd, reference_stats, shape_id)
 from jax_lnbwd import DEFAULT_KERNEL, KERNELS, KernelInfo, layernorm, layernorm_bwd
 from jax_lnbwd import kernels as kernels_mod
 
@@ -129,6 +129,83 @@ def test_workspace_holds_a_partial_slot(kernel):
 def test_kernel_info_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         KERNELS[DEFAULT_KERNEL].default_block_size = 1
+
+
+# --- the table is the C++ registry's -----------------------------------------------------------
+
+def test_table_is_read_from_the_registry():
+    # ffi/registry.cc is the one place the facts are written; KERNELS shows each of its entries.
+    from jax_lnbwd import _jax_lnbwd
+    entries = _jax_lnbwd.kernels()
+    assert [e["id"] for e in entries] == KERNEL_IDS
+    for e in entries:
+        info = KERNELS[e["id"]]
+        for field in ("name", "description", "dtypes", "block_sizes", "default_block_size", "deterministic",
+                      "precise", "segments", "constraints"):
+            assert getattr(info, field) == e[field], (e["id"], field)
+
+
+def test_refusals_use_the_device_limits(monkeypatch):
+    # Shared memory comes from the GPU when there is one, else from the registry's documented
+    # default (an H100/H200's opt-in maximum); a smaller GPU refuses a narrower C.
+    limits = kernels_mod.device_limits()
+    assert limits["max_smem_per_block"] > 48 * 1024 and limits["source"]
+    if not HAS_GPU:
+        assert kernels_mod.max_smem_bytes() == kernels_mod.DEFAULT_MAX_SMEM_BYTES == 232448
+    assert KERNELS[2].refuse(20000, "float32", 1024) is None
+    monkeypatch.setattr(kernels_mod, "device_limits", lambda: {"max_smem_per_block": 101376, "source": "a small GPU"})
+    why = KERNELS[2].refuse(20000, "float32", 1024)
+    assert why == ("kernel 2 keeps dweight/dbias sums for all C columns in shared memory: C=20000 (float32, "
+                   "block_size 1024) needs 160000 bytes, more than the 101376 a block may have on a small GPU")
+    assert KERNELS[12].refuse(20000, "float32", 0) is None   # its limits do not depend on the device
+
+
+@pytest.mark.parametrize("kernel,dtype,C,block_size,match", [
+    (1, "bfloat16", 8, 32, "kernel 1 does not support dtype bfloat16 (it takes float32)"),
+    (2, "float32", 8, 48, "kernel 2 got block_size 48 but expected 0 (its default, 1024) or a power of two "
+                          "from 32 to 1024"),
+    (10, "float32", 8, 1024, "kernel 10 got block_size 1024 but expected 0 (its default, 512)"),
+    (12, "float32", 8, 256, "kernel 12 got block_size 256 but expected 0: it chooses its block shape from C"),
+    (9, "float16", 1600, 512, "kernel 9 steps over rows in whole warps of 16-byte vectors: C must be a "
+                              "multiple of 256 for float16, got C=1600"),
+    (5, "float32", 29056, 32, "kernel 5 keeps dweight/dbias sums for all C columns in shared memory: C=29056"),
+])
+def test_refusal_names_kernel_setting_and_limit(kernel, dtype, C, block_size, match):
+    why = KERNELS[kernel].refuse(C, dtype, block_size)
+    assert why is not None and why.startswith(match), why
+
+
+@pytest.mark.parametrize("kernel,dtype,C,block_size,segments", [
+    (9, np.float32, 1600, 0, 1),     # C not whole x128 steps
+    (2, np.float32, 40000, 0, 1),    # shared memory
+    (1, np.float16, 8, 0, 1),        # dtype
+    (6, np.float32, 8, 48, 1),       # block size
+    (12, np.float32, 8, 64, 1),      # kernel 12 picks its own block shape
+    (3, np.float32, 8, 0, 2),        # segments
+])
+def test_cpu_handler_refuses_as_the_registry(kernel, dtype, C, block_size, segments):
+    # The CPU handler checks a direct call against the same registry as the CUDA handler (with
+    # the default device limits), and says what KernelInfo.refuse says.
+    rows = 2 * segments
+    ones = np.ones((rows, C), dtype)
+    with pytest.raises(Exception) as e:
+        direct_ffi_call("cpu", ones, ones, np.ones((1, C), dtype), np.zeros(rows, np.float32),
+                        np.ones(rows, np.float32), segments=segments, kernel=kernel, block_size=block_size)
+    message = str(e.value)
+    assert "layernorm_bwd: kernel " + str(kernel) in message, message
+    why = KERNELS[kernel].refuse(C, np.dtype(dtype).name, block_size)
+    if segments == 1:
+        assert why is not None and why in message, (why, message)
+    else:
+        assert "'dweight'" in message
+
+
+def test_cpu_handler_refuses_unknown_kernels():
+    ones = np.ones((2, 8), np.float32)
+    for kernel in (0, 13, -1):
+        with pytest.raises(Exception, match="'kernel' is"):
+            direct_ffi_call("cpu", ones, ones, np.ones((1, 8), np.float32), np.zeros(2, np.float32),
+                            np.ones(2, np.float32), kernel=kernel)
 
 
 # --- every kernel computes the backward -------------------------------------------------------
@@ -287,6 +364,18 @@ def test_deterministic_kernels_are_bitwise_reproducible(platform, kernel, dtype)
     for name, a, b in zip(("dx", "dweight", "dbias"), first, second):
         # Compare bit patterns: equal values, and NaNs or signed zeros would not hide a change.
         assert a.tobytes() == b.tobytes(), f"kernel {kernel} {name} differs between two runs"
+
+
+@pytest.mark.gpu
+def test_refusals_use_the_gpus_shared_memory():
+    # With a GPU, the trace-time refusals use its opt-in shared memory per block (an H100/H200:
+    # 232448 bytes, the same as the default), asked of the CUDA runtime by the extension.
+    limits = kernels_mod.device_limits()
+    assert limits["source"] == "this GPU"
+    assert 48 * 1024 < limits["max_smem_per_block"] <= 256 * 1024
+    C = limits["max_smem_per_block"] // 8   # kernel 2 needs 2*C floats: exactly the limit
+    assert KERNELS[2].refuse(C, "float32", 1024) is None
+    assert "shared memory" in KERNELS[2].refuse(C + 1, "float32", 1024)
 
 
 @pytest.mark.gpu

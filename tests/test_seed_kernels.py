@@ -58,18 +58,20 @@ def test_seed_entries():
         assert info.precise is (k not in (3, 4))
 
 
-def test_default_block_sizes_match_the_launchers():
-    # layernorm_bwd passes KERNELS[k].default_block_size; a direct FFI call with block_size 0
-    # gets the launcher's own kDefaultBlockSize (seed kernels 1-10). All record one measurement
-    # and must agree.
-    ffi = pathlib.Path(__file__).resolve().parents[1] / "ffi"
-    ids = SEED_IDS + [10]
-    sources = sorted((ffi / "kernels").glob("kernel0[1-9]_*.cu")) + sorted((ffi / "kernels").glob("kernel10_*.cu"))
-    if len(sources) != len(ids):
+def test_launcher_facts_are_the_registrys():
+    # The launchers' defaults, largest block sizes and dtypes are written once, in
+    # ffi/kernels/llmc/llmc_limits.h, which the registry (hence KERNELS) reads too: no launcher
+    # keeps a default of its own, and the header's table is what KERNELS shows.
+    llmc = pathlib.Path(__file__).resolve().parents[1] / "ffi" / "kernels" / "llmc"
+    if not llmc.is_dir():
         pytest.skip("the CUDA sources are not beside the tests")
-    for k, src in zip(ids, sources):
-        m = re.search(r"constexpr int kDefaultBlockSize = (\d+);", src.read_text())
-        assert m and int(m.group(1)) == KERNELS[k].default_block_size, src.name
+    for src in sorted(llmc.glob("kernel*.cu")):
+        assert "kDefaultBlockSize" not in src.read_text(), src.name
+    rows = re.findall(r"\{([^{}]*), (\d+), (\d+)\},\s*// (\d+):", (llmc / "llmc_limits.h").read_text())
+    assert [int(r[3]) for r in rows] == SEED_IDS + [10]
+    for _, default, largest, k in rows:
+        info = KERNELS[int(k)]
+        assert info.default_block_size == int(default) and max(info.block_sizes) == int(largest), k
 
 
 # --- what they refuse, and that refusing is a ValueError at trace time -------------------------

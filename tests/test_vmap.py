@@ -113,9 +113,9 @@ def test_nested_vmap_of_grad(platform):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_vmap_of_grad_more_examples_than_resident_blocks(platform, dtype):
     # 1500 examples: one segment each, so the GPU grid has at least 1500 blocks, more than fit on
-    # the GPU at once (at most 2048 threads of 132 SMs on an H200). The kernel then cannot
-    # finish the sums at a grid-wide barrier (a cooperative launch must fit); it is launched
-    # plainly and finalize_partials sums the slots (launch_with_partials, ffi/kernels/common/launch.cuh).
+    # the GPU at once (at most 2048 threads of 132 SMs on an H200): later blocks start as earlier
+    # ones finish, and finalize_partials sums each segment's slots (launch_with_partials,
+    # ffi/kernels/common/launch.cuh).
     x, w, b, r = _batch((2, 64), 1500, seed=45, dtype=dtype)
     got = jax.jit(jax.vmap(_grads(layernorm)))(*put(platform, x, w, b, r))
     want = on_cpu_f64(jax.vmap(_grads(reference.layernorm)))(x, w, b, r)
@@ -124,6 +124,26 @@ def test_vmap_of_grad_more_examples_than_resident_blocks(platform, dtype):
     for name, g, w in zip(("dweight", "dbias"), got[1:], want[1:]):  # every example, not the norm of all
         for i in (0, 749, 1499):
             assert_close(f"{name}[{i}]", g[i], w[i], dtype)
+
+
+@pytest.mark.gpu
+def test_vmap_of_grad_over_100000_examples(platform="gpu"):
+    # 100,000 segments: more than a grid's y dimension allows (65,535), so the finalize kernel's
+    # grid is one-dimensional over (segment, tile) (ffi/kernels/common/partials_finalize.cu).
+    # GPU only: the CPU handler loops over segments and has no such limit.
+    n, rows, C = 100_000, 2, 64
+    rng = np.random.default_rng(46)
+    x, r = rng.standard_normal((n, rows, C)), rng.standard_normal((n, rows, C))
+    w, b = 1 + 0.1 * rng.standard_normal(C), rng.standard_normal(C)
+    x, r, w, b = (a.astype(np.float32) for a in (x, r, w, b))
+    in_axes = (0, None, None, 0)
+    got = jax.jit(jax.vmap(_grads(layernorm), in_axes=in_axes))(*put(platform, x, w, b, r))
+    want = on_cpu_f64(jax.vmap(_grads(reference.layernorm), in_axes=in_axes))(x, w, b, r)
+    assert got[1].shape == got[2].shape == (n, C)
+    assert_all_close(got, want)
+    for name, g, wt in zip(("dweight", "dbias"), got[1:], want[1:]):  # every example, not the norm of all
+        for i in (0, 65_535, 65_536, n - 1):
+            assert_close(f"{name}[{i}]", g[i], wt[i], "float32")
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
@@ -206,9 +226,12 @@ def test_vmapped_program_makes_one_call(program):
     calls, loops = _count_calls(fn, *args)
     assert calls == [1, 1], f"custom calls of {TARGET} (lowered, compiled): {calls}"
     assert loops == [False, False], "a while loop: vmap fell back to one call per example"
-    # The one call carries one segment per example: dweight/dbias are (6, 24).
+    # The one call carries one segment per example: dweight/dbias are (6, 24). Under grad of
+    # vmap with a weight shared by the batch only the total is wanted: the batch folds into the
+    # rows, one segment of 30 rows.
     call = next(line for line in jax.jit(fn).lower(*args).as_text().splitlines() if f"@{TARGET}(" in line)
-    assert call.count("tensor<6x24xf32>") >= 2, call
+    sums = "tensor<1x24xf32>" if program == "grad-vmap" else "tensor<6x24xf32>"
+    assert call.count(sums) >= 2, call
 
 
 # --- kernels that cannot keep per-example sums ---------------------------------------------------
@@ -218,7 +241,14 @@ def test_kernel_without_segments_refuses_vmap_at_trace_time():
     x, w, b, r = _batch((5, 24), 3, seed=90)
     grads = jax.grad(lambda x, w, b, r: jnp.sum(layernorm(x, w, b, kernel=10) * r), argnums=ARGNUMS)
     jax.eval_shape(grads, x[0], w[0], b[0], r[0])
-    with pytest.raises(ValueError, match="kernel 10.*per-example.*kernel 11"):
+    with pytest.raises(ValueError, match="^layernorm: kernel 10.*per-example.*kernel 11"):
         jax.eval_shape(jax.vmap(grads), x, w, b, r)
-    with pytest.raises(ValueError, match="kernel 10"):
+    with pytest.raises(ValueError, match="^layernorm_bwd: kernel 10"):
         jax.eval_shape(jax.vmap(functools.partial(layernorm_bwd, kernel=10)), r, x, w, *reference_stats(x))
+    # grad of vmap with the parameters shared by the batch wants only their total: the batch
+    # is more rows, and kernel 10 runs (one segment).
+    total = jax.grad(lambda x, w, b: jnp.sum(jax.vmap(functools.partial(layernorm, kernel=10), in_axes=(0, None, None))(
+        x, w, b) * r), argnums=ARGNUMS)
+    want = jax.grad(lambda x, w, b: jnp.sum(jax.vmap(layernorm, in_axes=(0, None, None))(x, w, b) * r),
+                    argnums=ARGNUMS)(x, w[0], b[0])
+    assert_all_close(jax.jit(total)(x, w[0], b[0]), want)

@@ -14,6 +14,14 @@
 // Segments (for per-example gradients under vmap): the rows may be split into S equal,
 // contiguous segments, each with its own dweight/dbias row (and optionally its own weight row).
 // S = 1 is the plain op.
+//
+// Mixed precision (weight_f32): x, dy and dx are bf16 or fp16 while weight, dweight and dbias are
+// float32. g_i = weight_i * dy_i is then formed in fp32 from the float32 weight itself (never
+// rounded to 16 bits), and the fp32 sums are stored as float32.
+//
+// Residual gradient (dresidual): dx_i = (layernorm's dx_i, in fp32) + dresidual_i, rounded once.
+// dresidual may be dx itself (the FFI caller aliases it to the output): each element is read
+// once, by the thread that then writes the same element of dx.
 #pragma once
 
 #include <cstddef>
@@ -21,18 +29,53 @@
 
 #include <cuda_runtime_api.h>
 
+#include "dtype.h"
+
 namespace lnbwd {
 
-enum class Dtype { kF32, kBF16, kF16, kF64 };
+// What the launchers need to know of a GPU, read from the device (common/device_limits.cu) and
+// remembered per device. Kernel choice and configuration follow these, never constants of one
+// GPU: e.g. 227 KB of shared memory per block on H100/H200, 163 KB on A100, 99 KB on
+// sm_86/89/120.
+// Test-only: the environment variable JAX_LNBWD_TEST_DEVICE_LIMITS, e.g.
+// "smem=101376,clusters=0,cooperative=0,sms=8", replaces smem and sms and can switch clusters
+// and cooperative launch off, so that one GPU runs the choices of smaller ones. It is read once
+// per process; a malformed value makes device_limits return cudaErrorInvalidValue.
+struct DeviceLimits {
+  int device = -1;
+  int cc_major = 0;          // compute capability
+  int cc_minor = 0;
+  int sms = 0;               // multiprocessors: persistent grids are sized from this
+  size_t smem_optin = 0;     // shared memory a block may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin)
+  bool clusters = false;     // thread-block clusters (sm_90 on)
+  bool cooperative = false;  // cooperative launch
+  bool test_caps = false;    // JAX_LNBWD_TEST_DEVICE_LIMITS changed any of the above
+};
+cudaError_t device_limits(int device, DeviceLimits* out);
+
+// What the launcher of kernel 11 or 12 chose for a problem: filled when LayernormBwdParams::plan
+// is set, whether it then launches or not (plan_only), and on failure as far as it got, so that
+// an error can say what was asked of the GPU.
+struct LaunchPlan {
+  int kernel = 0;             // the kernel that runs: 12 falls back to 11 where it cannot run
+  const char* path = "";      // which of its paths, e.g. "ring", "wide rows", "rows in registers"
+  int threads = 0;            // per block
+  size_t smem = 0;            // dynamic shared memory per block
+  int cluster = 1;            // blocks per thread-block cluster
+  int64_t blocks = 0;         // in the grid
+  int64_t slots = 0;          // partial slots written, all segments together
+  bool cooperative = false;   // the grid sums its own slots after a grid-wide barrier (opt-in)
+  size_t workspace_bytes = 0; // kWorkspaceHeaderBytes + slots * 2 * C accumulators
+};
 
 // Every kernel writes its outputs (never accumulates into them: XLA's buffers are uninitialized).
 struct LayernormBwdParams {
   void* dx;             // [rows, C] dtype
-  void* dweight;        // [segments, C] dtype
-  void* dbias;          // [segments, C] dtype
+  void* dweight;        // [segments, C] dtype (float32 when weight_f32)
+  void* dbias;          // [segments, C] dtype (float32 when weight_f32)
   const void* dy;       // [rows, C] dtype
   const void* x;        // [rows, C] dtype
-  const void* weight;   // [C] dtype, or [segments, C] when weight_stride == C
+  const void* weight;   // [C] dtype (float32 when weight_f32), or [segments, C] when weight_stride == C
   const void* mean;     // [rows] float32 (float64 when dtype is kF64)
   const void* rstd;     // [rows] float32 (float64 when dtype is kF64)
   int64_t rows;
@@ -43,30 +86,28 @@ struct LayernormBwdParams {
   int block_size;       // threads per block; 0 picks the kernel's best
   void* workspace;      // scratch from XLA: a header (flags) then per-block partial sums
   size_t workspace_bytes;
+  int device = -1;      // CUDA ordinal of the device `stream` belongs to; -1: the current device
+  LaunchPlan* plan = nullptr;  // kernels 11 and 12: where to report the launch they choose
+  bool plan_only = false;      // with `plan`: choose and report, launch nothing
+  // Kernels 11 and 12 only: the seed kernels 1-10 ignore these two, so the FFI glue refuses them there.
+  const void* dresidual = nullptr;  // [rows, C] dtype, added to dx; null: nothing added
+  bool weight_f32 = false;  // weight, dweight, dbias are float32 while dtype is kBF16 or kF16
 };
 
 // The workspace starts with a header of this many bytes (completion flags, zeroed by the
 // launcher with cudaMemsetAsync on the caller's stream); per-block fp32 (fp64 for kF64)
-// partial sums of dbias and dweight follow, 2 * C accumulators per partial slot.
-// jax_lnbwd/_ffi.py mirrors this layout when it sizes the workspace at trace time.
+// partial sums of dbias and dweight follow, 2 * C accumulators per partial slot. Kernels 11
+// and 12 size it with layernorm_bwd_workspace_bytes; jax_lnbwd/kernels.py sizes llm.c's
+// kernels' by the same layout.
 constexpr size_t kWorkspaceHeaderBytes = 256;
 
-// Seed kernels 1-10: llm.c's kernels, repaired, each keeping its technique (see the comment at
-// the top of ffi/kernels/kernel0N_*.cu and kernel10_vector_smem.cu). They sum over all rows:
-// segments must be 1 and weight_stride 0. A launcher returns cudaErrorInvalidValue for a dtype
-// it is not built for or segments it cannot do, and cudaErrorInvalidConfiguration for a block
-// size, C or shared-memory need it cannot run; layernorm_bwd_kernelN_limits tells a caller
-// which, before it launches (jax_lnbwd/kernels.py applies the same rules at trace time).
-struct LlmcKernelLimits {
-  bool dtype_ok;            // the kernel is built for this dtype
-  int block_size;           // the block size it would run: the one asked for, or its default for 0
-  int default_block_size;
-  int max_block_size;       // it runs the powers of two from 32 to max_block_size
-  bool block_size_ok;       // block_size is one of those
-  int64_t c_multiple;       // C must be a multiple of this (1: any C >= 1)
-  size_t smem_bytes;        // dynamic shared memory per block for this C and block size
-};
-
+// llm.c's kernels 1-10, repaired, each keeping its technique (see the comment at the top of
+// ffi/kernels/llmc/kernelNN_*.cu). They sum over all rows: segments must be 1 and weight_stride
+// 0. What each accepts (dtypes, block sizes, C, shared memory) is in llmc/llmc_limits.h, which
+// the host-side registry (ffi/registry.h) reads too: callers ask the registry before they launch.
+// A launcher still refuses what it cannot run, without launching: cudaErrorInvalidValue for a
+// dtype it is not built for, segments it cannot do or more shared memory than the GPU has (the
+// driver's answer to the opt-in), cudaErrorInvalidConfiguration for a block size or C it cannot run.
 cudaError_t layernorm_bwd_kernel1(const LayernormBwdParams& p, cudaStream_t stream);   // naive
 cudaError_t layernorm_bwd_kernel2(const LayernormBwdParams& p, cudaStream_t stream);   // smem reduce
 cudaError_t layernorm_bwd_kernel3(const LayernormBwdParams& p, cudaStream_t stream);   // persistent + atomics
@@ -77,30 +118,22 @@ cudaError_t layernorm_bwd_kernel7(const LayernormBwdParams& p, cudaStream_t stre
 cudaError_t layernorm_bwd_kernel8(const LayernormBwdParams& p, cudaStream_t stream);   // x128 vectors
 cudaError_t layernorm_bwd_kernel9(const LayernormBwdParams& p, cudaStream_t stream);   // block reduce
 cudaError_t layernorm_bwd_kernel10(const LayernormBwdParams& p, cudaStream_t stream);  // vector smem
-LlmcKernelLimits layernorm_bwd_kernel1_limits(Dtype dtype, int64_t C, int block_size);
-LlmcKernelLimits layernorm_bwd_kernel2_limits(Dtype dtype, int64_t C, int block_size);
-LlmcKernelLimits layernorm_bwd_kernel3_limits(Dtype dtype, int64_t C, int block_size);
-LlmcKernelLimits layernorm_bwd_kernel4_limits(Dtype dtype, int64_t C, int block_size);
-LlmcKernelLimits layernorm_bwd_kernel5_limits(Dtype dtype, int64_t C, int block_size);
-LlmcKernelLimits layernorm_bwd_kernel6_limits(Dtype dtype, int64_t C, int block_size);
-LlmcKernelLimits layernorm_bwd_kernel7_limits(Dtype dtype, int64_t C, int block_size);
-LlmcKernelLimits layernorm_bwd_kernel8_limits(Dtype dtype, int64_t C, int block_size);
-LlmcKernelLimits layernorm_bwd_kernel9_limits(Dtype dtype, int64_t C, int block_size);
-LlmcKernelLimits layernorm_bwd_kernel10_limits(Dtype dtype, int64_t C, int block_size);
 
-// Seed kernels 1-10 by id - 1: the launcher and its limits (the FFI glue and the standalone CUDA
-// harness, tests/cuda/harness.cu, both dispatch through this table).
-struct LlmcKernel {
-  cudaError_t (*launch)(const LayernormBwdParams&, cudaStream_t);
-  LlmcKernelLimits (*limits)(Dtype, int64_t, int);
+// llm.c's kernels 1-10 by id - 1 (the FFI glue and the CUDA check and tuning tools dispatch
+// through this table).
+using LayernormBwdLauncher = cudaError_t (*)(const LayernormBwdParams&, cudaStream_t);
+inline constexpr LayernormBwdLauncher kLlmcLaunchers[] = {
+    layernorm_bwd_kernel1, layernorm_bwd_kernel2, layernorm_bwd_kernel3, layernorm_bwd_kernel4,
+    layernorm_bwd_kernel5, layernorm_bwd_kernel6, layernorm_bwd_kernel7, layernorm_bwd_kernel8,
+    layernorm_bwd_kernel9, layernorm_bwd_kernel10,
 };
-inline constexpr LlmcKernel kLlmcKernels[] = {
-    {layernorm_bwd_kernel1, layernorm_bwd_kernel1_limits}, {layernorm_bwd_kernel2, layernorm_bwd_kernel2_limits},
-    {layernorm_bwd_kernel3, layernorm_bwd_kernel3_limits}, {layernorm_bwd_kernel4, layernorm_bwd_kernel4_limits},
-    {layernorm_bwd_kernel5, layernorm_bwd_kernel5_limits}, {layernorm_bwd_kernel6, layernorm_bwd_kernel6_limits},
-    {layernorm_bwd_kernel7, layernorm_bwd_kernel7_limits}, {layernorm_bwd_kernel8, layernorm_bwd_kernel8_limits},
-    {layernorm_bwd_kernel9, layernorm_bwd_kernel9_limits}, {layernorm_bwd_kernel10, layernorm_bwd_kernel10_limits},
-};
+
+// Workspace bytes kernel 11 or 12 uses for a problem on `device` (-1: the current one), with
+// 16-byte aligned buffers (XLA's are): the header and the partial slots of the launch it would
+// make. The launcher plans the same way; given fewer bytes, it uses fewer blocks, never more
+// slots than there are. jax_lnbwd/kernels.py asks this at trace time (ffi/module.cc).
+cudaError_t layernorm_bwd_workspace_bytes(int kernel, Dtype dtype, int64_t rows, int64_t C, int64_t segments,
+                                          int device, LaunchPlan* plan);
 
 // Kernel 11: rows kept in registers between the two passes, per-block fp32 partial sums of
 // dweight/dbias added up in a fixed order (see kernel11_rows_in_registers.cu).
@@ -109,7 +142,8 @@ cudaError_t layernorm_bwd_kernel11(const LayernormBwdParams& p, cudaStream_t str
 
 // Kernel 12: rows streamed into a shared-memory ring by the bulk copy engine (sm_90), sums in
 // registers, per-block partials as kernel 11 (see kernel12_bulk_copy_ring.cu). Falls back to
-// kernel 11 for misaligned rows, rows too wide for the ring, and GPUs before sm_90.
+// kernel 11 for misaligned rows, rows too wide for the ring in the device's shared memory, GPUs
+// before sm_90, and builds without sm_90 code (CUDA architectures without 90).
 cudaError_t layernorm_bwd_kernel12(const LayernormBwdParams& p, cudaStream_t stream);
 
 }  // namespace lnbwd

@@ -1,26 +1,26 @@
 #!/usr/bin/env bash
-# Runs every kernel under compute-sanitizer's four tools, from the standalone harness (exact-size
-# cudaMalloc buffers: XLA's pooled allocator hides out-of-bounds accesses from memcheck), and
+# Runs every kernel under compute-sanitizer's four tools, from the standalone check (tests/cuda/check.cu:
+# exact-size cudaMalloc buffers, as XLA's pooled allocator hides out-of-bounds accesses from memcheck), and
 # proves the tools would notice: a scratch copy of kernel 11 with one planted out-of-bounds write
 # and one with a missing barrier must be reported. Needs a GPU (sm_90), nvcc and compute-sanitizer.
-#   [HARNESS=prebuilt] [JOBS=12] [KERNELS="11 12"] [LNBWD_SANITIZER_TIMEOUT=400] tests/cuda/run_sanitizers.sh [OUT_DIR]
+#   [CHECK=prebuilt] [JOBS=12] [KERNELS="11 12"] [LNBWD_SANITIZER_TIMEOUT=400] tests/cuda/run_sanitizers.sh [OUT_DIR]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:-/tmp/sanitizers}
 mkdir -p "$OUT/obj"
-NVCC=(nvcc -O3 -lineinfo -std=c++17 -arch=sm_90 -Iffi/kernels)
+NVCC=(nvcc -O3 -lineinfo -std=c++17 -arch=sm_90 -Iffi/kernels -Iffi)
 
-# Build the harness (objects in parallel).
+# Build the check (objects in parallel), with the kernel registry it reads.
 build() {   # build OUT_BINARY KERNEL_SOURCES...
   local bin=$1 dir=$OUT/obj/$(basename "$1")
   shift
   mkdir -p "$dir"
-  for f in tests/cuda/harness.cu "$@"; do "${NVCC[@]}" -c "$f" -o "$dir/$(basename "$f").o" & done
+  for f in tests/cuda/check.cu ffi/registry.cc "$@"; do "${NVCC[@]}" -c "$f" -o "$dir/$(basename "$f").o" & done
   wait
   "${NVCC[@]}" "$dir"/*.o -o "$bin"
 }
-# HARNESS=path reuses a harness built from the same sources (with -lineinfo, for file:line reports).
-if [ -n "${HARNESS:-}" ]; then cp "$HARNESS" "$OUT/harness" || exit 2; else build "$OUT/harness" $(find ffi/kernels -name "*.cu" | sort) || exit 2; fi
+# CHECK=path reuses a check built from the same sources (with -lineinfo, for file:line reports).
+if [ -n "${CHECK:-}" ]; then cp "$CHECK" "$OUT/check" || exit 2; else build "$OUT/check" $(find ffi/kernels -name "*.cu" | sort) || exit 2; fi
 
 # Positive controls, in scratch copies that are deleted afterwards: each planted bug must make
 # its tool fail. They run beside the main jobs.
@@ -37,10 +37,10 @@ controls() {
   for planted in oob race; do
     grep -q . "$ctl/kernel11_$planted.cu" && ! cmp -s "$ctl/kernel11_$planted.cu" ffi/kernels/kernel11/kernel11_rows_in_registers.cu \
       || { echo "control $planted: the planted change did not apply"; continue; }
-    build "$ctl/harness_$planted" $others "$ctl/kernel11_$planted.cu" || { continue; }
+    build "$ctl/check_$planted" $others "$ctl/kernel11_$planted.cu" || { continue; }
     tool=$([ $planted = oob ] && echo memcheck || echo racecheck)
-    if timeout "${LNBWD_SANITIZER_TIMEOUT:-400}" compute-sanitizer --tool "$tool" --error-exitcode 1 "$ctl/harness_$planted" check 11 > "$ctl/$planted.log" 2>&1; then
-      echo "control $planted ($tool): NOT reported - the harness would miss this bug"
+    if timeout "${LNBWD_SANITIZER_TIMEOUT:-400}" compute-sanitizer --tool "$tool" --error-exitcode 1 "$ctl/check_$planted" 11 > "$ctl/$planted.log" 2>&1; then
+      echo "control $planted ($tool): NOT reported - the check would miss this bug"
     else
       echo "control $planted ($tool): reported: $(grep -Eo '(ERROR|RACECHECK) SUMMARY: .*' "$ctl/$planted.log" | tail -1)"
     fi
@@ -49,24 +49,21 @@ controls() {
 }
 
 status=0
-export LNBWD_QUICK=1   # the harness's reduced shape set: the sanitizers are slow
+export LNBWD_QUICK=1   # the check's reduced shape set: the sanitizers are slow
 # One (tool, kernel) pair per process, JOBS at a time: the GPU has room for all of them.
 sanitize() {   # sanitize TOOL KERNEL: one line of result
   local tool=$1 kernel=$2 extra=() env=()
   [ "$tool" = memcheck ] && extra=(--leak-check full)
-  # Kernel 12's mbarriers (groups x ring slots per block, up to 45, and with split rows 2 more
-  # per group, up to 75) outnumber what synccheck tracks by default: it says so and fails the
-  # launch. Its grids are cooperative (every block resident at once, see launch_with_partials),
-  # so all blocks' barriers are alive together: 45 x 132 on an H200. With 1024 synccheck warned
-  # of the overflow and the launch failed; with 8192 the split-rows configurations (up to 75 x
-  # 132 in principle) launched and passed, 0 errors (seventh session).
+  # Kernel 12's mbarriers (groups x ring slots per block, up to 75 with split rows) outnumber
+  # what synccheck tracks by default, and its grids are cooperative (every block resident at
+  # once), so all blocks' barriers are alive together: raise synccheck's count.
   [ "$tool" = synccheck ] && extra=(--num-cuda-barriers "${NUM_CUDA_BARRIERS:-8192}")
   # racecheck is the slowest on kernels with many shared-memory accesses: smaller launches.
   [ "$tool" = racecheck ] && env=(LNBWD_QUICK_MAX_ELEMENTS=3500000)
   if env "${env[@]}" timeout "${LNBWD_SANITIZER_TIMEOUT:-400}" compute-sanitizer --tool "$tool" --error-exitcode 1 "${extra[@]}" \
-      "$OUT/harness" check "$kernel" > "$OUT/$tool-k$kernel.log" 2>&1; then
+      "$OUT/check" "$kernel" > "$OUT/$tool-k$kernel.log" 2>&1; then
     echo "$tool kernel $kernel: $(grep -Eo '(ERROR|RACECHECK) SUMMARY: .*' "$OUT/$tool-k$kernel.log" | tail -1)" \
-         "($(grep -Eo 'harness check: [0-9]+ cases, [0-9]+ failures' "$OUT/$tool-k$kernel.log"))"
+         "($(grep -Eo 'check: [0-9]+ cases, [0-9]+ failures' "$OUT/$tool-k$kernel.log"))"
   else
     echo "$tool kernel $kernel: FAILED (exit $?, see $OUT/$tool-k$kernel.log)"
   fi

@@ -4,9 +4,12 @@
 // ever rises: lowering it for a smaller launch would make a remembered larger one fail.
 #include "common/occupancy.h"
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <tuple>
+
+#include "common/device_limits.h"
 
 namespace lnbwd {
 namespace {
@@ -17,6 +20,7 @@ struct Remembered {
   std::mutex mutex;
   std::map<LaunchKey, int> units;
   std::map<std::pair<int, const void*>, size_t> smem_opt_in;   // (device, kernel) -> bytes
+  std::map<std::pair<int, const void*>, int> code_arch;        // (device, kernel) -> 10 * major + minor
 };
 
 Remembered& remembered() {
@@ -38,10 +42,11 @@ cudaError_t ask_driver(const void* kernel, int threads, size_t smem, int cluster
 
 }  // namespace
 
-cudaError_t resident_units(const void* kernel, int threads, size_t smem, int cluster, int* out) {
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
+cudaError_t resident_units(int device, const void* kernel, int threads, size_t smem, int cluster, int* out) {
+  cudaError_t err = cudaSuccess;
+  if (device < 0 && (err = cudaGetDevice(&device)) != cudaSuccess) return err;
+  ScopedDevice scope(device);
+  if (scope.status() != cudaSuccess) return scope.status();
   Remembered& r = remembered();
   std::lock_guard<std::mutex> lock(r.mutex);
   const LaunchKey key{device, kernel, threads, smem, cluster};
@@ -58,6 +63,25 @@ cudaError_t resident_units(const void* kernel, int threads, size_t smem, int clu
   err = ask_driver(kernel, threads, smem, cluster, out);
   if (err == cudaSuccess) r.units.emplace(key, *out);
   return err;
+}
+
+cudaError_t kernel_code_arch(int device, const void* kernel, int* arch) {
+  cudaError_t err = cudaSuccess;
+  if (device < 0 && (err = cudaGetDevice(&device)) != cudaSuccess) return err;
+  ScopedDevice scope(device);
+  if (scope.status() != cudaSuccess) return scope.status();
+  Remembered& r = remembered();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  if (auto it = r.code_arch.find({device, kernel}); it != r.code_arch.end()) {
+    *arch = it->second;
+    return cudaSuccess;
+  }
+  cudaFuncAttributes attr = {};
+  err = cudaFuncGetAttributes(&attr, kernel);
+  if (err != cudaSuccess) return err;
+  *arch = std::min(attr.binaryVersion, attr.ptxVersion);
+  r.code_arch.emplace(std::pair{device, kernel}, *arch);
+  return cudaSuccess;
 }
 
 }  // namespace lnbwd

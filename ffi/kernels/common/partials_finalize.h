@@ -6,7 +6,11 @@
 
 namespace lnbwd {
 
-cudaError_t finalize_partials_launch(const LayernormBwdParams& p, int slots, cudaStream_t stream);
+// Launched on the stream right after the kernel that writes the slots (launch_with_partials,
+// launch.cuh); on sm_90 with programmatic dependent launch, so it may start before that kernel
+// ends and waits for it on the GPU.
+cudaError_t finalize_partials_launch(const LayernormBwdParams& p, const DeviceLimits& lim, int slots,
+                                     cudaStream_t stream);
 
 #ifdef __CUDACC__
 // Called by a kernel whose partials finalize_partials sums, once per thread, at its start: from

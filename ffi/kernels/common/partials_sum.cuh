@@ -1,9 +1,12 @@
 // Device code shared by the two ways the per-block partial slots become dweight and dbias: the
-// finalize_partials kernel (partials_finalize.cu) and a cooperative grid that finishes its own
-// sums after a grid-wide barrier (finish_partials_in_grid, kernels 11 and 12). Both add every
-// column over the slots in the same fixed order every run: deterministic.
+// finalize_partials kernel (partials_finalize.cu, the default) and, opted in with
+// JAX_LNBWD_COOPERATIVE_FINISH=1, a cooperative grid that finishes its own sums after a
+// grid-wide barrier (finish_partials_in_grid, kernels 11 and 12). Both add every column over the
+// slots in the same fixed order every run: deterministic.
 //   dbias[c]   = sum over slots s of partials[s][0][c]
 //   dweight[c] = sum over slots s of partials[s][1][c]
+// T is the data's type (it sets the accumulator, acc_t<T>, and the tuning), O the type dweight
+// and dbias are stored as: T, or float beside 16-bit data (mixed precision; acc_t<O> == acc_t<T>).
 #pragma once
 
 #include <cooperative_groups.h>
@@ -26,8 +29,8 @@ namespace lnbwd {
 // a chain of such round trips (6 us at C = 1600 with 132 slots, against 44 us for the main
 // kernel, ncu). A thread loads BATCH slots of both sums before it adds any of them (the loads
 // are hoisted, not the additions: each sum still runs over its slots in order).
-template <typename T, int BATCH, int V = 1>
-__device__ __forceinline__ void sum_partials_tile(T* __restrict__ dweight, T* __restrict__ dbias,
+template <typename T, int BATCH, int V = 1, typename O = T>
+__device__ __forceinline__ void sum_partials_tile(O* __restrict__ dweight, O* __restrict__ dbias,
                                                   const acc_t<T>* __restrict__ partials, int slots, int C, int c0,
                                                   int warps, acc_t<T>* sums) {
   using A = acc_t<T>;
@@ -80,17 +83,17 @@ __device__ __forceinline__ void sum_partials_tile(T* __restrict__ dweight, T* __
 #pragma unroll
       for (int v = 0; v < V; ++v) t[v] += s[v];
     }
-    T* out = (kind == 0 ? dbias : dweight) + c;
+    O* out = (kind == 0 ? dbias : dweight) + c;
 #pragma unroll
-    for (int v = 0; v < V; ++v) out[v] = from_acc<T>(t[v]);
+    for (int v = 0; v < V; ++v) out[v] = from_acc<O>(t[v]);
   }
 }
 
 // Where a cooperative grid's blocks put dweight and dbias when they finish the sums themselves.
-template <typename T>
+template <typename T, typename O = T>
 struct GridFinish {
-  T* dweight = nullptr;   // [segments, C]; null: a finalize_partials launch follows instead
-  T* dbias = nullptr;     // [segments, C]
+  O* dweight = nullptr;   // [segments, C]; null: a finalize_partials launch follows instead
+  O* dbias = nullptr;     // [segments, C]
   int segments = 1;
   int vec = 1;            // columns per lane of a tile: 1, 2, .. kFinishMaxVec<T> (finish_vec)
 };
@@ -130,7 +133,7 @@ constexpr int kTileBatch = sizeof(T) == 2 && V == 1 ? 16 : 8;
 // written, then the blocks share the tiles of all segments and sum them as finalize_partials
 // would, with one kernel launch and its drain fewer. The first `warps` warps of each block add
 // (the others only pass the barriers); `sums` is shared memory for 2 * 32 * warps * f.vec
-// accumulators (grid_finish_smem, dispatch.cuh), free by now. Every thread of every block calls it.
+// accumulators (grid_finish_smem, launch.cuh), free by now. Every thread of every block calls it.
 //
 // Each warp takes every warps-th slot and loads kTileBatch of them at a time: 16 warps (512
 // threads) cover 128 or 256 slots per round, about one block per SM.
@@ -138,30 +141,30 @@ constexpr int kTileBatch = sizeof(T) == 2 && V == 1 ? 16 : 8;
 // followed by finalize_partials): bf16 16384x1600 49.7 -> 48.5 us, fp32 16384x2048 112.5 ->
 // 109.9 us, fp32 8192x8192 220.3 -> 216.9 us; bf16 4096x16384 131.3 -> 131.0 us with tiles of 32
 // columns (17 MB of slots to read cost the same either way).
-template <typename T, int V>
-__device__ void sum_tiles_in_grid(const GridFinish<T>& f, const acc_t<T>* partials, int slots, int C, int warps,
+template <typename T, int V, typename O>
+__device__ void sum_tiles_in_grid(const GridFinish<T, O>& f, const acc_t<T>* partials, int slots, int C, int warps,
                                   acc_t<T>* sums) {
   const int tiles = ceil_div(C, 32 * V);
   for (int64_t tile = blockIdx.x; tile < static_cast<int64_t>(tiles) * f.segments; tile += gridDim.x) {
     const int64_t segment = tile / tiles;
     const int c0 = static_cast<int>(tile % tiles) * 32 * V;
-    sum_partials_tile<T, kTileBatch<T, V>, V>(f.dweight + segment * C, f.dbias + segment * C,
+    sum_partials_tile<T, kTileBatch<T, V>, V, O>(f.dweight + segment * C, f.dbias + segment * C,
                                               partials + segment * slots * 2 * static_cast<size_t>(C), slots, C,
                                               c0, warps, sums);
     __syncthreads();   // warps 0 and 1 have read `sums` before the next tile overwrites it
   }
 }
 
-template <typename T>
-__device__ void finish_partials_in_grid(const GridFinish<T>& f, const acc_t<T>* partials, int slots, int C,
+template <typename T, typename O>
+__device__ void finish_partials_in_grid(const GridFinish<T, O>& f, const acc_t<T>* partials, int slots, int C,
                                         int warps, acc_t<T>* sums) {
   // grid.sync() orders every block's slot writes before any block's reads past it (.cg: in L2).
   cooperative_groups::this_grid().sync();
-  if (f.vec == 1) return sum_tiles_in_grid<T, 1>(f, partials, slots, C, warps, sums);
+  if (f.vec == 1) return sum_tiles_in_grid<T, 1, O>(f, partials, slots, C, warps, sums);
   if constexpr (kFinishMaxVec<T> >= 4) {
-    if (f.vec == 4) return sum_tiles_in_grid<T, 4>(f, partials, slots, C, warps, sums);
+    if (f.vec == 4) return sum_tiles_in_grid<T, 4, O>(f, partials, slots, C, warps, sums);
   }
-  sum_tiles_in_grid<T, 2>(f, partials, slots, C, warps, sums);
+  sum_tiles_in_grid<T, 2, O>(f, partials, slots, C, warps, sums);
 }
 
 }  // namespace lnbwd

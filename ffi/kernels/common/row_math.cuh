@@ -7,7 +7,8 @@
 //           computed once per kernel, so a row's constants cost multiplies, not two divisions. The FMA
 //           leaves the rounding error of g_i rstd where the exact answer is 0, at C = 1; kernel
 //           12 never sees C = 1 (its C is a multiple of the vector width);
-//           dbias_i += dy_i, dweight_i += dy_i xhat_i.
+//           dbias_i += dy_i, dweight_i += dy_i xhat_i;
+//           with a residual gradient r (add_layernorm's backward), dx_i + r_i, rounded once.
 // Each pass widens its vectors of dy and x whole (to_acc of a Packed, vec.cuh: bf16 two
 // elements per 32-bit word, one instruction each) before the per-element math.
 #pragma once
@@ -38,19 +39,25 @@ struct RowCoefficients {
       : k0(-(s1 * inv_c) * rstd), k1(-(s2 * rstd * inv_c) * rstd) {}
 };
 
-// Pass 2 for one vector of a row: returns dx and adds dy into db and dy * xhat into dw.
-template <typename T, int VEC>
+// Pass 2 for one vector of a row: returns dx and adds dy into db and dy * xhat into dw. RESID:
+// *res, the residual stream's gradient, is added to dx in acc_t before dx is rounded once.
+template <typename T, int VEC, bool RESID = false>
 __device__ __forceinline__ Packed<T, VEC> dx_and_add_sums(const Packed<T, VEC>& dy, const Packed<T, VEC>& x,
                                                           const Packed<acc_t<T>, VEC>& w, acc_t<T> mean,
                                                           acc_t<T> rstd, const RowCoefficients<acc_t<T>>& k,
-                                                          Packed<acc_t<T>, VEC>& db, Packed<acc_t<T>, VEC>& dw) {
+                                                          Packed<acc_t<T>, VEC>& db, Packed<acc_t<T>, VEC>& dw,
+                                                          const Packed<T, VEC>* res = nullptr) {
   Packed<T, VEC> dx;
   const Packed<acc_t<T>, VEC> dv = to_acc(dy), xf = to_acc(x);
+  Packed<acc_t<T>, VEC> rv;
+  if constexpr (RESID) rv = to_acc(*res);
 #pragma unroll
   for (int q = 0; q < VEC; ++q) {
     const acc_t<T> d = dv[q];
     const acc_t<T> xhat = (xf[q] - mean) * rstd;
-    dx[q] = from_acc<T>(fma(mul_rn(w[q], d), rstd, fma(xhat, k.k1, k.k0)));
+    acc_t<T> v = fma(mul_rn(w[q], d), rstd, fma(xhat, k.k1, k.k0));
+    if constexpr (RESID) v += rv[q];
+    dx[q] = from_acc<T>(v);
     db[q] += d;
     dw[q] += d * xhat;
   }

@@ -57,8 +57,7 @@ __device__ __forceinline__ Packed<acc_t<T>, N> to_acc(const Packed<T, N>& v) {
 // two elements: the even (low) element shifted up, the odd (high) one with the low half masked
 // off. One integer instruction each; converted one element at a time, nvcc 13 extracts the odd
 // element with a PRMT before shifting it: two. Kernel 12 is issue-bound enough at C = 1600 for
-// that to show (H200, 16384x1600: under ncu bf16 executed 7% more instructions than fp16, whose
-// HADD2.F32 widens in one, and ran 7% longer; harness sweep 48.5 -> 47.0 us with this, fp16 46.5).
+// that extra instruction per element to cost time.
 template <int N>
 __device__ __forceinline__ Packed<float, N> to_acc(const Packed<__nv_bfloat16, N>& v) {
   Packed<float, N> out;
@@ -92,6 +91,27 @@ __device__ __forceinline__ To same_bytes(const From& v) {
 }
 
 template <typename V> __device__ __forceinline__ V load(const V* p) { return *p; }
+
+// N elements of T from memory known to be 16-byte aligned: one access where that is at most 16
+// bytes, else 16-byte pieces. (The wider case is a float32 weight beside 16-bit data: 8 floats,
+// 32 bytes, whose alignment XLA promises only to 16.)
+template <int N, typename T>
+__device__ __forceinline__ Packed<T, N> load_vec(const T* p) {
+  if constexpr (sizeof(T) * N <= 16) {
+    return load(reinterpret_cast<const Packed<T, N>*>(p));
+  } else {
+    constexpr int kPiece = 16 / sizeof(T);
+    static_assert(N % kPiece == 0, "whole 16-byte pieces");
+    Packed<T, N> out;
+#pragma unroll
+    for (int h = 0; h < N; h += kPiece) {
+      const Packed<T, kPiece> piece = load(reinterpret_cast<const Packed<T, kPiece>*>(p + h));
+#pragma unroll
+      for (int q = 0; q < kPiece; ++q) out[h + q] = piece[q];
+    }
+    return out;
+  }
+}
 
 // Streaming load (ld.global.cs, "evict first"): the data is touched once more at most, so it
 // should not push data that is reused (weight, partial sums) out of the caches.

@@ -1,5 +1,5 @@
-// Kernel 11 internals shared by its launcher files and the standalone CUDA test harness
-// (tests/cuda/), which sweeps configurations directly. The FFI glue uses layernorm_bwd.h only.
+// Kernel 11 internals shared by its launcher files, the CUDA check (tests/cuda/check.cu) and the
+// tuning tools (tools/tune/), which run configurations directly. The FFI glue uses api.h only.
 #pragma once
 
 #include <vector>
@@ -17,9 +17,9 @@ struct Kernel11Config {
 };
 
 // Every compiled configuration that can hold a row of C in registers (empty: use the wide path).
-std::vector<Kernel11Config> kernel11_candidates(Dtype dtype, int64_t C, bool vectorized);
+std::vector<Kernel11Config> kernel11_candidates(Dtype dtype, int64_t C, bool vectorized, const DeviceLimits& lim);
 // The configuration the default launcher uses; false if no register path fits.
-bool kernel11_pick(Dtype dtype, int64_t C, bool vectorized, Kernel11Config* cfg);
+bool kernel11_pick(Dtype dtype, int64_t C, bool vectorized, const DeviceLimits& lim, Kernel11Config* cfg);
 cudaError_t layernorm_bwd_kernel11_config(const LayernormBwdParams& p, const Kernel11Config& cfg, cudaStream_t stream);
 // Rows too wide for registers: two streaming passes per row (kernel11_wide_rows.cu).
 cudaError_t layernorm_bwd_kernel11_wide(const LayernormBwdParams& p, cudaStream_t stream);

@@ -18,8 +18,8 @@
 //          dbias_i += dy_i and dweight_i += dy_i * xhat_i in the group's shared-memory sums.
 // Because a thread owns its columns, its shared-memory sums need no atomics and no barriers.
 // At the end the block adds its groups' sums (in group order) and writes them to its partial
-// slot; the slots are then added in slot order (launch_with_partials, dispatch.cuh: by the grid
-// itself after a grid-wide barrier, or by finalize_partials).
+// slot; the slots are then added in slot order (launch_with_partials, common/launch.cuh: by
+// finalize_partials, or, opted in, by the grid itself after a grid-wide barrier).
 //
 // Bytes in flight. Memory-bound code is fast only if enough loads are outstanding: each thread
 // issues all 2*NV of its 16-byte loads for a row before using any. With PREFETCH, the loads of
@@ -33,8 +33,6 @@
 namespace lnbwd {
 namespace {
 
-// Shared-memory budget per block for the groups' dweight/dbias sums (Hopper allows 227 KB).
-constexpr size_t kSmemBudget = 200 * 1024;
 constexpr int kMaxThreads = 1024;
 // Threads per block for a variant. A block of 1024 threads can have 64 registers per thread at
 // most; variants with more row data per thread (NV >= 2) are capped at 512 threads, which lets
@@ -57,15 +55,18 @@ __device__ __forceinline__ void load_row(Packed<T, VEC> (&dyv)[NV], Packed<T, VE
   }
 }
 
-template <typename T, int VEC, int NV, bool PREFETCH>
+// O: the type of weight, dweight and dbias (T, or float beside 16-bit T); RESID: dresidual is
+// added to dx (dispatch_types, launch.cuh).
+template <typename T, typename O, bool RESID, int VEC, int NV, bool PREFETCH>
 __global__ void __launch_bounds__(max_threads(NV), 1)
 kernel11_rows(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __restrict__ dy,
-              const T* __restrict__ x, const T* __restrict__ weight, const stat_t<T>* __restrict__ mean,
-              const stat_t<T>* __restrict__ rstd, int64_t rows_per_segment, int blocks_per_segment,
-              int64_t weight_stride, int C, GridFinish<T> finish, int tpr, int groups) {
+              const T* __restrict__ x, const O* __restrict__ weight, const T* dresidual,
+              const stat_t<T>* __restrict__ mean, const stat_t<T>* __restrict__ rstd, int64_t rows_per_segment,
+              int blocks_per_segment, int64_t weight_stride, int C, GridFinish<T, O> finish, int tpr, int groups) {
   using A = acc_t<T>;
   allow_finalize_launch();
   using V = Packed<T, VEC>;
+  using WV = Packed<O, VEC>;
   using AV = Packed<A, VEC>;
   const int g = threadIdx.x / tpr;
   const int t = threadIdx.x % tpr;
@@ -131,7 +132,7 @@ kernel11_rows(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
     for (int j = 0; j < NV; ++j) {
       const int col = (j * tpr + t) * VEC;
       if (col < C) {
-        const V wv = load(reinterpret_cast<const V*>(weight + col));
+        const WV wv = load_vec<VEC>(weight + col);
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
           const A gi = mul_rn(to_acc(wv[k]), to_acc(dyv[j][k]));
@@ -172,7 +173,11 @@ kernel11_rows(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
     for (int j = 0; j < NV; ++j) {
       const int col = (j * tpr + t) * VEC;
       if (col < C) {
-        const V wv = load(reinterpret_cast<const V*>(weight + col));
+        const WV wv = load_vec<VEC>(weight + col);
+        // The residual gradient: read here, once, by the thread that writes this dx (it may be
+        // dx's own buffer, aliased).
+        V rv;
+        if constexpr (RESID) rv = load_cs(reinterpret_cast<const V*>(dresidual + row * C + col));
         AV db = *reinterpret_cast<AV*>(db_sum + col);
         AV dw = *reinterpret_cast<AV*>(dw_sum + col);
         V dxv;
@@ -180,7 +185,9 @@ kernel11_rows(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
         for (int k = 0; k < VEC; ++k) {
           const A d = to_acc(dyv[j][k]);
           const A xhat = (to_acc(xv[j][k]) - m) * s;
-          dxv[k] = from_acc<T>((mul_rn(to_acc(wv[k]), d) - a - xhat * b) * s);
+          A v = (mul_rn(to_acc(wv[k]), d) - a - xhat * b) * s;
+          if constexpr (RESID) v += to_acc(rv[k]);
+          dxv[k] = from_acc<T>(v);
           db[k] += d;
           dw[k] += d * xhat;
         }
@@ -226,11 +233,15 @@ size_t smem_bytes(const Kernel11Config& cfg, int64_t C, size_t acc_bytes) {
   return (static_cast<size_t>(cfg.groups) * 2 * C + static_cast<size_t>(cfg.groups) * 2 * (cfg.tpr / 32) * 2) * acc_bytes;
 }
 
-template <typename T, int VEC, int NV, bool PREFETCH>
+template <typename T, typename O, bool RESID, int VEC, int NV, bool PREFETCH>
 cudaError_t launch(const LayernormBwdParams& p, const Kernel11Config& cfg, cudaStream_t stream) {
+  if (p.plan) {
+    p.plan->kernel = 11;
+    p.plan->path = "rows in registers";
+  }
   // Persistent grid: as many blocks as fit on the GPU at once, but no more than there are row
   // groups of work, and no more than the workspace has partial slots.
-  return launch_with_partials<T>(p, kernel11_rows<T, VEC, NV, PREFETCH>, cfg.tpr * cfg.groups,
+  return launch_with_partials<T, O>(p, kernel11_rows<T, O, RESID, VEC, NV, PREFETCH>, cfg.tpr * cfg.groups,
                                  smem_bytes(cfg, p.C, sizeof(acc_t<T>)), BlocksPerSm::kOccupancy, cfg.groups, 1,
                                  stream, cfg.tpr, cfg.groups);
 }
@@ -238,26 +249,26 @@ cudaError_t launch(const LayernormBwdParams& p, const Kernel11Config& cfg, cudaS
 // The (NV, PREFETCH) variants compiled for each vector width. Registers per thread for the row
 // data are 2 tensors * NV * 16 bytes (twice that with PREFETCH); the lists keep that at or
 // below 32 registers, so a 1024-thread block fits (64 registers per thread at most).
-template <typename T, int VEC>
+template <typename T, typename O, bool RESID, int VEC>
 cudaError_t launch_variant(const LayernormBwdParams& p, const Kernel11Config& cfg, cudaStream_t stream) {
   if constexpr (VEC == 1) {
     switch (cfg.nv) {
-      case 2: return launch<T, VEC, 2, false>(p, cfg, stream);
-      case 4: return launch<T, VEC, 4, false>(p, cfg, stream);
-      case 8: return launch<T, VEC, 8, false>(p, cfg, stream);
+      case 2: return launch<T, O, RESID, VEC, 2, false>(p, cfg, stream);
+      case 4: return launch<T, O, RESID, VEC, 4, false>(p, cfg, stream);
+      case 8: return launch<T, O, RESID, VEC, 8, false>(p, cfg, stream);
     }
     return cudaErrorInvalidValue;
   } else {
   if (cfg.prefetch) {
     switch (cfg.nv) {
-      case 1: return launch<T, VEC, 1, true>(p, cfg, stream);
-      case 2: return launch<T, VEC, 2, true>(p, cfg, stream);
+      case 1: return launch<T, O, RESID, VEC, 1, true>(p, cfg, stream);
+      case 2: return launch<T, O, RESID, VEC, 2, true>(p, cfg, stream);
     }
     return cudaErrorInvalidValue;
   }
   switch (cfg.nv) {
-    case 3: if constexpr (sizeof(T) <= 4) return launch<T, VEC, 3, false>(p, cfg, stream); break;
-    case 4: return launch<T, VEC, 4, false>(p, cfg, stream);
+    case 3: if constexpr (sizeof(T) <= 4) return launch<T, O, RESID, VEC, 3, false>(p, cfg, stream); break;
+    case 4: return launch<T, O, RESID, VEC, 4, false>(p, cfg, stream);
   }
   return cudaErrorInvalidValue;
   }
@@ -265,7 +276,10 @@ cudaError_t launch_variant(const LayernormBwdParams& p, const Kernel11Config& cf
 
 }  // namespace
 
-std::vector<Kernel11Config> kernel11_candidates(Dtype dtype, int64_t C, bool vectorized) {
+// The groups' dweight/dbias sums live in shared memory: a block has as many groups as the
+// device's opt-in shared memory holds (lim.smem_optin), and a row too wide for one group takes
+// the wide path.
+std::vector<Kernel11Config> kernel11_candidates(Dtype dtype, int64_t C, bool vectorized, const DeviceLimits& lim) {
   const int item = dtype_bytes(dtype);
   const int vec = vectorized ? 16 / item : 1;
   const size_t acc = dtype == Dtype::kF64 ? 8 : 4;
@@ -288,15 +302,15 @@ std::vector<Kernel11Config> kernel11_candidates(Dtype dtype, int64_t C, bool vec
     if (tpr > block_max) continue;
     cfg.tpr = static_cast<int>(tpr);
     cfg.groups = cfg.tpr == 32 ? block_max / 32 : std::min(block_max / cfg.tpr, kMaxNamedBarrierGroups);
-    while (cfg.groups > 0 && smem_bytes(cfg, C, acc) > kSmemBudget) --cfg.groups;
+    while (cfg.groups > 0 && smem_bytes(cfg, C, acc) > lim.smem_optin) --cfg.groups;
     if (cfg.groups == 0) continue;
     out.push_back(cfg);
   }
   return out;
 }
 
-bool kernel11_pick(Dtype dtype, int64_t C, bool vectorized, Kernel11Config* cfg) {
-  const std::vector<Kernel11Config> all = kernel11_candidates(dtype, C, vectorized);
+bool kernel11_pick(Dtype dtype, int64_t C, bool vectorized, const DeviceLimits& lim, Kernel11Config* cfg) {
+  const std::vector<Kernel11Config> all = kernel11_candidates(dtype, C, vectorized, lim);
   if (all.empty()) return false;
   // Prefer: at least 70% of the threads' vector slots used; then prefetching; then more
   // vectors per thread (more bytes in flight per thread, fewer threads per row to reduce over).
@@ -313,23 +327,27 @@ bool kernel11_pick(Dtype dtype, int64_t C, bool vectorized, Kernel11Config* cfg)
 }
 
 cudaError_t layernorm_bwd_kernel11_config(const LayernormBwdParams& p, const Kernel11Config& cfg, cudaStream_t stream) {
-  return dispatch_dtype(p.dtype, [&](auto t) -> cudaError_t {
+  return dispatch_types(p, [&](auto t, auto o, auto resid) -> cudaError_t {
     using T = decltype(t);
+    using O = decltype(o);
+    constexpr bool R = decltype(resid)::value;
     constexpr int vec = 16 / sizeof(T);
-    if (cfg.vec == vec && can_vectorize<T>(p)) return launch_variant<T, vec>(p, cfg, stream);
-    if (cfg.vec == 1) return launch_variant<T, 1>(p, cfg, stream);
+    if (cfg.vec == vec && can_vectorize<T>(p)) return launch_variant<T, O, R, vec>(p, cfg, stream);
+    if (cfg.vec == 1) return launch_variant<T, O, R, 1>(p, cfg, stream);
     return cudaErrorInvalidValue;
   });
 }
 
 cudaError_t layernorm_bwd_kernel11(const LayernormBwdParams& p, cudaStream_t stream) {
+  DeviceLimits lim;
+  LNBWD_RETURN_IF_CUDA_ERROR(device_limits(p.device, &lim));
   bool vectorized = false;
   dispatch_dtype(p.dtype, [&](auto t) {
     vectorized = can_vectorize<decltype(t)>(p);
     return cudaSuccess;
   });
   Kernel11Config cfg;
-  if (kernel11_pick(p.dtype, p.C, vectorized, &cfg)) return layernorm_bwd_kernel11_config(p, cfg, stream);
+  if (kernel11_pick(p.dtype, p.C, vectorized, lim, &cfg)) return layernorm_bwd_kernel11_config(p, cfg, stream);
   return layernorm_bwd_kernel11_wide(p, stream);
 }
 

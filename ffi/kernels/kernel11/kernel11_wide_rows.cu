@@ -21,15 +21,18 @@ namespace {
 
 constexpr int kThreads = 1024;
 
-template <typename T, int VEC>
+// O: the type of weight, dweight and dbias (T, or float beside 16-bit T); RESID: dresidual is
+// added to dx (dispatch_types, launch.cuh).
+template <typename T, typename O, bool RESID, int VEC>
 __global__ void __launch_bounds__(kThreads)
 kernel11_wide(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __restrict__ dy,
-              const T* __restrict__ x, const T* __restrict__ weight, const stat_t<T>* __restrict__ mean,
-              const stat_t<T>* __restrict__ rstd, int64_t rows_per_segment, int blocks_per_segment,
-              int64_t weight_stride, int C, GridFinish<T> finish) {
+              const T* __restrict__ x, const O* __restrict__ weight, const T* dresidual,
+              const stat_t<T>* __restrict__ mean, const stat_t<T>* __restrict__ rstd, int64_t rows_per_segment,
+              int blocks_per_segment, int64_t weight_stride, int C, GridFinish<T, O> finish) {
   using A = acc_t<T>;
   allow_finalize_launch();
   using V = Packed<T, VEC>;
+  using WV = Packed<O, VEC>;
   using AV = Packed<A, VEC>;
   __shared__ Packed<A, 2> exchange[2][kThreads / 32];   // two buffers of (s1, s2) pairs, alternating rows
   const int lane = threadIdx.x % 32;
@@ -61,7 +64,7 @@ kernel11_wide(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
     for (int col = threadIdx.x * VEC; col < C; col += kThreads * VEC) {
       const V dyv = load(reinterpret_cast<const V*>(dy_r + col));
       const V xv = load(reinterpret_cast<const V*>(x_r + col));
-      const V wv = load(reinterpret_cast<const V*>(weight + col));
+      const WV wv = load_vec<VEC>(weight + col);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
         const A gi = mul_rn(to_acc(wv[k]), to_acc(dyv[k]));
@@ -81,7 +84,9 @@ kernel11_wide(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
     for (int col = threadIdx.x * VEC; col < C; col += kThreads * VEC) {
       const V dyv = load_cs(reinterpret_cast<const V*>(dy_r + col));
       const V xv = load_cs(reinterpret_cast<const V*>(x_r + col));
-      const V wv = load(reinterpret_cast<const V*>(weight + col));
+      const WV wv = load_vec<VEC>(weight + col);
+      V rv;   // the residual gradient, read once by the thread that writes this dx (maybe aliased)
+      if constexpr (RESID) rv = load_cs(reinterpret_cast<const V*>(dresidual + row * C + col));
       AV db = *reinterpret_cast<AV*>(db_slot + col);
       AV dw = *reinterpret_cast<AV*>(dw_slot + col);
       V dxv;
@@ -89,7 +94,9 @@ kernel11_wide(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
       for (int k = 0; k < VEC; ++k) {
         const A d = to_acc(dyv[k]);
         const A xhat = (to_acc(xv[k]) - m) * s;
-        dxv[k] = from_acc<T>((mul_rn(to_acc(wv[k]), d) - a - xhat * b) * s);
+        A v = (mul_rn(to_acc(wv[k]), d) - a - xhat * b) * s;
+        if constexpr (RESID) v += to_acc(rv[k]);
+        dxv[k] = from_acc<T>(v);
         db[k] += d;
         dw[k] += d * xhat;
       }
@@ -102,19 +109,25 @@ kernel11_wide(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   if (finish.dweight) finish_partials_in_grid(finish, partials, blocks_per_segment, C, blockDim.x / 32, reinterpret_cast<A*>(smem));
 }
 
-template <typename T, int VEC>
+template <typename T, typename O, bool RESID, int VEC>
 cudaError_t launch(const LayernormBwdParams& p, cudaStream_t stream) {
-  return launch_with_partials<T>(p, kernel11_wide<T, VEC>, kThreads, 0, BlocksPerSm::kOccupancyAtLeastOne, 1, 1,
+  if (p.plan) {
+    p.plan->kernel = 11;
+    p.plan->path = "wide rows";
+  }
+  return launch_with_partials<T, O>(p, kernel11_wide<T, O, RESID, VEC>, kThreads, 0, BlocksPerSm::kOccupancyAtLeastOne, 1, 1,
                                  stream);
 }
 
 }  // namespace
 
 cudaError_t layernorm_bwd_kernel11_wide(const LayernormBwdParams& p, cudaStream_t stream) {
-  return dispatch_dtype(p.dtype, [&](auto t) -> cudaError_t {
+  return dispatch_types(p, [&](auto t, auto o, auto resid) -> cudaError_t {
     using T = decltype(t);
+    using O = decltype(o);
+    constexpr bool R = decltype(resid)::value;
     constexpr int vec = 16 / sizeof(T);
-    return can_vectorize<T>(p) ? launch<T, vec>(p, stream) : launch<T, 1>(p, stream);
+    return can_vectorize<T>(p) ? launch<T, O, R, vec>(p, stream) : launch<T, O, R, 1>(p, stream);
   });
 }
 

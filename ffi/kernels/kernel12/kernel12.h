@@ -1,5 +1,5 @@
-// Kernel 12 internals shared with the standalone CUDA harness (tests/cuda/), which sweeps
-// configurations directly. The FFI glue uses layernorm_bwd.h only.
+// Kernel 12 internals shared with the CUDA check (tests/cuda/check.cu) and the tuning tools
+// (tools/tune/), which run configurations directly. The FFI glue uses api.h only.
 #pragma once
 
 #include <vector>
@@ -18,14 +18,18 @@ struct Kernel12Config {
   int split = 1;    // blocks sharing each row (2: a cluster of two, half a row each; not fp64)
 };
 
-// Configurations that fit (16-byte aligned rows of C elements); empty if none.
-std::vector<Kernel12Config> kernel12_candidates(Dtype dtype, int64_t C);
-bool kernel12_pick(Dtype dtype, int64_t C, Kernel12Config* cfg);
+// Configurations that fit (16-byte aligned rows of C elements); empty if none. weight_f32 (a
+// float32 weight beside 16-bit data) leaves out the configurations that stage the weight as T.
+std::vector<Kernel12Config> kernel12_candidates(Dtype dtype, int64_t C, const DeviceLimits& lim,
+                                                bool weight_f32 = false);
+bool kernel12_pick(Dtype dtype, int64_t C, const DeviceLimits& lim, Kernel12Config* cfg, bool weight_f32 = false);
 cudaError_t layernorm_bwd_kernel12_config(const LayernormBwdParams& p, const Kernel12Config& cfg, cudaStream_t stream);
 
 // Rows too wide for the per-group ring: one row per block, streamed in chunks, once per pass
 // (kernel12_wide_rows.cu). fp32, bf16 and fp16 with C up to 16384.
-bool kernel12_wide_fits(Dtype dtype, int64_t C);
+bool kernel12_wide_fits(Dtype dtype, int64_t C, const DeviceLimits& lim);
+// Whether this build has sm_90 code for kernel 12 that `device` runs (kernel_code_arch).
+bool kernel12_has_code(int device);
 cudaError_t layernorm_bwd_kernel12_wide(const LayernormBwdParams& p, cudaStream_t stream);
 
 }  // namespace lnbwd

@@ -28,8 +28,9 @@
 //   pass 2: dx_i = (g_i - s1/C - xhat_i s2 rstd/C) rstd, straight to global memory;
 //           dbias_i += dy_i, dweight_i += dy_i xhat_i in registers.
 // At the end the groups' sums meet in shared memory (in group order) and the block writes its
-// partial slot; the slots are then added in slot order (launch_with_partials, dispatch.cuh: by the
-// grid itself after a grid-wide barrier, or by finalize_partials). Deterministic.
+// partial slot; the slots are then added in slot order (launch_with_partials, common/launch.cuh:
+// by finalize_partials, or, opted in, by the grid itself after a grid-wide barrier).
+// Deterministic.
 //
 // Split rows (SPLIT = 2, kernel12_pick says where): the blocks come in clusters of two, and both
 // blocks of a cluster walk the same rows, block h taking the columns [h C/2, (h + 1) C/2) of
@@ -56,17 +57,18 @@ namespace {
 // block allows, more needs the 128 of a 512-thread block (else the compiler reports spills).
 constexpr int max_threads(size_t sum_bytes) { return sum_bytes <= 32 ? 1024 : 512; }
 constexpr int kMaxGroups = 15;               // named barriers 1..15
-constexpr size_t kSmemBudget = 227 * 1024;   // the opt-in maximum of sm_90
 
+// O: the type of weight, dweight and dbias (T, or float beside 16-bit T: mixed precision);
+// RESID: dresidual is added to dx (dispatch_types, launch.cuh).
 // W: the type the weight row is staged as in shared memory (shared-memory mode): acc_t<T>,
-// converted once; or T itself, half the bytes, converted in every pass, for 16-bit rows so wide
-// that an fp32 copy of the weight would cost the ring a buffer.
-template <typename T, int VEC, int NV, int NB, bool REGS, typename W, int SPLIT>
+// converted once; or T itself (O = T only), half the bytes, converted in every pass, for 16-bit
+// rows so wide that an fp32 copy of the weight would cost the ring a buffer.
+template <typename T, typename O, bool RESID, int VEC, int NV, int NB, bool REGS, typename W, int SPLIT>
 __global__ void __launch_bounds__(max_threads(NV * VEC * sizeof(acc_t<T>)), 1)
 kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __restrict__ dy,
-              const T* __restrict__ x, const T* __restrict__ weight, const stat_t<T>* __restrict__ mean,
-              const stat_t<T>* __restrict__ rstd, int64_t rows_per_segment, int blocks_per_segment,
-              int64_t weight_stride, int C, GridFinish<T> finish, int tpr, int groups) {
+              const T* __restrict__ x, const O* __restrict__ weight, const T* dresidual,
+              const stat_t<T>* __restrict__ mean, const stat_t<T>* __restrict__ rstd, int64_t rows_per_segment,
+              int blocks_per_segment, int64_t weight_stride, int C, GridFinish<T, O> finish, int tpr, int groups) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   allow_finalize_launch();
   using A = acc_t<T>;
@@ -82,11 +84,8 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   // The leader issues the group's bulk copies. In register mode without split rows (fp32) it is
   // the first thread of the group's last warp: a row's vectors run out from the top, so the
   // first warp can have a vector more per thread than the last (fp32 C = 1600: 4 against 3), and
-  // the leader's work then lands on a warp with less. Harness sweep on an H200 (interleaved
-  // processes of three timings each): fp32 16384x1600 87.1-87.4 -> 86.0-86.1 us; unchanged at
-  // 16384x2048, 16384x4096 and 1024x768; 8192x8192 (one group of 16 equal warps) 209.9-210.1 ->
-  // 211.0-211.1. Elsewhere it is thread 0: moved there too, fp16 16384x1600 ran 1 us slower
-  // (45.6-46.0 -> 46.8-46.9 us; the loop was scheduled differently) and bf16 gained 0.2.
+  // the leader's work then lands on a warp with less. Elsewhere it is thread 0 (for 16-bit rows
+  // the other choice changed the loop's schedule for the worse; docs/kernel12.md).
   const bool leader = t == (REGS && SPLIT == 1 ? tpr - 32 : 0);
   // Split rows (SPLIT = 2): the block of cluster rank h takes the columns [h * Cb, (h + 1) * Cb)
   // of every row its cluster works on; Cb is this block's share of a row, and every column index
@@ -102,6 +101,7 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   // boundary.
   extern __shared__ __align__(128) unsigned char smem[];
   constexpr bool kWeightAcc = std::is_same_v<W, A>;
+  static_assert(kWeightAcc || std::is_same_v<O, T>, "a float32 weight is staged as float, never rounded");
   W* w_sh = reinterpret_cast<W*>(smem);
   unsigned char* ring = smem + (REGS ? 0 : round_up<size_t>(static_cast<size_t>(Cb) * sizeof(W), 16));
   auto buf_dy = [&](int q, int b) { return reinterpret_cast<T*>(ring + ((size_t)q * NB + b) * 2 * row_bytes); };
@@ -114,9 +114,8 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   // Split rows: per group, two (barrier, pair) slots that the other block's group sends its
   // half-row sums into, alternating between rows. They follow all groups' exchange pairs.
   // (Each is found from the previous group-offset pointer: back by the offset, on by the region.
-  // Taking each region's start plus the offset gives the same addresses, but nvcc 13 allocated
-  // the split-row variants' registers differently, and fp16 4096x16384 ran 2.4% slower on an
-  // H200: 114.6-116.8 against 113.0-113.7 us, three interleaved harness sweeps each.)
+  // Each region's start plus the offset gives the same addresses, but nvcc allocates the
+  // split-row variants' registers worse with that form.)
   uint64_t* peer_bar =
       reinterpret_cast<uint64_t*>(exchange - g * 2 * warps_per_row + groups * 2 * warps_per_row) + g * 2;
   Pair* peer_sum = reinterpret_cast<Pair*>(peer_bar - g * 2 + groups * 2) + g * 2;
@@ -135,11 +134,11 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   // every SM's first rows (tens of MB) and hold the whole block at the barrier that publishes the
   // weight for microseconds. Register mode loads the thread's own columns; shared-memory mode
   // stages the row with the whole block (at most NV loads a thread, since tpr * NV * VEC >= Cb).
-  V w_raw[NV];
+  Packed<O, VEC> w_raw[NV];
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
     const int col = (REGS ? j * tpr + t : j * static_cast<int>(blockDim.x) + static_cast<int>(threadIdx.x)) * VEC;
-    if (col < Cb) w_raw[j] = load(reinterpret_cast<const V*>(weight + col));
+    if (col < Cb) w_raw[j] = load_vec<VEC>(weight + col);
   }
   const A inv_c = A(1) / A(C);
 
@@ -180,7 +179,7 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
         wv[j] = to_acc(w_raw[j]);
       } else if constexpr (kWeightAcc) {
         *reinterpret_cast<AV*>(w_sh + col) = to_acc(w_raw[j]);
-      } else {
+      } else if constexpr (std::is_same_v<O, T>) {
         *reinterpret_cast<V*>(w_sh + col) = w_raw[j];
       }
     }
@@ -197,6 +196,17 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   bool first_row = true;
   int64_t row = first;
   for (; row < rows; row += stride) {
+    // The residual gradient of this row's columns goes out before the wait, so that its DRAM
+    // round trip overlaps the wait and pass 1. Each element is read by the thread that then
+    // writes it as dx (dresidual may be dx's own buffer, aliased).
+    V rv[NV];
+    if constexpr (RESID) {
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        const int col = (j * tpr + t) * VEC;
+        if (col < Cb) rv[j] = load_cs(reinterpret_cast<const V*>(dresidual + row * C + col0 + col));
+      }
+    }
     mbar_wait(&full[g * NB + b], phase);
     // Register mode copies the row out of shared memory once, and both passes use registers;
     // shared-memory mode reads it in each pass (fewer registers, more shared-memory loads).
@@ -287,7 +297,8 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
     for (int j = 0; j < NV; ++j) {
       const int col = (j * tpr + t) * VEC;
       if (col < Cb) {
-        const V dxv = dx_and_add_sums<T, VEC>(dy_at(j, col), x_at(j, col), w_at(j, col), m, s, coef, db[j], dw[j]);
+        const V dxv =
+            dx_and_add_sums<T, VEC, RESID>(dy_at(j, col), x_at(j, col), w_at(j, col), m, s, coef, db[j], dw[j], &rv[j]);
         store_cs(reinterpret_cast<V*>(dx + row * C + col0 + col), dxv);   // written once, not re-read here
       }
     }
@@ -310,29 +321,20 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
 
   // The block's sums: each column's over the groups, in group order, into this block's partial
   // slot (split rows: the two blocks of a cluster fill the two halves of one). First the groups'
-  // sums meet in shared memory, in two ways measured on an H200 (harness sweep, two to five
-  // interleaved runs each):
+  // sums meet in shared memory, in one of two ways:
   //  * Whole rows: each group stores its sums into its own ring buffers (2 * Cb accumulators fit
   //    in NB >= 2 rows of dy and x), which are idle once every thread of the group is past its
   //    last row, so a group that finishes early stores them while the others still compute; the
-  //    block then adds 16 bytes of each sum per thread and step. Against the block-wide layout
-  //    below: fp16 16384x1600 46.6 -> 46.1 us, fp32 88.6 -> 87.7, bf16 16384x2048 56.0 -> 55.3,
-  //    bf16 1024x768 7.0 -> 6.6; but bf16 16384x1600 47.1 -> 47.4. (%globaltimer stamps at
-  //    16384x1600 in 16-bit: the block-wide stores took 0.9 us after a block's last row, and
-  //    the loop that added one column a thread 1.4 us more.)
-  //  * Split rows keep the block-wide layout: with the other, nvcc 13 scheduled their row loop
-  //    differently, and 4096x16384 ran 3-6% slower (bf16 110.7 -> 114.2 us, fp16 112.6 ->
-  //    119.4), though 8192x8192 ran 1.3% faster (bf16 109.0 -> 107.6).
+  //    block then adds 16 bytes of each sum per thread and step.
+  //  * Split rows keep a block-wide layout (below): with the per-group one, nvcc scheduled their
+  //    row loop worse.
   // Past sync_row_sharers nobody waits on the ring's mbarriers any more: their leaders retire
   // them. Split rows: every pair this block sent has landed too (the other block waited for
   // each), so no send is in flight into a block that has moved on.
   if constexpr (SPLIT == 1) {
     // The group's own barrier first (every thread of the group is done with its ring buffers),
-    // then the balancing one. In the other order, nvcc 13 reloaded five kernel parameters from
-    // the constant bank inside the 16-bit row loop (1025 instructions a pass against 1014), and
-    // the harness sweep (H200, two processes of three timings each, interleaved) measured bf16
-    // 16384x1600 47.0-47.2 -> 46.5-46.9 us, fp16 46.0-46.4 -> 45.7-45.9; 16384x2048 bf16 and
-    // 16384x1600 fp32 unchanged.
+    // then the balancing one. In the other order, nvcc reloads kernel parameters from the
+    // constant bank inside the 16-bit row loop.
     group_sync(1 + g, tpr);
     if (balance) group_sync(1 + g, tpr);
     A* own = reinterpret_cast<A*>(buf_dy(g, 0));   // [2][Cb]: dbias sums, then dweight sums
@@ -415,16 +417,21 @@ size_t smem_bytes(const Kernel12Config& cfg, int64_t C, size_t item, size_t acc)
   return data + barriers + stats + static_cast<size_t>(cfg.groups) * 2 * (cfg.tpr / 32) * 2 * acc + peers;
 }
 
-template <typename T, int VEC, int NV, int NB, bool REGS, typename W, int SPLIT>
+template <typename T, typename O, bool RESID, int VEC, int NV, int NB, bool REGS, typename W, int SPLIT>
 cudaError_t launch(const LayernormBwdParams& p, Kernel12Config cfg, cudaStream_t stream) {
+  if (p.plan) {
+    p.plan->kernel = 12;
+    p.plan->path = SPLIT > 1 ? "ring, rows split over a cluster" : "ring";
+  }
   // Fewer rows than the SMs have groups: fewer groups per block, so that the rows spread over
   // more SMs and each block's end (its groups' sums added column by column in shared memory, a
   // chain of 2 * groups loads per column) is shorter. (A cluster of SPLIT blocks takes a row
-  // per group.)
-  int sms = 0;
-  LNBWD_RETURN_IF_CUDA_ERROR(sm_count(&sms));
-  cfg.groups = static_cast<int>(std::clamp<int64_t>(ceil_div<int64_t>(p.rows, sms / SPLIT), 1, cfg.groups));
-  return launch_with_partials<T>(p, kernel12_ring<T, VEC, NV, NB, REGS, W, SPLIT>, cfg.tpr * cfg.groups,
+  // per group; a GPU, or a partition of one, can have fewer SMs than SPLIT.)
+  DeviceLimits lim;
+  LNBWD_RETURN_IF_CUDA_ERROR(device_limits(p.device, &lim));
+  const int64_t units_on_gpu = std::max(1, lim.sms / SPLIT);
+  cfg.groups = static_cast<int>(std::clamp<int64_t>(ceil_div<int64_t>(p.rows, units_on_gpu), 1, cfg.groups));
+  return launch_with_partials<T, O>(p, kernel12_ring<T, O, RESID, VEC, NV, NB, REGS, W, SPLIT>, cfg.tpr * cfg.groups,
                                  smem_bytes(cfg, p.C / SPLIT, sizeof(T), sizeof(acc_t<T>)), BlocksPerSm::kOccupancy,
                                  cfg.groups, SPLIT, stream, cfg.tpr, cfg.groups);
 }
@@ -436,18 +443,19 @@ cudaError_t launch(const LayernormBwdParams& p, Kernel12Config cfg, cudaStream_t
 template <typename T>
 constexpr bool kRegsMode = std::is_same_v<T, float>;
 
-template <typename T, int VEC, int SPLIT>
+// A float32 weight beside 16-bit data (O = float) is never staged raw: that would round it.
+template <typename T, typename O, bool RESID, int VEC, int SPLIT>
 cudaError_t launch_variant(const LayernormBwdParams& p, const Kernel12Config& cfg, cudaStream_t stream) {
   constexpr int nv = sizeof(T) == 8 ? 2 : 4;
   if (cfg.nv != nv || cfg.regs != kRegsMode<T>) return cudaErrorInvalidValue;
   if (cfg.raw_weight) {
-    if constexpr (sizeof(T) == 2) {
-      if (cfg.nb == 3) return launch<T, VEC, nv, 3, false, T, SPLIT>(p, cfg, stream);
+    if constexpr (sizeof(T) == 2 && std::is_same_v<O, T>) {
+      if (cfg.nb == 3) return launch<T, O, RESID, VEC, nv, 3, false, T, SPLIT>(p, cfg, stream);
     }
     return cudaErrorInvalidValue;
   }
-  if (cfg.nb == 3) return launch<T, VEC, nv, 3, kRegsMode<T>, acc_t<T>, SPLIT>(p, cfg, stream);
-  if (cfg.nb == 2) return launch<T, VEC, nv, 2, kRegsMode<T>, acc_t<T>, SPLIT>(p, cfg, stream);
+  if (cfg.nb == 3) return launch<T, O, RESID, VEC, nv, 3, kRegsMode<T>, acc_t<T>, SPLIT>(p, cfg, stream);
+  if (cfg.nb == 2) return launch<T, O, RESID, VEC, nv, 2, kRegsMode<T>, acc_t<T>, SPLIT>(p, cfg, stream);
   return cudaErrorInvalidValue;
 }
 
@@ -506,17 +514,19 @@ bool pick_buffers(const std::vector<Kernel12Config>& all, Dtype dtype, int64_t C
 
 }  // namespace
 
-std::vector<Kernel12Config> kernel12_candidates(Dtype dtype, int64_t C) {
+// Configurations whose ring fits the device's opt-in shared memory; split rows only where the
+// device launches clusters and has two SMs for one.
+std::vector<Kernel12Config> kernel12_candidates(Dtype dtype, int64_t C, const DeviceLimits& lim, bool weight_f32) {
   const int item = dtype_bytes(dtype);
   const int vec = 16 / item;
   const size_t acc = dtype == Dtype::kF64 ? 8 : 4;
   std::vector<Kernel12Config> out;
   for (const int split : {1, 2}) {
-    if (split > 1 && !can_split(dtype)) continue;
+    if (split > 1 && (!can_split(dtype) || !lim.clusters || lim.sms < split)) continue;
     if (C % (split * vec) != 0) continue;
     const int64_t Cb = C / split;
     for (const auto [nb, raw_weight] : {std::pair{3, false}, {2, false}, {3, true}}) {
-      if (raw_weight && item != 2) continue;
+      if (raw_weight && (item != 2 || weight_f32)) continue;
       Kernel12Config cfg;
       cfg.nv = item == 8 ? 2 : 4;
       cfg.nb = nb;
@@ -528,7 +538,7 @@ std::vector<Kernel12Config> kernel12_candidates(Dtype dtype, int64_t C) {
       if (tpr > block_max) continue;
       cfg.tpr = static_cast<int>(tpr);
       cfg.groups = std::min(block_max / cfg.tpr, kMaxGroups);
-      while (cfg.groups > 0 && smem_bytes(cfg, Cb, item, acc) > kSmemBudget) --cfg.groups;
+      while (cfg.groups > 0 && smem_bytes(cfg, Cb, item, acc) > lim.smem_optin) --cfg.groups;
       if (cfg.groups == 0) continue;
       out.push_back(cfg);
     }
@@ -536,7 +546,7 @@ std::vector<Kernel12Config> kernel12_candidates(Dtype dtype, int64_t C) {
   return out;
 }
 
-bool kernel12_pick(Dtype dtype, int64_t C, Kernel12Config* cfg) {
+bool kernel12_pick(Dtype dtype, int64_t C, const DeviceLimits& lim, Kernel12Config* cfg, bool weight_f32) {
   // Split rows where they measured faster: 16-bit rows of 4096 columns and more (H200, harness
   // sweep, the pick without split against the pick with: 4096x16384 bf16 128.7 -> 111.0 us,
   // fp16 122.6 -> 115.1; 8192x8192 bf16 115.6 -> 111.9, fp16 111.9 -> 110.1; 16384x4096 bf16
@@ -547,39 +557,54 @@ bool kernel12_pick(Dtype dtype, int64_t C, Kernel12Config* cfg) {
   // partial sums' traffic (17 MB of slots at C = 16384 in 16-bit: 4% of the bytes, each written
   // and read once). fp32 rows split only where a whole row does not fit (C > 8192; 4096x16384
   // 221.3 us on the wide-row path, 218.2 split; 8192x8192 212.6 whole, 212.7 split).
-  const std::vector<Kernel12Config> all = kernel12_candidates(dtype, C);
+  const std::vector<Kernel12Config> all = kernel12_candidates(dtype, C, lim, weight_f32);
   if (dtype_bytes(dtype) == 2 && C >= 4096 && pick_buffers(all, dtype, C, 2, cfg)) return true;
   return pick_buffers(all, dtype, C, 1, cfg) || pick_buffers(all, dtype, C, 2, cfg);
 }
 
 cudaError_t layernorm_bwd_kernel12_config(const LayernormBwdParams& p, const Kernel12Config& cfg, cudaStream_t stream) {
-  return dispatch_dtype(p.dtype, [&](auto t) -> cudaError_t {
+  return dispatch_types(p, [&](auto t, auto o, auto resid) -> cudaError_t {
     using T = decltype(t);
+    using O = decltype(o);
+    constexpr bool R = decltype(resid)::value;
     constexpr int vec = 16 / sizeof(T);
     if (!can_vectorize<T>(p)) return cudaErrorInvalidValue;
-    if (cfg.split == 1) return launch_variant<T, vec, 1>(p, cfg, stream);
+    if (cfg.split == 1) return launch_variant<T, O, R, vec, 1>(p, cfg, stream);
     if constexpr (kCanSplit<T>) {
-      if (cfg.split == 2 && p.C % (2 * vec) == 0) return launch_variant<T, vec, 2>(p, cfg, stream);
+      if (cfg.split == 2 && p.C % (2 * vec) == 0) return launch_variant<T, O, R, vec, 2>(p, cfg, stream);
     }
     return cudaErrorInvalidValue;
   });
 }
 
+bool kernel12_has_code(int device) {
+  // The ring and the wide-row kernel are compiled in one CMake target, for the same
+  // architectures: one of them answers for both.
+  int arch = 0;
+  if (kernel_code_arch(device, reinterpret_cast<const void*>(kernel12_ring<float, float, false, 4, 4, 2, true, float, 1>), &arch) !=
+      cudaSuccess) {
+    (void)cudaGetLastError();   // no code for this GPU at all: kernel 11 will say so
+    return false;
+  }
+  return arch >= 90;
+}
+
 cudaError_t layernorm_bwd_kernel12(const LayernormBwdParams& p, cudaStream_t stream) {
-  int major = 0;
-  LNBWD_RETURN_IF_CUDA_ERROR(compute_capability_major(&major));
+  DeviceLimits lim;
+  LNBWD_RETURN_IF_CUDA_ERROR(device_limits(p.device, &lim));
   bool vectorized = false;
   dispatch_dtype(p.dtype, [&](auto t) {
     vectorized = can_vectorize<decltype(t)>(p);
     return cudaSuccess;
   });
-  // The bulk copy engine needs sm_90 and 16-byte aligned rows; otherwise kernel 11 does the job,
-  // as it does for rows wider than the ring and the wide path take (fp32 and 16-bit C > 16384
-  // and 32768, fp64 beyond the ring).
-  if (major >= 9 && vectorized) {
+  // The bulk copy engine needs sm_90 and 16-byte aligned rows, and the build must have sm_90
+  // code (else the body, guarded by __CUDA_ARCH__ >= 900, is empty). Otherwise kernel 11 does
+  // the job, as it does for rows wider than the ring and the wide path take in this device's
+  // shared memory (on Hopper: fp32 and 16-bit C > 16384 and 32768, fp64 beyond the ring).
+  if (lim.cc_major >= 9 && vectorized && kernel12_has_code(lim.device)) {
     Kernel12Config cfg;
-    if (kernel12_pick(p.dtype, p.C, &cfg)) return layernorm_bwd_kernel12_config(p, cfg, stream);
-    if (kernel12_wide_fits(p.dtype, p.C)) return layernorm_bwd_kernel12_wide(p, stream);
+    if (kernel12_pick(p.dtype, p.C, lim, &cfg, p.weight_f32)) return layernorm_bwd_kernel12_config(p, cfg, stream);
+    if (kernel12_wide_fits(p.dtype, p.C, lim)) return layernorm_bwd_kernel12_wide(p, stream);
   }
   return layernorm_bwd_kernel11(p, stream);
 }

@@ -22,7 +22,7 @@
 // Work split: consumer thread t owns the columns (j * 512 + t) * VEC for j < NV, so its sums
 // stay in registers for the whole kernel; chunk c holds j in [c * NVC, (c + 1) * NVC). At the
 // end each thread writes its columns of the block's partial slot; the slots are then added in
-// slot order (launch_with_partials, dispatch.cuh). Deterministic.
+// slot order (launch_with_partials, common/launch.cuh). Deterministic.
 #include "kernel12/bulk_copy.cuh"
 #include "common/launch.cuh"
 #include "kernel12/kernel12.h"
@@ -37,19 +37,19 @@ constexpr int kConsumers = 512;
 constexpr int kConsumerWarps = kConsumers / 32;
 constexpr int kThreads = kConsumers + 32;   // plus the producer warp
 constexpr int kNB = 4;                      // ring buffers (chunks in flight)
-constexpr size_t kSmemBudget = 227 * 1024;  // the opt-in maximum of sm_90
 
 __device__ __forceinline__ void consumers_sync() {
   asm volatile("bar.sync 1, %0;" ::"n"(kConsumers) : "memory");
 }
 
-// NV vectors of VEC elements per consumer thread per row, NVC of them per chunk.
-template <typename T, int VEC, int NV, int NVC>
+// NV vectors of VEC elements per consumer thread per row, NVC of them per chunk. O: the type of
+// weight, dweight and dbias (T, or float beside 16-bit T); RESID: dresidual is added to dx.
+template <typename T, typename O, bool RESID, int VEC, int NV, int NVC>
 __global__ void __launch_bounds__(kThreads, 1)
 kernel12_wide(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __restrict__ dy,
-              const T* __restrict__ x, const T* __restrict__ weight, const stat_t<T>* __restrict__ mean,
-              const stat_t<T>* __restrict__ rstd, int64_t rows_per_segment, int blocks_per_segment,
-              int64_t weight_stride, int C, GridFinish<T> finish) {
+              const T* __restrict__ x, const O* __restrict__ weight, const T* dresidual,
+              const stat_t<T>* __restrict__ mean, const stat_t<T>* __restrict__ rstd, int64_t rows_per_segment,
+              int blocks_per_segment, int64_t weight_stride, int C, GridFinish<T, O> finish) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   allow_finalize_launch();
   using A = acc_t<T>;
@@ -92,7 +92,7 @@ kernel12_wide(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   }
   // The weight row, converted to acc_t once; the barrier also publishes the mbarriers.
   for (int c = threadIdx.x * VEC; c < C; c += kThreads * VEC) {
-    *reinterpret_cast<AV*>(w_sh + c) = to_acc(load(reinterpret_cast<const V*>(weight + c)));
+    *reinterpret_cast<AV*>(w_sh + c) = to_acc(load_vec<VEC>(weight + c));
   }
   __syncthreads();
 
@@ -172,6 +172,16 @@ kernel12_wide(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
 #pragma unroll
       for (int c = 0; c < kMaxChunks; ++c) {
         if (c < chunks) {
+          // The chunk's residual gradient goes out before the wait for the chunk; each element is
+          // read by the thread that then writes it as dx (dresidual may be dx's buffer, aliased).
+          V rv[NVC];
+          if constexpr (RESID) {
+#pragma unroll
+            for (int jj = 0; jj < NVC; ++jj) {
+              const int col = c * kChunk + (jj * kConsumers + t) * VEC;
+              if (col < C) rv[jj] = load_cs(reinterpret_cast<const V*>(dresidual + row * C + col));
+            }
+          }
           consume([&](int b) {
 #pragma unroll
             for (int jj = 0; jj < NVC; ++jj) {
@@ -179,10 +189,10 @@ kernel12_wide(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
               const int within = (jj * kConsumers + t) * VEC;
               const int col = c * kChunk + within;
               if (col < C) {
-                const V dxv = dx_and_add_sums<T, VEC>(*reinterpret_cast<const V*>(buf_dy(b) + within),
-                                                      *reinterpret_cast<const V*>(buf_x(b) + within),
-                                                      *reinterpret_cast<const AV*>(w_sh + col), m, s, coef, db[j],
-                                                      dw[j]);
+                const V dxv = dx_and_add_sums<T, VEC, RESID>(*reinterpret_cast<const V*>(buf_dy(b) + within),
+                                                             *reinterpret_cast<const V*>(buf_x(b) + within),
+                                                             *reinterpret_cast<const AV*>(w_sh + col), m, s, coef,
+                                                             db[j], dw[j], &rv[jj]);
                 store_cs(reinterpret_cast<V*>(dx + row * C + col), dxv);   // written once, not re-read here
               }
             }
@@ -243,26 +253,34 @@ size_t smem_bytes(int64_t C, size_t item, size_t acc, int chunk) {
 
 }  // namespace
 
-bool kernel12_wide_fits(Dtype dtype, int64_t C) {
+bool kernel12_wide_fits(Dtype dtype, int64_t C, const DeviceLimits& lim) {
   if (dtype != Dtype::kF32 && dtype != Dtype::kBF16 && dtype != Dtype::kF16) return false;
   const size_t item = dtype == Dtype::kF32 ? 4 : 2;
   const int vec = static_cast<int>(16 / item);
   const int nv = item == 4 ? kNV<float> : kNV<__nv_bfloat16>;
   return C % vec == 0 && C <= static_cast<int64_t>(kConsumers) * nv * vec &&
-         smem_bytes(C, item, 4, kConsumers * kNVC * vec) <= kSmemBudget;
+         smem_bytes(C, item, 4, kConsumers * kNVC * vec) <= lim.smem_optin;
 }
 
 cudaError_t layernorm_bwd_kernel12_wide(const LayernormBwdParams& p, cudaStream_t stream) {
-  if (!kernel12_wide_fits(p.dtype, p.C)) return cudaErrorInvalidValue;
-  return dispatch_dtype(p.dtype, [&](auto tag) -> cudaError_t {
+  DeviceLimits lim;
+  LNBWD_RETURN_IF_CUDA_ERROR(device_limits(p.device, &lim));
+  if (p.plan) {
+    p.plan->kernel = 12;
+    p.plan->path = "wide rows";
+  }
+  if (!kernel12_wide_fits(p.dtype, p.C, lim)) return cudaErrorInvalidConfiguration;
+  return dispatch_types(p, [&](auto tag, auto o, auto resid) -> cudaError_t {
     using T = decltype(tag);
+    using O = decltype(o);
+    constexpr bool R = decltype(resid)::value;
     if constexpr (sizeof(T) == 8) {
       return cudaErrorInvalidValue;
     } else {
       if (!can_vectorize<T>(p)) return cudaErrorInvalidValue;
       constexpr int vec = kVec<T>;
       // One block per SM (the shared memory allows no more), one row per step.
-      return launch_with_partials<T>(p, kernel12_wide<T, vec, kNV<T>, kNVC>, kThreads,
+      return launch_with_partials<T, O>(p, kernel12_wide<T, O, R, vec, kNV<T>, kNVC>, kThreads,
                                      smem_bytes(p.C, sizeof(T), sizeof(acc_t<T>), kConsumers * kNVC * vec),
                                      BlocksPerSm::kOne, 1, 1, stream);
     }

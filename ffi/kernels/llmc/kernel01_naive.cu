@@ -1,6 +1,6 @@
 // Kernel 1 of llm.c's dev/cuda/layernorm_backward.cu: "naive".
 //
-// Technique (kept from the seed): the CPU loop moved to the GPU as it is, one thread per row.
+// Technique (kept from llm.c): the CPU loop moved to the GPU as it is, one thread per row.
 // Each thread walks its row's C columns twice: pass 1 sums g_i = weight_i * dy_i and
 // g_i * xhat_i (the two row reductions of the backward), pass 2 writes dx_i and adds dy_i and
 // dy_i * xhat_i to dbias[i] and dweight[i] with global fp32 atomicAdd. It is slow for two
@@ -8,22 +8,21 @@
 // load instruction touches 32 cache lines instead of one (uncoalesced), and all rows add to the
 // same C addresses of dweight/dbias at about the same time, so the atomics queue at L2.
 //
-// Repairs relative to the seed:
-//  * dx is written, not accumulated: the seed's dinp[i] += dval read XLA's uninitialized output.
+// Repairs relative to llm.c:
+//  * dx is written, not accumulated: llm.c's dinp[i] += dval read XLA's uninitialized output.
 //  * dweight/dbias are zeroed with cudaMemsetAsync on the caller's stream before the kernel's
-//    atomics accumulate into them (the seed relied on its caller to zero them).
+//    atomics accumulate into them (llm.c relied on its caller to zero them).
 //  * g = weight * dy is rounded once (mul_rn) in both passes, so that the compiler cannot fuse
 //    it into an FMA in one pass only; then C = 1 gives dx = g - mean(g) = 0 exactly.
-//  * 64-bit row offsets: the seed's b * T * C + t * C overflows int32 beyond 2^31 elements.
-// float32 only, as in the seed (which offers kernel 1 only in its fp32 build). Not
+//  * 64-bit row offsets: llm.c's b * T * C + t * C overflows int32 beyond 2^31 elements.
+// float32 only, as in llm.c (which offers kernel 1 only in its fp32 build). Not
 // deterministic: the order in which the rows' atomics reach an address varies from run to run.
 #include "llmc/llmc_common.cuh"
 
 namespace lnbwd {
 namespace {
 
-// The fastest block size on the H200 at 8192x1600, bf16 and fp32 (tests/cuda/harness.cu blocks).
-constexpr int kDefaultBlockSize = 32;
+static_assert(kLlmcFacts[1].dtypes == dtype_bit(Dtype::kF32), "kernel 1 is built for float32 only");
 
 __global__ void __launch_bounds__(1024)
 kernel1(float* __restrict__ dx, float* __restrict__ dweight, float* __restrict__ dbias, const float* __restrict__ dy,
@@ -60,14 +59,9 @@ kernel1(float* __restrict__ dx, float* __restrict__ dweight, float* __restrict__
 
 }  // namespace
 
-LlmcKernelLimits layernorm_bwd_kernel1_limits(Dtype dtype, int64_t C, int block_size) {
-  (void)C;   // any C >= 1, no shared memory
-  return seed_limits<float>(dtype, block_size, kDefaultBlockSize, 1024);
-}
-
 cudaError_t layernorm_bwd_kernel1(const LayernormBwdParams& p, cudaStream_t stream) {
-  const LlmcKernelLimits l = layernorm_bwd_kernel1_limits(p.dtype, p.C, p.block_size);
-  LNBWD_RETURN_IF_CUDA_ERROR(check_seed_limits(l, p));
+  LlmcLimits l;
+  LNBWD_RETURN_IF_CUDA_ERROR(check_llmc_limits(1, p, &l));
   const int64_t grid = ceil_div<int64_t>(p.rows, l.block_size);   // one thread per row
   if (grid > INT32_MAX) return cudaErrorInvalidConfiguration;
   // The atomics add into dweight/dbias, so they must start at zero.

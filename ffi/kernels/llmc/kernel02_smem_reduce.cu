@@ -1,6 +1,6 @@
 // Kernel 2 of llm.c's dev/cuda/layernorm_backward.cu: "shared-memory reductions".
 //
-// Technique (kept from the seed): one warp per row. Cooperative groups tile the block into
+// Technique (kept from llm.c): one warp per row. Cooperative groups tile the block into
 // 32-thread tiles; the lanes of a tile stride over the row's columns, so each load instruction
 // of a warp reads 32 neighbouring elements (coalesced), and the two row sums are reduced across
 // the lanes with cg::reduce (warp shuffles). The row's contributions to dbias and dweight go
@@ -10,18 +10,18 @@
 // second tiny kernel converts the scratch to dweight/dbias in the output dtype. The grid has
 // one warp per row: ceil(rows / warps per block) blocks.
 //
-// Repairs relative to the seed:
+// Repairs relative to llm.c:
 //  * The scratch row is the first partial slot of the workspace XLA gives, zeroed with
-//    cudaMemsetAsync on the caller's stream. The seed cudaMalloc'ed and cudaFree'd it on every
+//    cudaMemsetAsync on the caller's stream. llm.c cudaMalloc'ed and cudaFree'd it on every
 //    call (an allocation and a device synchronization inside an XLA op; neither can be captured
 //    in a CUDA graph) and zeroed it with cudaMemset on the legacy default stream.
-//  * No early return. The seed's warps past the last row returned before the block's barriers:
+//  * No early return. llm.c's warps past the last row returned before the block's barriers:
 //    the shared sums their threads should have zeroed (and later added to the scratch) were left
 //    as garbage and dropped, and __syncthreads ran with part of the block exited, which CUDA
 //    leaves undefined. Now such warps skip the row work and join every barrier.
-//  * dx is written, not accumulated: the seed's dinp + dval read XLA's uninitialized output.
+//  * dx is written, not accumulated: llm.c's dinp + dval read XLA's uninitialized output.
 //  * g = weight * dy is rounded once (mul_rn) in both passes, so C = 1 gives dx = 0 exactly.
-//  * 64-bit row offsets, and a grid computed in 64 bits (the seed's 32 * N overflowed int).
+//  * 64-bit row offsets, and a grid computed in 64 bits (llm.c's 32 * N overflowed int).
 //  * More than 48 KB of shared memory (C > 6144) is opted in to; C up to 29056 fits Hopper.
 // Not deterministic: float atomics (shared and global) add in an order that varies run to run.
 #include <cooperative_groups.h>
@@ -35,8 +35,6 @@ namespace {
 
 namespace cg = cooperative_groups;
 
-// The fastest block size on the H200 at 8192x1600, bf16 and fp32 (tests/cuda/harness.cu blocks).
-constexpr int kDefaultBlockSize = 1024;
 
 template <typename T>
 __global__ void __launch_bounds__(1024)
@@ -53,7 +51,7 @@ kernel2(T* __restrict__ dx, float* __restrict__ scratch, const T* __restrict__ d
   zero_block_sums(dbias_sh, dweight_sh, C);
   __syncthreads();   // sums zeroed before any warp adds to them
 
-  // The warp's row (seed_device.cuh): pass 1 sums g = weight * dy and g * xhat over each lane's
+  // The warp's row (llmc_device.cuh): pass 1 sums g = weight * dy and g * xhat over each lane's
   // columns, row_sum adds them across the tile (cg::reduce: warp shuffles) into a = mean(g) and
   // b = mean(g * xhat); pass 2 writes dx and adds dy and dy * xhat to the block's shared sums.
   auto row_sum = [&](float v) { return cg::reduce(warp, v, cg::plus<float>{}); };
@@ -79,7 +77,7 @@ __global__ void copy_to_dweight_dbias(T* __restrict__ dweight, T* __restrict__ d
 }
 
 template <typename T>
-cudaError_t launch(const LayernormBwdParams& p, const LlmcKernelLimits& l, cudaStream_t stream) {
+cudaError_t launch(const LayernormBwdParams& p, const LlmcLimits& l, cudaStream_t stream) {
   if (partial_slots<T>(p) < 1) return cudaErrorInvalidValue;   // the scratch row is slot 0
   const int64_t grid = ceil_div<int64_t>(p.rows, l.block_size / 32);   // one warp per row
   if (grid > INT32_MAX) return cudaErrorInvalidConfiguration;
@@ -100,16 +98,10 @@ cudaError_t launch(const LayernormBwdParams& p, const LlmcKernelLimits& l, cudaS
 
 }  // namespace
 
-LlmcKernelLimits layernorm_bwd_kernel2_limits(Dtype dtype, int64_t C, int block_size) {
-  LlmcKernelLimits l = seed_limits<float, __nv_bfloat16, __half>(dtype, block_size, kDefaultBlockSize, 1024);
-  l.smem_bytes = static_cast<size_t>(2 * C) * sizeof(float);
-  return l;
-}
-
 cudaError_t layernorm_bwd_kernel2(const LayernormBwdParams& p, cudaStream_t stream) {
-  const LlmcKernelLimits l = layernorm_bwd_kernel2_limits(p.dtype, p.C, p.block_size);
-  LNBWD_RETURN_IF_CUDA_ERROR(check_seed_limits(l, p));
-  return dispatch_dtypes<float, __nv_bfloat16, __half>(p.dtype, [&](auto t) { return launch<decltype(t)>(p, l, stream); });
+  LlmcLimits l;
+  LNBWD_RETURN_IF_CUDA_ERROR(check_llmc_limits(2, p, &l));
+  return dispatch_llmc_dtypes<2, float, __nv_bfloat16, __half>(p.dtype, [&](auto t) { return launch<decltype(t)>(p, l, stream); });
 }
 
 }  // namespace lnbwd

@@ -1,6 +1,6 @@
 // Kernel 3 of llm.c's dev/cuda/layernorm_backward.cu: "persistent blocks with atomics".
 //
-// Technique (kept from the seed): kernel 2's warp per row and fp32 shared-memory sums, on a
+// Technique (kept from llm.c): kernel 2's warp per row and fp32 shared-memory sums, on a
 // persistent grid: 1024 / block_size blocks per SM, each warp walking rows
 //   w, w + warps_in_grid, w + 2 * warps_in_grid, ...
 // so a block folds many rows into its shared sums and touches global memory for dweight/dbias
@@ -10,16 +10,16 @@
 // streaming loads (__ldcs): it is the row's last use.
 //
 // Precision (kept, hence precise=False): in bf16 every block's fp32 sum is rounded to bf16 and
-// added to a bf16 running sum, rounding again at each of the hundreds of block additions; on an
-// H200 dweight misses the seed's own bf16 check. fp32 and fp16 lose less. Not deterministic:
+// added to a bf16 running sum, rounding again at each of the hundreds of block additions, so
+// dweight can miss llm.c's own bf16 check. fp32 and fp16 lose less. Not deterministic:
 // float atomics (shared and global) add in an order that varies run to run.
 //
-// Repairs relative to the seed:
+// Repairs relative to llm.c:
 //  * dweight/dbias are zeroed with cudaMemsetAsync on the caller's stream before the blocks'
 //    atomics accumulate into them (XLA's output buffers are uninitialized).
 //  * atomicAddX adds zero to the other 16-bit half of the element's 32-bit word. For the first
 //    and last element of dweight/dbias that half can lie outside the array (in another XLA
-//    buffer: the seed turned a -0.0 there into +0.0 and raced with its owner). Those elements
+//    buffer: llm.c turned a -0.0 there into +0.0 and raced with its owner). Those elements
 //    now use a 16-bit atomicAdd.
 //  * dx is written, not accumulated; g = weight * dy is rounded once (mul_rn) in both passes, so
 //    C = 1 gives dx = 0 exactly; 64-bit row offsets.
@@ -31,9 +31,6 @@
 
 namespace lnbwd {
 namespace {
-
-// The fastest block size on the H200 at 8192x1600, bf16 and fp32 (tests/cuda/harness.cu blocks).
-constexpr int kDefaultBlockSize = 1024;
 
 __device__ __forceinline__ void atomic_add_x(float* base, int i, int C, float v) {
   (void)C;
@@ -71,7 +68,7 @@ kernel3(T* __restrict__ dx, T* __restrict__ dweight, T* __restrict__ dbias, cons
   extern __shared__ float shared[];   // [dbias sums | dweight sums], C floats each
   float* dbias_sh = shared;
   float* dweight_sh = shared + C;
-  // Every warp's rows, into the block's shared sums (seed_persistent_warps.cuh).
+  // Every warp's rows, into the block's shared sums (llmc_persistent_warps.cuh).
   persistent_warps_to_block_sums(dx, dy, x, weight, mean, rstd, rows, C, dbias_sh, dweight_sh);
 
   // The block's sums, rounded to T, added to the running sums in dweight/dbias.
@@ -82,7 +79,7 @@ kernel3(T* __restrict__ dx, T* __restrict__ dweight, T* __restrict__ dbias, cons
 }
 
 template <typename T>
-cudaError_t launch(const LayernormBwdParams& p, const LlmcKernelLimits& l, cudaStream_t stream) {
+cudaError_t launch(const LayernormBwdParams& p, const LlmcLimits& l, cudaStream_t stream) {
   int64_t grid = 0;
   LNBWD_RETURN_IF_CUDA_ERROR(persistent_grid(p, 1024 / l.block_size, l.block_size, &grid));
   auto kernel = kernel3<T>;
@@ -99,16 +96,10 @@ cudaError_t launch(const LayernormBwdParams& p, const LlmcKernelLimits& l, cudaS
 
 }  // namespace
 
-LlmcKernelLimits layernorm_bwd_kernel3_limits(Dtype dtype, int64_t C, int block_size) {
-  LlmcKernelLimits l = seed_limits<float, __nv_bfloat16, __half>(dtype, block_size, kDefaultBlockSize, 1024);
-  l.smem_bytes = static_cast<size_t>(2 * C) * sizeof(float);
-  return l;
-}
-
 cudaError_t layernorm_bwd_kernel3(const LayernormBwdParams& p, cudaStream_t stream) {
-  const LlmcKernelLimits l = layernorm_bwd_kernel3_limits(p.dtype, p.C, p.block_size);
-  LNBWD_RETURN_IF_CUDA_ERROR(check_seed_limits(l, p));
-  return dispatch_dtypes<float, __nv_bfloat16, __half>(p.dtype, [&](auto t) { return launch<decltype(t)>(p, l, stream); });
+  LlmcLimits l;
+  LNBWD_RETURN_IF_CUDA_ERROR(check_llmc_limits(3, p, &l));
+  return dispatch_llmc_dtypes<3, float, __nv_bfloat16, __half>(p.dtype, [&](auto t) { return launch<decltype(t)>(p, l, stream); });
 }
 
 }  // namespace lnbwd

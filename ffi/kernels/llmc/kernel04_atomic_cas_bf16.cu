@@ -1,6 +1,6 @@
 // Kernel 4 of llm.c's dev/cuda/layernorm_backward.cu: "atomicCAS bf16".
 //
-// Technique (kept from the seed): kernel 3 (persistent grid, a warp per row, fp32 sums in shared
+// Technique (kept from llm.c): kernel 3 (persistent grid, a warp per row, fp32 sums in shared
 // memory), with the final per-block add into bf16 dweight/dbias done by hand as a
 // compare-and-swap loop on pairs of columns. A pair of bf16 is one 32-bit word: read it from L2
 // (__ldcg, since other SMs update it), add the block's two sums in bf16x2, and atomicCAS the
@@ -8,14 +8,14 @@
 // returns what it found instead, and the add is retried on that value.
 //
 // Precision (kept, hence precise=False): like kernel 3, every block's sum is rounded to bf16 and
-// added to a bf16 running sum, rounding again at each of the hundreds of block additions; on an
-// H200 dweight misses the seed's own check. Not deterministic: the order of the blocks' adds
-// (and the shared-memory float atomics) varies from run to run. bf16 only, as in the seed.
+// added to a bf16 running sum, rounding again at each of the hundreds of block additions, so
+// dweight can miss llm.c's own check. Not deterministic: the order of the blocks' adds
+// (and the shared-memory float atomics) varies from run to run. bf16 only, as in llm.c.
 //
-// Repairs relative to the seed:
+// Repairs relative to llm.c:
 //  * dweight/dbias are zeroed with cudaMemsetAsync on the caller's stream before the blocks add
 //    into them (XLA's output buffers are uninitialized).
-//  * Odd C: the seed's pair loop (i < C/2) never added the last column; it now gets the same
+//  * Odd C: llm.c's pair loop (i < C/2) never added the last column; it now gets the same
 //    compare-and-swap loop on its own 16 bits.
 //  * dx is written, not accumulated; g = weight * dy is rounded once (mul_rn) in both passes, so
 //    C = 1 gives dx = 0 exactly; 64-bit row offsets.
@@ -30,8 +30,7 @@
 namespace lnbwd {
 namespace {
 
-// The fastest block size on the H200 at 8192x1600, bf16 and fp32 (tests/cuda/harness.cu blocks).
-constexpr int kDefaultBlockSize = 1024;
+static_assert(kLlmcFacts[4].dtypes == dtype_bit(Dtype::kBF16), "kernel 4 is built for bfloat16 only");
 
 __device__ __forceinline__ unsigned int bits_of(__nv_bfloat162 v) {
   unsigned int u;
@@ -74,7 +73,7 @@ kernel4(__nv_bfloat16* __restrict__ dx, __nv_bfloat16* __restrict__ dweight, __n
   extern __shared__ float shared[];   // [dbias sums | dweight sums], C floats each
   float* dbias_sh = shared;
   float* dweight_sh = shared + C;
-  // Every warp's rows, into the block's shared sums (seed_persistent_warps.cuh).
+  // Every warp's rows, into the block's shared sums (llmc_persistent_warps.cuh).
   persistent_warps_to_block_sums(dx, dy, x, weight, mean, rstd, rows, C, dbias_sh, dweight_sh);
 
   // The block's sums, rounded to bf16, added pair by pair to dweight/dbias.
@@ -92,16 +91,10 @@ kernel4(__nv_bfloat16* __restrict__ dx, __nv_bfloat16* __restrict__ dweight, __n
 
 }  // namespace
 
-LlmcKernelLimits layernorm_bwd_kernel4_limits(Dtype dtype, int64_t C, int block_size) {
-  LlmcKernelLimits l = seed_limits<__nv_bfloat16>(dtype, block_size, kDefaultBlockSize, 1024);
-  l.smem_bytes = static_cast<size_t>(2 * C) * sizeof(float);
-  return l;
-}
-
 cudaError_t layernorm_bwd_kernel4(const LayernormBwdParams& p, cudaStream_t stream) {
   using T = __nv_bfloat16;
-  const LlmcKernelLimits l = layernorm_bwd_kernel4_limits(p.dtype, p.C, p.block_size);
-  LNBWD_RETURN_IF_CUDA_ERROR(check_seed_limits(l, p));
+  LlmcLimits l;
+  LNBWD_RETURN_IF_CUDA_ERROR(check_llmc_limits(4, p, &l));
   if (reinterpret_cast<uintptr_t>(p.dweight) % 4 != 0 || reinterpret_cast<uintptr_t>(p.dbias) % 4 != 0) {
     return cudaErrorMisalignedAddress;
   }

@@ -1,21 +1,21 @@
 // Kernel 7 of llm.c's dev/cuda/layernorm_backward.cu: kernel 6 "without cooperative groups".
 //
-// Technique (kept from the seed): exactly kernel 6 (persistent warps, fp32 sums in shared
+// Technique (kept from llm.c): exactly kernel 6 (persistent warps, fp32 sums in shared
 // memory, one fp32 scratch row in global memory filled with atomicAdd by every block, the last
 // block to finish converts it to dweight/dbias), written with plain CUDA instead of cooperative
 // groups: the warp is threadIdx.x / 32, its lane threadIdx.x % 32, and the row sums are reduced
-// with warp_sum, a butterfly of __shfl_xor_sync (the seed's warpReduceSum). The seed also
+// with warp_sum, a butterfly of __shfl_xor_sync (llm.c's warpReduceSum). llm.c also
 // dropped templates and compiled once per floatX; here the kernel is a template over the element
 // type only, so that one library serves fp32, bf16 and fp16. Not deterministic: the float
 // atomics add in an order that varies run to run.
 //
-// Repairs relative to the seed (the same as kernel 6):
+// Repairs relative to llm.c (the same as kernel 6):
 //  * The scratch row and the counter are in the workspace XLA gives (counter in the header,
 //    scratch in the first partial slot), zeroed with one cudaMemsetAsync on the caller's stream
-//    (they are contiguous). The seed used cudaMemset on the legacy default stream.
+//    (they are contiguous). llm.c used cudaMemset on the legacy default stream.
 //  * Fences: each thread fences (__threadfence) after its atomics and before the block is
 //    counted done, and the last block fences again before reading the scratch, which it reads
-//    from L2 (__ldcg). The seed had no fence.
+//    from L2 (__ldcg). llm.c had no fence.
 //  * dx is written, not accumulated (XLA's outputs are uninitialized).
 //  * g = weight * dy is rounded once (mul_rn) in both passes, so C = 1 gives dx = 0 exactly;
 //    64-bit row offsets.
@@ -27,8 +27,6 @@
 namespace lnbwd {
 namespace {
 
-// The fastest block size on the H200 at 8192x1600, bf16 and fp32 (tests/cuda/harness.cu blocks).
-constexpr int kDefaultBlockSize = 1024;
 constexpr int kWarpSize = 32;
 
 template <typename T>
@@ -48,7 +46,7 @@ kernel7(T* __restrict__ dx, T* __restrict__ dweight, T* __restrict__ dbias, floa
   zero_block_sums(dbias_sh, dweight_sh, C);
   __syncthreads();   // sums zeroed before any warp adds to them
 
-  // Each warp's rows (seed_device.cuh): pass 1 sums g = weight * dy and g * xhat over each lane's
+  // Each warp's rows (llmc_device.cuh): pass 1 sums g = weight * dy and g * xhat over each lane's
   // columns, warp_sum adds them across the warp (a butterfly of __shfl_xor_sync) into a = mean(g)
   // and b = mean(g * xhat); pass 2 reads the row again with streaming loads, writes dx and adds dy
   // and dy * xhat to the block's shared sums. No barrier inside the row loop, so warps may take
@@ -68,23 +66,17 @@ kernel7(T* __restrict__ dx, T* __restrict__ dweight, T* __restrict__ dbias, floa
 }
 
 template <typename T>
-cudaError_t launch(const LayernormBwdParams& p, const LlmcKernelLimits& l, cudaStream_t stream) {
+cudaError_t launch(const LayernormBwdParams& p, const LlmcLimits& l, cudaStream_t stream) {
   return launch_last_block_kernel<T>(kernel7<T>, LlmcSums::kSharedRow, p,
                                      1024 / l.block_size, l.block_size, l.smem_bytes, stream);
 }
 
 }  // namespace
 
-LlmcKernelLimits layernorm_bwd_kernel7_limits(Dtype dtype, int64_t C, int block_size) {
-  LlmcKernelLimits l = seed_limits<float, __nv_bfloat16, __half>(dtype, block_size, kDefaultBlockSize, 1024);
-  l.smem_bytes = static_cast<size_t>(2 * C + 1) * sizeof(float);
-  return l;
-}
-
 cudaError_t layernorm_bwd_kernel7(const LayernormBwdParams& p, cudaStream_t stream) {
-  const LlmcKernelLimits l = layernorm_bwd_kernel7_limits(p.dtype, p.C, p.block_size);
-  LNBWD_RETURN_IF_CUDA_ERROR(check_seed_limits(l, p));
-  return dispatch_dtypes<float, __nv_bfloat16, __half>(p.dtype, [&](auto t) { return launch<decltype(t)>(p, l, stream); });
+  LlmcLimits l;
+  LNBWD_RETURN_IF_CUDA_ERROR(check_llmc_limits(7, p, &l));
+  return dispatch_llmc_dtypes<7, float, __nv_bfloat16, __half>(p.dtype, [&](auto t) { return launch<decltype(t)>(p, l, stream); });
 }
 
 }  // namespace lnbwd

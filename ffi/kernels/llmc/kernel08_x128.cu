@@ -1,9 +1,9 @@
 // Kernel 8 of llm.c's dev/cuda/layernorm_backward.cu: "x128 vectorized".
 //
-// Technique (kept from the seed): kernel 7 (persistent warps without cooperative groups, fp32
+// Technique (kept from llm.c): kernel 7 (persistent warps without cooperative groups, fp32
 // sums in shared memory, one fp32 scratch row filled with global atomics, last block converts),
 // with every global access 16 bytes wide: a lane loads VEC = 16 / sizeof(T) neighbouring
-// elements at once (the seed's x128: LDG.128/STG.128, the widest access a thread can issue), so
+// elements at once (llm.c's x128: LDG.128/STG.128, the widest access a thread can issue), so
 // one step of a warp covers 32 * VEC columns.
 //
 // Shared-memory order. The sums cannot be updated 16 bytes at a time (shared atomics are 32-bit),
@@ -14,37 +14,34 @@
 // global memory uses the same order, and the last block transposes back when it writes
 // dweight/dbias, again 16 bytes at a time.
 //
-// This needs C to be a multiple of 32 * VEC (128 for fp32, 256 for bf16/fp16): the seed's
+// This needs C to be a multiple of 32 * VEC (128 for fp32, 256 for bf16/fp16): llm.c's
 // steps are C / (32 * VEC) rounded down, so other C lost their last columns (dx never written,
 // dweight/dbias short): silently wrong. Such C are refused (cudaErrorInvalidConfiguration, and
 // in Python at trace time). 16-byte accesses also need 16-byte aligned buffers (XLA's are):
 // cudaErrorMisalignedAddress otherwise. Not deterministic: the float atomics add in an order
 // that varies run to run.
 //
-// Repairs relative to the seed:
-//  * dx is written, not accumulated (the seed loaded dinp to add to it), and the last block
+// Repairs relative to llm.c:
+//  * dx is written, not accumulated (llm.c loaded dinp to add to it), and the last block
 //    writes dweight/dbias instead of adding to them: XLA's outputs are uninitialized.
 //  * The scratch row and the counter are in the workspace XLA gives (counter in the header,
 //    scratch in the first partial slot), zeroed with one cudaMemsetAsync on the caller's stream
-//    (they are contiguous). The seed used cudaMemset on the legacy default stream.
+//    (they are contiguous). llm.c used cudaMemset on the legacy default stream.
 //  * Fences before the block is counted done and in the last block before it reads the scratch
-//    (from L2, __ldcg); the seed had none.
+//    (from L2, __ldcg); llm.c had none.
 //  * g = weight * dy is rounded once (mul_rn) in both passes; 64-bit row offsets.
 //  * The grid never has more blocks than the rows have warps (idle blocks would only add zeros).
 //  * More than 48 KB of shared memory (C > 6143) is opted in to; C up to 29055 fits Hopper.
-//  * __launch_bounds__(1024) instead of the seed's (1024, 2), under which it spills registers.
+//  * __launch_bounds__(1024) instead of llm.c's (1024, 2), under which it spills registers.
 #include "llmc/llmc_common.cuh"
 #include "llmc/llmc_device.cuh"
 
 namespace lnbwd {
 namespace {
 
-// The fastest block size on the H200 at 8192x1536 (C = 1600 is not whole x128 steps), bf16 and
-// fp32 (tests/cuda/harness.cu blocks).
-constexpr int kDefaultBlockSize = 1024;
 constexpr int kWarpSize = 32;
 
-// Up to 1024 threads per block. The seed also asked for two such blocks per SM, which caps a
+// Up to 1024 threads per block. llm.c also asked for two such blocks per SM, which caps a
 // thread at 32 registers and makes this kernel spill to local memory; its grid never puts more
 // than 1024 threads on an SM anyway (1024 / block_size blocks per SM).
 template <typename T>
@@ -78,7 +75,7 @@ kernel8(T* __restrict__ dx, T* __restrict__ dweight, T* __restrict__ dbias, floa
     const float rstd_r = rstd[row];
 
     // Pass 1: a = mean(g), b = mean(g * xhat), g = weight * dy, xhat = (x - mean) * rstd, each lane
-    // summing over its 16-byte vectors (x128_row_sums in seed_device.cuh), then across the warp.
+    // summing over its 16-byte vectors (x128_row_sums in llmc_device.cuh), then across the warp.
     float sum_g = 0.0f, sum_g_xhat = 0.0f;
     x128_row_sums(dy_r, x_r, weight, mean_r, rstd_r, lane, C, sum_g, sum_g_xhat);
     const float a = warp_sum(sum_g) / C;
@@ -127,7 +124,7 @@ kernel8(T* __restrict__ dx, T* __restrict__ dweight, T* __restrict__ dbias, floa
 }
 
 template <typename T>
-cudaError_t launch(const LayernormBwdParams& p, const LlmcKernelLimits& l, cudaStream_t stream) {
+cudaError_t launch(const LayernormBwdParams& p, const LlmcLimits& l, cudaStream_t stream) {
   if (!can_vectorize<T>(p)) return cudaErrorMisalignedAddress;
   return launch_last_block_kernel<T>(kernel8<T>, LlmcSums::kSharedRow, p,
                                      1024 / l.block_size, l.block_size, l.smem_bytes, stream);
@@ -135,17 +132,10 @@ cudaError_t launch(const LayernormBwdParams& p, const LlmcKernelLimits& l, cudaS
 
 }  // namespace
 
-LlmcKernelLimits layernorm_bwd_kernel8_limits(Dtype dtype, int64_t C, int block_size) {
-  LlmcKernelLimits l = seed_limits<float, __nv_bfloat16, __half>(dtype, block_size, kDefaultBlockSize, 1024);
-  l.c_multiple = 32 * (16 / dtype_bytes(dtype));   // whole warp steps of 16-byte vectors
-  l.smem_bytes = static_cast<size_t>(2 * C + 1) * sizeof(float);
-  return l;
-}
-
 cudaError_t layernorm_bwd_kernel8(const LayernormBwdParams& p, cudaStream_t stream) {
-  const LlmcKernelLimits l = layernorm_bwd_kernel8_limits(p.dtype, p.C, p.block_size);
-  LNBWD_RETURN_IF_CUDA_ERROR(check_seed_limits(l, p));
-  return dispatch_dtypes<float, __nv_bfloat16, __half>(p.dtype, [&](auto t) { return launch<decltype(t)>(p, l, stream); });
+  LlmcLimits l;
+  LNBWD_RETURN_IF_CUDA_ERROR(check_llmc_limits(8, p, &l));
+  return dispatch_llmc_dtypes<8, float, __nv_bfloat16, __half>(p.dtype, [&](auto t) { return launch<decltype(t)>(p, l, stream); });
 }
 
 }  // namespace lnbwd

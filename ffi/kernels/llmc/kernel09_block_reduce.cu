@@ -1,6 +1,6 @@
 // Kernel 9 of llm.c's dev/cuda/layernorm_backward.cu: "block reduction without atomics".
 //
-// Technique (kept from the seed): kernel 8's persistent warps with 16-byte accesses and the
+// Technique (kept from llm.c): kernel 8's persistent warps with 16-byte accesses and the
 // transposed shared-memory order of the block's dbias/dweight sums (element k of lane L at
 // L + 32 * k within each step of 32 * VEC columns, so the 32 lanes touch 32 different banks),
 // but without any float atomic:
@@ -13,24 +13,24 @@
 //    four floats per load, then transposes back and writes dweight/dbias 16 bytes at a time.
 // Every sum is taken in a fixed order, so the result is bitwise reproducible (deterministic).
 //
-// This needs C to be a multiple of 32 * VEC (128 for fp32, 256 for bf16/fp16): the seed
+// This needs C to be a multiple of 32 * VEC (128 for fp32, 256 for bf16/fp16): llm.c
 // __trap()ped on other C ("prefer to crash here than run into a deadlock later on"). Such C
 // are refused instead (cudaErrorInvalidConfiguration, and in Python at trace time). 16-byte
 // accesses need 16-byte aligned buffers and workspace (XLA's are): cudaErrorMisalignedAddress
 // otherwise.
 //
-// Repairs relative to the seed:
+// Repairs relative to llm.c:
 //  * Every warp of a block runs the same number of row steps (rows past the end add zeros and
-//    write nothing). In the seed a warp whose rows ran out left the loop while the others still
+//    write nothing). In llm.c a warp whose rows ran out left the loop while the others still
 //    waited at the barriers inside it, so the barriers paired up wrongly (and warp 0 could read
 //    stale staging data) whenever the rows did not divide evenly among the warps.
 //  * No printf and no __trap() in the kernel: the launcher refuses C it cannot do.
-//  * Fences: after writing the block's slot, before the block is counted done (the seed had
+//  * Fences: after writing the block's slot, before the block is counted done (llm.c had
 //    none, so the last block could add a slot that was not yet visible), and in the last block
 //    before it reads the slots (from L2, __ldcg).
 //  * The slots and the counter are in the workspace XLA gives; only the counter is zeroed, with
-//    cudaMemsetAsync on the caller's stream (every slot is written before it is read). The
-//    seed used cudaMemset on the legacy default stream.
+//    cudaMemsetAsync on the caller's stream (every slot is written before it is read). llm.c
+//    used cudaMemset on the legacy default stream.
 //  * dx is written, not accumulated, and dweight/dbias are written, not added to: XLA's output
 //    buffers are uninitialized.
 //  * g = weight * dy is rounded once (mul_rn) in both passes; 64-bit row and slot offsets.
@@ -42,9 +42,6 @@
 namespace lnbwd {
 namespace {
 
-// The fastest block size on the H200 at 8192x1536 (C = 1600 is not whole x128 steps), bf16 and
-// fp32 (tests/cuda/harness.cu blocks): 512 and 1024 are within 2%, 512 kept (it allows a larger C).
-constexpr int kDefaultBlockSize = 512;
 constexpr int kWarpSize = 32;
 
 template <typename T>
@@ -56,7 +53,7 @@ kernel9(T* __restrict__ dx, T* __restrict__ dweight, T* __restrict__ dbias, floa
   constexpr int VEC = 16 / sizeof(T);
   using V = Packed<T, VEC>;
   // Shared memory: [dbias sums | dweight sums] (C floats each), the two staging areas (a float
-  // per thread each; warp 0's part is unused, as in the seed), and the last-block flag.
+  // per thread each; warp 0's part is unused, as in llm.c), and the last-block flag.
   extern __shared__ float shared[];
   float* dbias_sh = shared;
   float* dweight_sh = shared + C;
@@ -170,7 +167,7 @@ kernel9(T* __restrict__ dx, T* __restrict__ dweight, T* __restrict__ dbias, floa
 }
 
 template <typename T>
-cudaError_t launch(const LayernormBwdParams& p, const LlmcKernelLimits& l, cudaStream_t stream) {
+cudaError_t launch(const LayernormBwdParams& p, const LlmcLimits& l, cudaStream_t stream) {
   if (!can_vectorize<T>(p) || reinterpret_cast<uintptr_t>(p.workspace) % 16 != 0) return cudaErrorMisalignedAddress;
   return launch_last_block_kernel<T>(kernel9<T>, LlmcSums::kSlotPerBlock, p,
                                      1024 / l.block_size, l.block_size, l.smem_bytes, stream);
@@ -178,17 +175,10 @@ cudaError_t launch(const LayernormBwdParams& p, const LlmcKernelLimits& l, cudaS
 
 }  // namespace
 
-LlmcKernelLimits layernorm_bwd_kernel9_limits(Dtype dtype, int64_t C, int block_size) {
-  LlmcKernelLimits l = seed_limits<float, __nv_bfloat16, __half>(dtype, block_size, kDefaultBlockSize, 1024);
-  l.c_multiple = 32 * (16 / dtype_bytes(dtype));   // whole warp steps of 16-byte vectors
-  l.smem_bytes = static_cast<size_t>(2 * C + 2 * static_cast<int64_t>(l.block_size) + 1) * sizeof(float);
-  return l;
-}
-
 cudaError_t layernorm_bwd_kernel9(const LayernormBwdParams& p, cudaStream_t stream) {
-  const LlmcKernelLimits l = layernorm_bwd_kernel9_limits(p.dtype, p.C, p.block_size);
-  LNBWD_RETURN_IF_CUDA_ERROR(check_seed_limits(l, p));
-  return dispatch_dtypes<float, __nv_bfloat16, __half>(p.dtype, [&](auto t) { return launch<decltype(t)>(p, l, stream); });
+  LlmcLimits l;
+  LNBWD_RETURN_IF_CUDA_ERROR(check_llmc_limits(9, p, &l));
+  return dispatch_llmc_dtypes<9, float, __nv_bfloat16, __half>(p.dtype, [&](auto t) { return launch<decltype(t)>(p, l, stream); });
 }
 
 }  // namespace lnbwd

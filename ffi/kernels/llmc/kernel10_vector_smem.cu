@@ -1,32 +1,32 @@
 // Kernel 10 of llm.c's dev/cuda/layernorm_backward.cu: "vectorized shared memory".
 //
-// Technique (kept from the seed): one warp per row, 16-byte loads, and the dweight/dbias sums of
+// Technique (kept from llm.c): one warp per row, 16-byte loads, and the dweight/dbias sums of
 // a block kept in shared memory in natural column order. For every 32*VEC-column slice of a row,
 // warps 1..W-1 park their per-lane partials in a staging area, warp 0 adds them in a fixed order
 // and folds the result into the block's shared-memory sums. At the end every block writes its
 // sums to its own slot of an fp32 scratch buffer, and the last block to finish (found with an
 // atomic counter) adds the slots in block order. No float atomics: the result is deterministic.
 //
-// Repairs relative to the seed, each of which made the seed wrong or crash:
+// Repairs relative to llm.c, each of which made llm.c wrong or crash:
 //  * dx, dweight and dbias are written, not accumulated: XLA's output buffers are uninitialized.
-//  * Any C >= 1. The seed issued 16-byte loads at row starts that are misaligned unless
+//  * Any C >= 1. llm.c issued 16-byte loads at row starts that are misaligned unless
 //    C * sizeof(T) % 16 == 0; the launcher now picks VEC = 1 (scalar accesses) in that case.
 //  * Every warp of a block runs the same number of row iterations (rows past the end contribute
-//    zeros). In the seed, warps whose rows ran out left the loop while the others still waited
+//    zeros). In llm.c, warps whose rows ran out left the loop while the others still waited
 //    at the __syncthreads() inside it, so barriers paired up wrongly and warp 0 read stale
 //    staging data.
-//  * The "is this the last block" flag lives in static shared memory. The seed placed it just
+//  * The "is this the last block" flag lives in static shared memory. llm.c placed it just
 //    past the dynamic shared allocation, which at block size 32 (no staging area) is out of
 //    bounds: the crash seen on an H200.
 //  * __threadfence() between writing the partial slot and incrementing the counter, and again
 //    in the last block before reading the other blocks' slots.
 //  * The counter is zeroed by the launcher with cudaMemsetAsync on the caller's stream, and the
 //    scratch comes from XLA: no cudaMalloc, no cudaMemset on the legacy stream.
-//  * Large C: the launcher opts in to more than 48 KB of dynamic shared memory, and refuses
-//    (cudaErrorInvalidConfiguration) a C whose sums and staging area do not fit, as it refuses
-//    block sizes other than the powers of two from 32 to 512: layernorm_bwd_kernel10_limits, the
-//    same check as kernels 1-9.
-//  * xhat is computed centered, (x - mean) * rstd. The seed expanded b = mean(g * xhat) into
+//  * Large C: the launcher opts in to more than 48 KB of dynamic shared memory; a C whose sums
+//    and staging area do not fit is refused (by the registry with a message, by the driver at
+//    the opt-in otherwise), as are block sizes other than the powers of two from 32 to 512
+//    (llmc_limits.h, as for kernels 1-9).
+//  * xhat is computed centered, (x - mean) * rstd. llm.c expanded b = mean(g * xhat) into
 //    rstd * (mean(g * x) - mean * mean(g)), which cancels catastrophically when |mean| >> std.
 //  * 64-bit row offsets: row * C overflows int32 beyond 2^31 elements.
 #include "llmc/llmc_common.cuh"
@@ -34,10 +34,6 @@
 
 namespace lnbwd {
 namespace {
-
-// The seed's default block size, and the largest this kernel runs (__launch_bounds__(512, 2)).
-constexpr int kDefaultBlockSize = 512;
-constexpr int kMaxBlockSize = 512;
 
 template <typename T, int VEC>
 __global__ void __launch_bounds__(512, 2)
@@ -156,14 +152,12 @@ kernel10(T* __restrict__ dx, T* __restrict__ dweight, T* __restrict__ dbias,
 
 template <typename T, int VEC>
 size_t smem_bytes(int64_t C, int block_size) {
-  const int64_t per_iter = 32 * VEC;
-  const int64_t rounded_C = ceil_div<int64_t>(C, per_iter) * per_iter;
-  return static_cast<size_t>(2 * rounded_C + 2 * (block_size / 32 - 1) * per_iter) * sizeof(acc_t<T>);
+  return llmc_kernel10_smem(sizeof(acc_t<T>), VEC, C, block_size);   // llmc_limits.h
 }
 
 template <typename T, int VEC>
 cudaError_t launch(const LayernormBwdParams& p, int block_size, cudaStream_t stream) {
-  // The seed's grid: 1024 / block_size blocks per SM, never more blocks than the rows have warps,
+  // llm.c's grid: 1024 / block_size blocks per SM, never more blocks than the rows have warps,
   // nor than the workspace has partial slots.
   return launch_last_block_kernel<T>(kernel10<T, VEC>, LlmcSums::kSlotPerBlock, p, 1024 / block_size, block_size,
                                      smem_bytes<T, VEC>(p.C, block_size), stream);
@@ -171,23 +165,10 @@ cudaError_t launch(const LayernormBwdParams& p, int block_size, cudaStream_t str
 
 }  // namespace
 
-LlmcKernelLimits layernorm_bwd_kernel10_limits(Dtype dtype, int64_t C, int block_size) {
-  LlmcKernelLimits l =
-      seed_limits<float, __nv_bfloat16, __half, double>(dtype, block_size, kDefaultBlockSize, kMaxBlockSize);
-  // The launcher takes the 16-byte path or the scalar one depending on C and alignment: the
-  // limit is the larger need (the vector path rounds C up to whole steps of 32 * VEC columns).
-  dispatch_dtypes<float, __nv_bfloat16, __half, double>(dtype, [&](auto t) {
-    using T = decltype(t);
-    l.smem_bytes = std::max(smem_bytes<T, 1>(C, l.block_size), smem_bytes<T, 16 / sizeof(T)>(C, l.block_size));
-    return cudaSuccess;
-  });
-  return l;
-}
-
 cudaError_t layernorm_bwd_kernel10(const LayernormBwdParams& p, cudaStream_t stream) {
-  const LlmcKernelLimits l = layernorm_bwd_kernel10_limits(p.dtype, p.C, p.block_size);
-  LNBWD_RETURN_IF_CUDA_ERROR(check_seed_limits(l, p));
-  return dispatch_dtypes<float, __nv_bfloat16, __half, double>(p.dtype, [&](auto t) {
+  LlmcLimits l;
+  LNBWD_RETURN_IF_CUDA_ERROR(check_llmc_limits(10, p, &l));
+  return dispatch_llmc_dtypes<10, float, __nv_bfloat16, __half, double>(p.dtype, [&](auto t) {
     using T = decltype(t);
     constexpr int vec = 16 / sizeof(T);
     return can_vectorize<T>(p) ? launch<T, vec>(p, l.block_size, stream) : launch<T, 1>(p, l.block_size, stream);

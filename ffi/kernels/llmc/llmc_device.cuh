@@ -1,4 +1,4 @@
-// Device routines shared by seed kernels 2-10 (kernel0N_*.cu, kernel10_vector_smem.cu): the
+// Device routines shared by llm.c's kernels 2-10 (kernel0N_*.cu, kernel10_vector_smem.cu): the
 // lines that several of them had written out identically, now written once. What makes each
 // kernel what it is (its grid, its warp reduction, how a block's sums leave shared memory) stays
 // in its own file. Every routine is inlined: each kernel does the same floating-point operations,
@@ -39,7 +39,7 @@ __device__ __forceinline__ T load_elem(const T* p) {
 // kernel's own: warp.size() (an unsigned 32) and cg::reduce in kernels 2-6, kWarpSize (an int 32)
 // and warp_sum's shuffles in kernel 7; the type of step is kept because a signed and an unsigned
 // step unroll differently. With kStreamPass2, pass 2 reads dy and x with streaming loads (__ldcs):
-// it is the row's last use (kernels 3-7; kernel 2 reads them plainly, as the seed did).
+// it is the row's last use (kernels 3-7; kernel 2 reads them plainly, as llm.c did).
 // No barrier inside, so the warps of a block may call it for different numbers of rows.
 template <bool kStreamPass2, typename T, typename Step, typename RowSum>
 __device__ __forceinline__ void warp_row_to_shared_sums(int64_t row, int lane, Step step, RowSum row_sum, T* dx,

@@ -1,5 +1,5 @@
-// The row loop of seed kernels 3-6 (kernel03_*.cu .. kernel06_*.cu), which differ only in how a
-// block's sums leave shared memory afterwards. Apart from seed_device.cuh because it needs
+// The row loop of llm.c's kernels 3-6 (kernel03_*.cu .. kernel06_*.cu), which differ only in how a
+// block's sums leave shared memory afterwards. Apart from llmc_device.cuh because it needs
 // cooperative groups, which kernels 7-10 do without.
 #pragma once
 

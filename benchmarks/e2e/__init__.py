@@ -1,0 +1,36 @@
+"""Whole training steps with Flax's LayerNorm and with jax_lnbwd's: ``python -m benchmarks.e2e``.
+
+Three transformers written here (config.py: a GPT-2-style pre-LN decoder, d 1600, 25 heads,
+seq 1024, batch 8; a BERT-style post-LN encoder, d 1024, seq 1024, batch 8; a ViT-style pre-LN
+encoder, d 1024, 197 tokens, batch 8; 6 blocks each), in flax.linen and flax.nnx, train with
+optax's adam on float32 parameters, computing in bf16 (``--dtypes``). Each (model, API, dtype)
+runs once per LayerNorm variant (variants.py: ``flax``, ``jax_lnbwd``, and any registered).
+
+How a step is timed
+-------------------
+Every run is compiled and warmed up first. Then come ``--rounds`` rounds; in each, every run
+takes ``--steps`` steps back to back (parameters and optimizer state donated, the host
+queueing step i+1 while the GPU runs step i, as in a training loop), and the wall time from
+the first dispatch until the last step's outputs are ready, divided by the steps, is that
+round's time. Runs are interleaved in one process, in reverse order every other round, so
+that clock and thermal drift fall on all variants alike. A run's time is the median over the
+rounds; the spread is (slowest - fastest round) / median; the ratio against the baseline (the
+first variant) is given with the range of the per-round ratios.
+
+Then, if a collector is available, each run takes ``--trace-steps`` more steps under a
+kernel-level trace, attributed to layernorm as trace.py describes: the GPU time per step in
+layernorm's kernels (forward, backward, and the elementwise kernels XLA fused with them), all
+kernels, the idle time per step, and the share no HLO instruction could be matched to.
+
+fp32 (``--dtypes float32``) keeps JAX's default matmul precision, which is TF32 on NVIDIA GPUs
+since Ampere: what an fp32 user gets, and the normalization is in full fp32 either way (XLA's
+elementwise and reduction kernels, and ours, do not use TF32). ``--matmul-precision highest``
+makes the matmuls full fp32 too (several times slower steps: layernorm's share then shrinks).
+
+``--out DIR`` writes DIR/e2e.txt (the table), DIR/e2e.json (every round, the trace summary,
+the configs and versions) and DIR/e2e.png (needs matplotlib: ``pip install -e ".[bench]"``).
+
+Files: config.py (models and sizes), models_linen.py, models_nnx.py, variants.py (the
+LayerNorm variants and the hook for more), train.py (the step and its timing), trace.py
+(collection and attribution), report.py (table and plot), cli.py (options and the run).
+"""

@@ -1,0 +1,195 @@
+"""The e2e bench's command line: ``python -m benchmarks.e2e [options]`` (``--help``)."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib
+import json
+import os
+import sys
+import time
+
+import jax
+
+from .. import _term
+from .._term import Progress, paint
+from . import __doc__ as METHOD
+from . import report, trace
+from .config import FULL, SMALL
+from .train import build, run_steps
+from .variants import VARIANTS
+
+APIS = ("linen", "nnx")
+DTYPES = ("bfloat16", "float32")
+SIZE_FIELDS = ("layers", "batch", "seq", "d_model", "heads", "vocab")
+
+
+def parse_args(argv):
+    def csv(s):
+        return [t.strip() for t in s.split(",") if t.strip()]
+
+    intro, method = METHOD.split("\n\n", 1)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.e2e", description=intro, epilog=method,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="gpt,bert,vit", help="comma list from gpt,bert,vit (default all)")
+    p.add_argument("--apis", default="linen,nnx", help="comma list from linen,nnx (default both)")
+    p.add_argument("--dtypes", default="bfloat16",
+                   help="compute dtypes, comma list from bfloat16,float32 (default bfloat16)")
+    p.add_argument("--variants", default="flax,jax_lnbwd",
+                   help="comma list of LayerNorm variants; the first is the baseline (default flax,jax_lnbwd)")
+    p.add_argument("--variant-module", action="append", default=[], metavar="MODULE",
+                   help="import MODULE first: it registers more variants (see benchmarks/e2e/variants.py)")
+    p.add_argument("--small", action="store_true", help="tiny models for a CPU smoke test")
+    for field in SIZE_FIELDS:
+        p.add_argument("--" + field.replace("_", "-"), type=int, default=None,
+                       help=f"override every model's {field}")
+    p.add_argument("--steps", type=int, default=10, help="steps per round per run (default 10)")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per run after compiling (default 2)")
+    p.add_argument("--trace", default="auto", choices=("auto", "torch", "jax", "none"),
+                   help="kernel trace collector (default auto: torch on a GPU, else jax)")
+    p.add_argument("--trace-steps", type=int, default=3, help="steps per traced run (default 3)")
+    p.add_argument("--attention", default="xla", choices=("xla", "cudnn"),
+                   help="jax.nn.dot_product_attention's implementation (default xla; cudnn: bf16 only)")
+    p.add_argument("--matmul-precision", default="default", choices=("default", "high", "highest"),
+                   help="jax.default_matmul_precision for the run (default: JAX's, TF32 for fp32 on GPU)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="directory for e2e.txt, e2e.json and e2e.png")
+    p.add_argument("--no-progress", action="store_true", help="no progress line")
+    a = p.parse_args(argv)
+    for mod in a.variant_module:
+        importlib.import_module(mod)
+    a.models, a.apis, a.dtypes, a.variants = csv(a.models), csv(a.apis), csv(a.dtypes), csv(a.variants)
+    for name, got, allowed in (("models", a.models, tuple(FULL)), ("apis", a.apis, APIS),
+                               ("dtypes", a.dtypes, DTYPES), ("variants", a.variants, tuple(VARIANTS))):
+        if not got or any(g not in allowed for g in got):
+            p.error(f"--{name}: expected a comma list from {', '.join(allowed)}, got {','.join(got)!r}")
+    if a.attention == "cudnn" and "float32" in a.dtypes:
+        p.error("--attention cudnn: cuDNN's flash attention takes bf16/fp16 only; drop float32")
+    if min(a.steps, a.rounds, a.trace_steps) < 1 or a.warmup < 0:
+        p.error("--steps, --rounds and --trace-steps must be >= 1, --warmup >= 0")
+    sizes = {f: getattr(a, f) for f in SIZE_FIELDS if getattr(a, f) is not None}
+    a.configs = [dataclasses.replace((SMALL if a.small else FULL)[m], attention=a.attention, **sizes)
+                 for m in a.models]
+    for cfg in a.configs:
+        if cfg.d_model % cfg.heads:
+            p.error(f"{cfg.name}: d_model {cfg.d_model} is not a multiple of heads {cfg.heads}")
+    if any(c.name == "vit" for c in a.configs) and "seq" in sizes:
+        p.error("--seq: the vit's token count is its patches + 1 (change its patch grid in config.py)")
+    return a
+
+
+def seconds(meta) -> str:
+    return "wall seconds: " + ", ".join(f"{k.replace('_', ' ')} {v:.0f}" for k, v in meta["seconds"].items())
+
+
+def emit(runs, args, meta, traced: bool):
+    """Prints the table and writes --out's files; called after the rounds (the timings are
+    safe even if a trace then fails or takes the process down) and again after the traces."""
+    table = report.rows(runs, args.variants[0])
+    text = report.format_table(table)
+    print()
+    if not traced:
+        print("step times (the trace columns say n/a until the traces, which come next):")
+    print(text)
+    if traced:
+        print()
+        print(report.COLUMNS)
+    if meta["failures"]:
+        print(paint(f"{len(meta['failures'])} runs failed and are missing (above)", "red"))
+    if not args.out:
+        return table
+    meta = {**meta, "complete": traced, "torch": getattr(sys.modules.get("torch"), "__version__", None)}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "e2e.json"), "w") as fh:
+        json.dump({"meta": meta, "rows": table}, fh, indent=1, default=str)
+    with open(os.path.join(args.out, "e2e.txt"), "w") as fh:
+        fh.write(f"{meta['date']}  {meta['device']}  jax {meta['jax']}  jax_lnbwd {meta['jax_lnbwd']}\n"
+                 f"argv: {' '.join(meta['argv'])}\n\n{text}\n\n{report.COLUMNS}\n")
+    title = f"training step, {meta['device']}" + ("" if jax.default_backend() == "gpu" else " (CPU smoke test)")
+    try:
+        made = report.plot(table, os.path.join(args.out, "e2e.png"), title)
+    except Exception as e:  # a broken plot must not cost the run's numbers
+        made = False
+        print(paint(f"e2e.png failed: {type(e).__name__}: {e}", "red"))
+    print(f"wrote {args.out}/e2e.txt, e2e.json" + (" and e2e.png" if made else
+          " (no e2e.png: pip install -e '.[bench]' for matplotlib)") + ("" if traced else "; traces next"))
+    return table
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    meta = _term.machine()
+    precision = (contextlib.nullcontext() if args.matmul_precision == "default"
+                 else jax.default_matmul_precision(args.matmul_precision))
+    how, why = trace.available(args.trace)
+    meta.update({"argv": sys.argv[1:] if argv is None else list(argv), "steps": args.steps,
+                 "rounds": args.rounds, "warmup": args.warmup, "trace": how, "trace_steps": args.trace_steps,
+                 "matmul_precision": args.matmul_precision, "baseline": args.variants[0],
+                 "models": [dataclasses.asdict(c) for c in args.configs], "failures": []})
+    print(f"jax_lnbwd {meta['jax_lnbwd']} e2e bench  {meta['date']}  device: {meta['device']}  "
+          f"jax {meta['jax']}")
+    print(f"timing: {args.rounds} interleaved rounds of {args.steps} back-to-back steps per run, "
+          f"after {args.warmup} warm-up steps; trace: {why if how else 'none (' + why + ')'}")
+    for cfg in args.configs:
+        print(f"  {cfg.name}: d {cfg.d_model}, {cfg.heads} heads, {cfg.layers} layers, seq {cfg.seq}, "
+              f"batch {cfg.batch}" + (f", vocab {cfg.vocab}" if cfg.vocab else "") +
+              f", {'pre' if cfg.pre_ln else 'post'}-LN, attention {cfg.attention}")
+    if jax.default_backend() != "gpu":
+        print("note: not on a GPU: a smoke test of the tool, not a measurement")
+    elif not meta["kernels_built_for_cuda"]:
+        print(paint("warning: jax_lnbwd was built without its CUDA handler: its variants will fail "
+                    "(rebuild with nvcc on the PATH)", "red"))
+    plan = [(cfg, api, dtype, VARIANTS[v]) for cfg in args.configs for api in args.apis
+            for dtype in args.dtypes for v in args.variants]
+    prog = Progress(len(plan) * (2 + args.rounds), not args.no_progress)
+    runs = []
+    clock = {"start": time.perf_counter()}
+    with precision:
+        for cfg, api, dtype, variant in plan:  # compile all first: the rounds then only run steps
+            label = f"{cfg.name} {api} {dtype} {variant.name}"
+            prog.step(f"compile {label}")
+            try:
+                run = build(cfg, api, variant, dtype, args.seed)
+                prog.step(f"warm up {label}")
+                if args.warmup:
+                    run_steps(run, args.warmup)
+            except Exception as e:  # one variant that breaks (OOM, a missing CUDA handler) must not end the run
+                prog.write(paint(f"ERROR {label}: {type(e).__name__}: {str(e)[:500]}", "red"))
+                meta["failures"].append({"run": label, "error": repr(e)[:2000]})
+                continue
+            runs.append(run)
+            prog.write(f"compiled {label} in {run.compile_s:.1f} s")
+        clock["compiled"] = time.perf_counter()
+        for i in range(args.rounds):  # every run once per round, the order reversed every other round
+            for run in runs if i % 2 == 0 else runs[::-1]:
+                prog.step(f"round {i + 1}/{args.rounds} {run.label}")
+                run.times.append(run_steps(run, args.steps) / args.steps)
+        prog.close()
+        clock["timed"] = time.perf_counter()
+        meta["seconds"] = {"compile_and_warm_up": clock["compiled"] - clock["start"],
+                           "rounds": clock["timed"] - clock["compiled"]}
+        if not runs:
+            raise SystemExit("e2e: every run failed to build (above)")
+        if how is None:
+            print(seconds(meta))
+        table = emit(runs, args, meta, traced=how is None)  # the timings, before any trace
+        if how is None:
+            return table
+        prog = Progress(len(runs), not args.no_progress)
+        for run in runs:
+            prog.step(f"trace {run.label}")
+            try:
+                events = trace.collect(lambda: run_steps(run, args.trace_steps), how)
+                run.trace = trace.summarize(events, trace.classify_hlo(run.hlo), args.trace_steps) or None
+            except Exception as e:  # a trace that breaks must not cost the timings
+                prog.write(paint(f"trace {run.label} failed: {type(e).__name__}: {str(e)[:300]}", "red"))
+        prog.close()
+    meta["seconds"]["traces"] = time.perf_counter() - clock["timed"]
+    print(seconds(meta))
+    return emit(runs, args, meta, traced=True)
+
+
+if __name__ == "__main__":
+    main()

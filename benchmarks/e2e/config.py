@@ -1,0 +1,77 @@
+"""The benchmark's models: three transformer families at the sizes of issue 23, and tiny ones.
+
+Every model is 6 blocks of multi-head attention and a 4x GELU MLP, bf16 (or fp32) compute with
+float32 parameters. What differs is where the LayerNorms sit and what comes in and out:
+
+  gpt   GPT-2-style decoder: causal, pre-LN (LN -> attention, LN -> MLP, a final LN), token
+        and learned position embeddings, a head tied to the token embedding, next-token loss.
+  bert  BERT-style encoder: bidirectional, post-LN (LN after each residual add, and one on the
+        embeddings), a head tied to the token embedding, a loss at every position (as masked
+        language modelling does at its masked ones).
+  vit   ViT-style encoder: bidirectional, pre-LN, 16x16x3 patches of a 224x224 image through a
+        Dense (the usual stride-16 convolution), a class token, 197 tokens, a 1000-class head.
+
+Each has 13 LayerNorms over d_model features.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    causal: bool
+    pre_ln: bool
+    d_model: int
+    heads: int
+    layers: int
+    seq: int          # tokens per example (vit: patches + the class token)
+    batch: int
+    vocab: int = 0    # gpt, bert: the token vocabulary; vit: 0
+    classes: int = 0  # vit: the label count
+    patch_dim: int = 0  # vit: 16 * 16 * 3
+    epsilon: float = 1e-5
+    mlp_ratio: int = 4
+    attention: str = "xla"  # jax.nn.dot_product_attention's implementation: "xla" or "cudnn"
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+
+FULL = {
+    # GPT-2 XL's width and heads (d 1600, 25 heads of 64), 6 blocks; GPT-2's vocabulary padded
+    # to a multiple of 128 as llm.c does (50257 -> 50304).
+    "gpt": ModelConfig("gpt", causal=True, pre_ln=True, d_model=1600, heads=25, layers=6, seq=1024,
+                       batch=8, vocab=50304, epsilon=1e-5),
+    # BERT-large's width (d 1024, 16 heads), 6 blocks, seq 1024; BERT's vocabulary padded (30522 -> 30592).
+    "bert": ModelConfig("bert", causal=False, pre_ln=False, d_model=1024, heads=16, layers=6, seq=1024,
+                        batch=8, vocab=30592, epsilon=1e-12),
+    # ViT-L/16's width at 224x224 (196 patches + the class token), 6 blocks.
+    "vit": ModelConfig("vit", causal=False, pre_ln=True, d_model=1024, heads=16, layers=6, seq=197,
+                       batch=8, classes=1000, patch_dim=768, epsilon=1e-6),
+}
+
+# --small: the same three families at sizes a CPU runs in a fraction of a second a step.
+SMALL = {
+    "gpt": dataclasses.replace(FULL["gpt"], d_model=64, heads=4, layers=2, seq=32, batch=2, vocab=128),
+    "bert": dataclasses.replace(FULL["bert"], d_model=64, heads=4, layers=2, seq=32, batch=2, vocab=128),
+    "vit": dataclasses.replace(FULL["vit"], d_model=64, heads=4, layers=2, seq=17, batch=2, classes=10,
+                               patch_dim=48),
+}
+
+
+def make_batch(cfg: ModelConfig, dtype, seed: int = 0):
+    """One fixed batch, (inputs, integer targets): the same for every variant of a model."""
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    if cfg.name == "vit":
+        patches = jax.random.normal(k1, (cfg.batch, cfg.seq - 1, cfg.patch_dim), jnp.float32)
+        return patches.astype(dtype), jax.random.randint(k2, (cfg.batch,), 0, cfg.classes)
+    tokens = jax.random.randint(k1, (cfg.batch, cfg.seq + 1), 0, cfg.vocab)
+    if cfg.causal:  # next-token prediction
+        return tokens[:, :-1], tokens[:, 1:]
+    return tokens[:, :-1], jax.random.randint(k2, (cfg.batch, cfg.seq), 0, cfg.vocab)

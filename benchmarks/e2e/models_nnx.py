@@ -1,0 +1,86 @@
+"""The benchmark's transformers in flax.nnx: the same models as models_linen.py, op for op."""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .config import ModelConfig
+from .models_linen import LN_SCOPE
+
+INIT = nnx.initializers.normal(0.02)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        d = cfg.d_model
+        self.cfg = cfg
+        self.qkv = nnx.Linear(d, 3 * d, dtype=dtype, kernel_init=INIT, rngs=rngs)
+        self.proj = nnx.Linear(d, d, dtype=dtype, kernel_init=INIT, rngs=rngs)
+
+    def __call__(self, x):
+        b, t, d = x.shape
+        h = self.cfg.heads
+        q, k, v = jnp.split(self.qkv(x).reshape(b, t, 3 * h, d // h), 3, axis=2)
+        o = jax.nn.dot_product_attention(q, k, v, is_causal=self.cfg.causal,
+                                         implementation=self.cfg.attention)
+        return self.proj(o.reshape(b, t, d))
+
+
+class Mlp(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        d, f = cfg.d_model, cfg.mlp_ratio * cfg.d_model
+        self.up = nnx.Linear(d, f, dtype=dtype, kernel_init=INIT, rngs=rngs)
+        self.down = nnx.Linear(f, d, dtype=dtype, kernel_init=INIT, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(jax.nn.gelu(self.up(x)))  # linen's nn.gelu
+
+
+class Transformer(nnx.Module):
+    """inputs (tokens, or vit patches) -> logits; `add_norm` is the variant's nnx module class."""
+
+    def __init__(self, cfg: ModelConfig, add_norm: Callable[..., nnx.Module], dtype, rngs: nnx.Rngs):
+        self.cfg, self.dtype = cfg, dtype
+        d = cfg.d_model
+        if cfg.name == "vit":
+            self.patch_embed = nnx.Linear(cfg.patch_dim, d, dtype=dtype, kernel_init=INIT, rngs=rngs)
+            self.cls = nnx.Param(INIT(rngs.params(), (1, 1, d)))
+        else:
+            self.embed = nnx.Embed(cfg.vocab, d, dtype=dtype, embedding_init=INIT, rngs=rngs)
+        self.head = (nnx.Linear(d, cfg.classes, dtype=dtype, kernel_init=INIT, rngs=rngs)
+                     if cfg.name == "vit" else None)
+        self.pos = nnx.Param(INIT(rngs.params(), (cfg.seq, d)))
+        self.attn = nnx.List([Attention(cfg, dtype, rngs) for _ in range(cfg.layers)])
+        self.mlp = nnx.List([Mlp(cfg, dtype, rngs) for _ in range(cfg.layers)])
+        self.norms = nnx.List([add_norm(d, dtype=dtype, epsilon=cfg.epsilon, rngs=rngs)
+                               for _ in range(2 * cfg.layers + 1)])
+
+    def norm(self, i, x, residual=None):
+        with jax.named_scope(LN_SCOPE):
+            return self.norms[i](x, residual)
+
+    def __call__(self, inputs):
+        cfg, dt = self.cfg, self.dtype
+        if cfg.name == "vit":
+            x = self.patch_embed(inputs)
+            cls = jnp.broadcast_to(self.cls[...].astype(dt), (x.shape[0], 1, cfg.d_model))
+            x = jnp.concatenate([cls, x], axis=1)
+        else:
+            x = self.embed(inputs)
+        x = x + self.pos[...].astype(dt)
+        if cfg.pre_ln:  # s: the residual stream; y: the LayerNorm of it, the next layer's input
+            y, s = self.norm(0, x)
+            for i in range(cfg.layers):
+                y, s = self.norm(2 * i + 1, self.attn[i](y), s)
+                y, s = self.norm(2 * i + 2, self.mlp[i](y), s)  # the last: the final LN
+        else:  # post-LN: the stream is the LayerNorm's output
+            y, _ = self.norm(0, x)
+            for i in range(cfg.layers):
+                y, _ = self.norm(2 * i + 1, self.attn[i](y), y)
+                y, _ = self.norm(2 * i + 2, self.mlp[i](y), y)
+        if self.head is None:
+            return self.embed.attend(y)  # the head tied to the token embedding
+        return self.head(y[:, 0])

@@ -1,0 +1,120 @@
+"""The e2e bench's outputs: one row per run, the text table and the PNG."""
+from __future__ import annotations
+
+import statistics
+
+COLUMNS = """\
+  ms/step   median over the rounds of one round's time per step (its steps run back to back)
+  spread    (slowest round - fastest round) / median, for this run
+  ×base     the baseline variant's median / this one's (> 1: faster than the baseline); in
+            brackets the lowest and highest of the per-round ratios (same round, both variants)
+  ln, +mix  GPU ms per step in kernels made only of layernorm work, and that plus kernels that
+            fuse layernorm work with other work (a lower and an upper bound; see trace.py)
+  kernel    GPU ms per step in all kernels, memcpys and memsets (summed)
+  idle      ms per step the GPU ran nothing, from the first kernel to the last of the traced steps
+  unmap     the share of kernel time matched to no HLO instruction nor library (should be ~0)
+  loss      the loss after the last step: every run of a model takes the same steps from the
+            same initial parameters, so the variants' losses agree to the compute dtype's rounding
+  n/a       no trace (--trace none, or no collector on this machine)"""
+
+
+SHORT = {"bfloat16": "bf16", "float32": "fp32"}
+
+
+def rows(runs, baseline: str) -> list[dict]:
+    """One dict per run: its timings, its ratio against the baseline variant and its trace."""
+    base = {(r.model, r.api, r.dtype): r for r in runs if r.variant == baseline}
+    out = []
+    for r in runs:
+        med = statistics.median(r.times)
+        row = {"model": r.model, "api": r.api, "dtype": r.dtype, "variant": r.variant,
+               "baseline": r.variant == baseline,
+               "ms": med * 1e3, "round_ms": [t * 1e3 for t in r.times],
+               "spread_pct": 100 * (max(r.times) - min(r.times)) / med,
+               "compile_s": r.compile_s, "loss_first": r.losses[0], "loss_last": r.losses[-1],
+               "trace": r.trace}
+        b = base.get((r.model, r.api, r.dtype))
+        if b is not None:
+            per_round = [bt / t for bt, t in zip(b.times, r.times)]
+            row.update(speedup=statistics.median(b.times) / med, speedup_min=min(per_round),
+                       speedup_max=max(per_round))
+        out.append(row)
+    return out
+
+
+def format_table(table: list[dict]) -> str:
+    def f(v, fmt):
+        return "n/a" if v is None else format(v, fmt)
+
+    head = ("model", "api", "dtype", "variant", "ms/step", "spread", "×base", "ln", "+mix",
+            "kernel", "idle", "unmap", "loss")
+    cells, groups = [], []
+    for r in table:
+        t = r["trace"] or {}
+        ratio = "-" if "speedup" not in r else "base" if r["baseline"] else (
+            f"{r['speedup']:.3f} [{r['speedup_min']:.3f}-{r['speedup_max']:.3f}]")
+        mixed = None if not t else t["ln_ms"] + t["mixed_ms"]
+        unmap = None if not t else 100 * t["unmapped_ms"] / max(t["kernel_ms"], 1e-12)
+        cells.append((r["model"], r["api"], r["dtype"], r["variant"], f(r["ms"], ".3f"),
+                      f"{r['spread_pct']:.1f}%", ratio, f(t.get("ln_ms"), ".3f"), f(mixed, ".3f"),
+                      f(t.get("kernel_ms"), ".2f"), f(t.get("idle_ms"), ".3f"),
+                      "n/a" if unmap is None else f"{unmap:.0f}%", f"{r['loss_last']:.4g}"))
+        groups.append((r["model"], r["api"], r["dtype"]))
+    width = [max(len(c[i]) for c in cells + [head]) for i in range(len(head))]
+
+    def line(c):  # text columns left-aligned, numbers right-aligned
+        return "  ".join(s.ljust(w) if i < 4 else s.rjust(w) for i, (s, w) in enumerate(zip(c, width)))
+    lines = [line(head), "-" * len(line(head))]
+    for i, c in enumerate(cells):
+        if i and groups[i] != groups[i - 1]:
+            lines.append("")
+        lines.append(line(c))
+    return "\n".join(lines)
+
+
+def plot(table: list[dict], path: str, title: str) -> bool:
+    """e2e.png: step time per run (bars, the rounds' range as whiskers) and, where traced, each
+    run's GPU time per step split into ln, mixed, other kernels and idle."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    traced = [r for r in table if r["trace"]]
+    def label(r):
+        return f"{r['model']} {r['api']} {SHORT.get(r['dtype'], r['dtype'])}\n{r['variant']}"
+    labels = [label(r) for r in table]
+    fig, axes = plt.subplots(2 if traced else 1, 1, squeeze=False,
+                             figsize=(max(8.0, 0.9 * len(table) + 2), 8 if traced else 4.2))
+    ax = axes[0, 0]
+    variants = list(dict.fromkeys(r["variant"] for r in table))
+    colour = {v: f"C{i % 10}" for i, v in enumerate(variants)}
+    ms = [r["ms"] for r in table]
+    lo = [r["ms"] - min(r["round_ms"]) for r in table]
+    hi = [max(r["round_ms"]) - r["ms"] for r in table]
+    ax.bar(range(len(table)), ms, color=[colour[r["variant"]] for r in table], yerr=[lo, hi], capsize=3)
+    for i, r in enumerate(table):
+        if "speedup" in r and not r["baseline"]:
+            ax.annotate(f"{r['speedup']:.3f}x", (i, max(r["round_ms"])), ha="center", va="bottom",
+                        fontsize="x-small")
+    ax.set_xticks(range(len(table)))
+    ax.set_xticklabels(labels, fontsize="x-small")
+    ax.set_ylabel("ms per step (median, rounds' range)")
+    ax.set_title(title)
+    if traced:  # side by side: what layernorm costs is a few % of a step, too thin in a stack
+        ax = axes[1, 0]
+        parts = [("ln", lambda t: t["ln_ms"], "C3"), ("ln + mixed", lambda t: t["ln_ms"] + t["mixed_ms"], "C1"),
+                 ("idle", lambda t: t["idle_ms"], "0.6")]
+        w = 0.8 / len(parts)
+        for j, (name, get, c) in enumerate(parts):
+            ax.bar([i + (j - 1) * w for i in range(len(traced))], [get(r["trace"]) for r in traced], w,
+                   label=name, color=c)
+        ax.set_xticks(range(len(traced)))
+        ax.set_xticklabels([label(r) for r in traced], fontsize="x-small")
+        ax.set_ylabel("GPU ms per step (traced)")
+        ax.legend(fontsize="small", ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

@@ -1,0 +1,216 @@
+"""Where a step's GPU time goes: a kernel-level trace of a few steps, attributed to layernorm.
+
+Collecting (``--trace``)
+  torch   CUPTI through torch.profiler (CUDA activity only) in this process: it records every
+          kernel, memcpy and memset on the GPU, JAX's included, with their kernel names. XLA does
+          not know it is being traced, so the step runs as it does untraced (CUDA graphs and all).
+  jax     jax.profiler: XLA's own tracer. Each kernel comes with the HLO instruction that
+          launched it (the "hlo_op" stat), so no name matching is needed; XLA may run the step
+          differently while it traces (it can turn off command buffers, which adds launch gaps:
+          compare idle times across variants of one trace kind only). On CPU this collects
+          XLA's per-instruction tasks ("thunks") instead of kernels: that checks the tool, it
+          measures nothing about a GPU.
+  auto    torch on a GPU where torch imports and sees CUDA, else jax.
+
+Attribution rule
+  Every add & norm of the models runs under ``jax.named_scope("e2e_layernorm")``. JAX keeps
+  the scope in each HLO operation's metadata (op_name) through jvp and transpose, so the
+  forward, the backward and the weight-gradient sums of each LayerNorm, and the residual add
+  in front of it and its gradient, all carry it. In the compiled step, an instruction that
+  launches a kernel (a fusion, a custom call, a copy) is
+    ln      if every operation in it (a fusion's fused operations included) carries the scope;
+    mixed   if some do: XLA fused layernorm work with other work (a matmul's bias add or the
+            GELU before a LayerNorm, a gradient add after it);
+    other   if none do.
+  Kernels are matched to instructions by the trace's hlo_op where there is one, else by name:
+  XLA names a fusion's kernel after the instruction ("loop_add_fusion.3" -> loop_add_fusion_3).
+  Our own kernels (C++ namespace lnbwd) are ln. Kernels named by their library (cuBLAS,
+  cuBLASLt, CUTLASS, cuDNN: matmuls and attention) and memcpys/memsets are other. What is left
+  matched nothing: unmapped, and its share of the time is reported (it should be ~0; if not,
+  ``--trace jax`` matches by the trace's HLO op instead of by name).
+
+Limits
+  "ln" is a lower bound and "ln + mixed" an upper bound of what layernorm costs: a mixed
+  kernel's time is not split. XLA compiles identical fusions once and names the kernel after
+  the first, so by name all copies take the first one's class (the jax trace has no such
+  limit). Operations without metadata (parameters, constants, some that XLA creates) take no
+  part; an instruction with none at all is other. The optimizer's update of the LayerNorm
+  parameters is adam's (other), as is the loss. Tracing adds a little to every launch, so idle
+  times compare between variants under the same collector, not with an untraced step.
+
+Per step (n traced steps, back to back):
+  kernel   the sum of kernel, memcpy and memset durations / n
+  busy     the union of their intervals / n (overlapping kernels counted once)
+  idle     (last end - first start - union) / n: time the GPU ran nothing inside the steps
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import tempfile
+from collections import defaultdict
+
+import jax
+
+from .models_linen import LN_SCOPE
+
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # torch's chrome-trace categories
+OURS = re.compile(r"lnbwd")  # our CUDA kernels live in C++ namespace lnbwd
+# Kernels of the matmul and attention libraries (cuBLAS, cuBLASLt's nvjet, CUTLASS, cuDNN), and
+# copies: named by their library, not after an instruction. They never do layernorm's work.
+LIBRARY = re.compile(r"gemm|nvjet|xmma|cutlass|cublas|cudnn|flash|^sm\d+_|memcpy|memset", re.IGNORECASE)
+
+
+def available(how: str) -> tuple[str | None, str]:
+    """(the collector to use or None, why) for --trace `how`."""
+    if how == "none":
+        return None, "--trace none"
+    on_gpu = jax.default_backend() == "gpu"
+    if how == "torch" and not on_gpu:
+        return None, "JAX runs on the CPU"
+    if how == "torch" or how == "auto" and on_gpu:
+        try:
+            import torch
+            if torch.cuda.is_available():
+                return "torch", "CUPTI through torch.profiler"
+            why = "torch sees no CUDA GPU"
+        except Exception as e:
+            why = f"torch does not import ({type(e).__name__})"
+        if how == "torch":
+            return None, why
+        return "jax", f"jax.profiler (not torch: {why})"
+    return "jax", "jax.profiler" + ("" if on_gpu else " (CPU thunks, not GPU kernels)")
+
+
+def collect(fn, how: str) -> list[tuple[str, str | None, float, float]]:
+    """Runs fn() under the collector; returns its GPU activities (name, hlo_op, start_ns, dur_ns)."""
+    return _collect_torch(fn) if how == "torch" else _collect_jax(fn)
+
+
+def _collect_torch(fn):
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.init()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as fh:
+            events = json.load(fh)["traceEvents"]
+    return [(e["name"], None, float(e["ts"]) * 1e3, float(e["dur"]) * 1e3) for e in events
+            if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES]
+
+
+def _collect_jax(fn):
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        try:
+            fn()
+        finally:
+            jax.profiler.stop_trace()
+        files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+        if not files:
+            return []
+        data = jax.profiler.ProfileData.from_file(files[0])
+    planes = [p for p in data.planes if p.name.startswith("/device:GPU:")]
+    if planes:
+        plane = sorted(planes, key=lambda p: p.name)[0]
+        lines = [ln for ln in plane.lines if ln.name.startswith("Stream")] or list(plane.lines)
+        return [(e.name, dict(e.stats).get("hlo_op"), e.start_ns, e.duration_ns)
+                for ln in lines for e in ln.events]
+    out = []  # CPU: XLA's thunks, the events that carry an hlo_op
+    for plane in data.planes:
+        if plane.name.startswith("/host:CPU"):
+            for ln in plane.lines:
+                for e in ln.events:
+                    op = dict(e.stats).get("hlo_op")
+                    if op:
+                        out.append((e.name, op, e.start_ns, e.duration_ns))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The compiled step's instructions, classified
+
+
+_COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s")
+# Only calls= (a fusion's body, a wrapped or async op's): to_apply= bodies (a reduction's add)
+# are shared between instructions by XLA, with the metadata of one of them.
+_CALLS = re.compile(r"\bcalls=(\{[^}]*\}|%?[\w.\-]+)")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def sanitize(name: str) -> str:
+    """An HLO instruction name as XLA names its kernel: "loop_add_fusion.3" -> "loop_add_fusion_3"."""
+    return re.sub(r"[^A-Za-z0-9_]", "_", name)
+
+
+def classify_hlo(hlo_text: str) -> dict[str, str]:
+    """{sanitized instruction name: "ln" | "mixed" | "other"} for every instruction of the module."""
+    comps: dict[str, list] = defaultdict(list)  # computation -> [(instruction, op_name, calls)]
+    current = None
+    for line in hlo_text.splitlines():
+        m = _INSTRUCTION.match(line)
+        if m and current is not None:
+            op = _OP_NAME.search(line)
+            calls = [c for group in _CALLS.findall(line) for c in re.findall(r"%?([\w.\-]+)", group)]
+            comps[current].append((m.group(1), op.group(1) if op else None, calls))
+        elif (c := _COMPUTATION.match(line)) and " = " not in line:
+            current = c.group(1)
+    memo: dict[str, list] = {}
+
+    def op_names(comp: str) -> list:  # every op_name inside a computation, recursively
+        if comp not in memo:
+            memo[comp] = []
+            memo[comp] = [o for _, op, calls in comps.get(comp, ()) for o in
+                          ([op] if op else []) + [x for c in calls for x in op_names(c)]]
+        return memo[comp]
+
+    out = {}
+    for instrs in comps.values():
+        for name, op, calls in instrs:
+            ops = ([op] if op else []) + [x for c in calls for x in op_names(c)]
+            inside = [LN_SCOPE in o for o in ops]
+            out[sanitize(name)] = ("ln" if inside and all(inside) else "mixed" if any(inside) else "other")
+    return out
+
+
+def attribute(name: str, hlo_op: str | None, classes: dict[str, str]) -> str:
+    """The class of one traced activity: ln, mixed, other or unmapped (see the module doc)."""
+    if hlo_op and sanitize(hlo_op) in classes:
+        return classes[sanitize(hlo_op)]
+    if OURS.search(name):
+        return "ln"
+    key = sanitize(name)
+    for candidate in (key, re.sub(r"_\d+$", "", key)):  # a fusion's second kernel: name_1
+        if candidate in classes:
+            return classes[candidate]
+    return "other" if LIBRARY.search(name) else "unmapped"
+
+
+def summarize(events, classes: dict[str, str], steps: int) -> dict:
+    """Per-step times in ms (see the module doc) from one trace of `steps` back-to-back steps."""
+    if not events:
+        return {}
+    per = defaultdict(float)
+    count = defaultdict(int)
+    for name, op, start, dur in events:
+        cls = attribute(name, op, classes)
+        per[cls] += dur
+        count[cls] += 1
+    spans = sorted((start, start + dur) for _, _, start, dur in events)
+    union, end = 0.0, spans[0][0]
+    for a, b in spans:  # the union of the intervals, merged in start order
+        if b > end:
+            union += b - max(a, end)
+            end = b
+    span = max(b for _, b in spans) - spans[0][0]
+    ms = 1e-6 / steps
+    return {"steps": steps, "kernels": len(events) / steps, "kernel_ms": sum(per.values()) * ms,
+            "busy_ms": union * ms, "idle_ms": (span - union) * ms,
+            **{f"{c}_ms": per[c] * ms for c in ("ln", "mixed", "other", "unmapped")},
+            "ln_kernels": count["ln"] / steps, "mixed_kernels": count["mixed"] / steps}

@@ -1,0 +1,75 @@
+"""The LayerNorm variants the benchmark compares, and the hook for more.
+
+A variant gives each model its "add & norm": a module called as ``norm(x, residual)`` that
+returns ``(LayerNorm(x + residual), x + residual)``, or ``(LayerNorm(x), x)`` when residual is
+None. Every LayerNorm of the models goes through it (pre-LN: the residual stream's add and the
+next LayerNorm; post-LN: the add and the LayerNorm after it), so a variant that fuses the add
+into the kernel (``jax_lnbwd.add_layernorm``) plugs in without touching the models:
+
+    from benchmarks.e2e.variants import Variant, register
+    register(Variant("fused", linen=MyLinenAddNorm, nnx=MyNnxAddNorm))
+
+where ``MyLinenAddNorm(dtype=..., epsilon=...)`` is a linen module and ``MyNnxAddNorm(features,
+dtype=..., epsilon=..., rngs=...)`` an nnx one, each with the call above. Run it with
+``--variants flax,jax_lnbwd,fused``; a module outside this folder can be loaded first with
+``--variant-module my.module`` (it calls register() when imported). The first variant listed
+is the baseline that the others' step-time ratios are taken against.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import flax.linen as nn
+from flax import nnx
+
+import jax_lnbwd.flax
+import jax_lnbwd.flax.nnx
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    linen: Callable[..., nn.Module]   # (dtype=, epsilon=) -> module: (x, residual) -> (y, x + residual)
+    nnx: Callable[..., nnx.Module]    # (features, dtype=, epsilon=, rngs=) -> the same
+
+
+def linen_add_norm(norm_cls: type) -> type:
+    """An add & norm linen module around a LayerNorm class with flax.linen.LayerNorm's API."""
+    class AddNorm(nn.Module):
+        dtype: Any
+        epsilon: float
+
+        @nn.compact
+        def __call__(self, x, residual=None):
+            s = x if residual is None else x + residual
+            return norm_cls(dtype=self.dtype, epsilon=self.epsilon, name="norm")(s), s
+    AddNorm.__name__ = AddNorm.__qualname__ = f"AddNorm_{norm_cls.__module__.split('.')[0]}"
+    return AddNorm
+
+
+def nnx_add_norm(norm_cls: type) -> type:
+    """An add & norm nnx module around a LayerNorm class with flax.nnx.LayerNorm's API."""
+    class AddNorm(nnx.Module):
+        def __init__(self, features: int, *, dtype, epsilon: float, rngs: nnx.Rngs):
+            self.norm = norm_cls(features, dtype=dtype, epsilon=epsilon, rngs=rngs)
+
+        def __call__(self, x, residual=None):
+            s = x if residual is None else x + residual
+            return self.norm(s), s
+    AddNorm.__name__ = AddNorm.__qualname__ = f"AddNorm_{norm_cls.__module__.split('.')[0]}"
+    return AddNorm
+
+
+VARIANTS: dict[str, Variant] = {}
+
+
+def register(variant: Variant) -> Variant:
+    """Adds a variant (replacing one of the same name) and returns it."""
+    VARIANTS[variant.name] = variant
+    return variant
+
+
+register(Variant("flax", linen=linen_add_norm(nn.LayerNorm), nnx=nnx_add_norm(nnx.LayerNorm)))
+register(Variant("jax_lnbwd", linen=linen_add_norm(jax_lnbwd.flax.LayerNorm),
+                 nnx=nnx_add_norm(jax_lnbwd.flax.nnx.LayerNorm)))

@@ -1,0 +1,98 @@
+"""The torch and Liger peers of the kernel bench: CUDA only, imported lazily, timed like the
+JAX entries (the same k-step chain, captured in a CUDA graph, between two CUDA events)."""
+from __future__ import annotations
+
+import statistics
+
+import jax.numpy as jnp
+import numpy as np
+
+from .timing import EPS, calls_per_run
+
+
+def torch_step(impl: str, x, w, b, dy):
+    """(step, dy0) for a torch-side peer; step(dy) -> (dx, dweight, dbias) on CUDA tensors.
+
+    Each peer gets mean/rstd from its own forward, in the shape and dtype it expects (for
+    torch: (rows, 1) float32, float64 for float64), from the same x, w, b and eps.
+    """
+    import torch
+
+    def to_torch(a):  # via float32/64 numpy: exact for every dtype here, and needs no DLPack
+        acc = np.float64 if a.dtype == jnp.float64 else np.float32
+        return torch.from_numpy(np.array(a.astype(acc))).to("cuda").to(getattr(torch, str(a.dtype)))
+
+    tx, tw, tb, tdy = (to_torch(a) for a in (x, w, b, dy))
+    C = tx.shape[-1]
+    if impl == "torch":
+        _, mean, rstd = torch.ops.aten.native_layer_norm(tx, [C], tw, tb, EPS)
+        def step(d):
+            return torch.ops.aten.native_layer_norm_backward(d, tx, [C], mean, rstd, tw, tb,
+                                                             [True, True, True])
+    else:
+        from liger_kernel.ops.layer_norm import layer_norm_backward, layer_norm_forward
+        fwd = layer_norm_forward(tx, tw, tb, EPS)
+        mean, rstd = fwd[2], fwd[3]
+        def step(d):
+            return tuple(layer_norm_backward(d, tx, tw, tb, mean, rstd))[:3]
+    return step, tdy
+
+
+def time_torch(step, d0, k: int, reps: int, min_run_s: float) -> tuple[float, bool]:
+    """(median seconds per step, whether a CUDA graph was used): the JAX method with events."""
+    import torch
+
+    def chain():
+        d = d0
+        for _ in range(k):
+            d = step(d)[0]
+        return d
+
+    chain()  # warm-up (Triton compiles here)
+    replay, graphed = chain, False
+    try:  # a CUDA graph of the chain: like XLA's, free of per-launch host cost
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            chain()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: only this thread's capture-unsafe CUDA calls are refused. With torch's
+        # default (global), a call from one of JAX's threads during the capture failed, and
+        # left JAX's stream in an error state for the rest of the run.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            chain()
+        replay, graphed = graph.replay, True
+    except Exception:
+        torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def run(n: int) -> float:
+        start.record()
+        for _ in range(n):
+            replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    run(1)
+    n = calls_per_run(run, min_run_s)
+    return statistics.median(run(n) / (n * k) for _ in range(reps)), graphed
+
+
+def available_peers(on_gpu: bool) -> dict[str, str | None]:
+    """{peer: None if usable, else why not}."""
+    why = {"xla": None, "autodiff": None, "copy": None}
+    if not on_gpu:
+        return {**why, "torch": "JAX runs on the CPU here", "liger": "JAX runs on the CPU here"}
+    try:
+        import torch
+        why["torch"] = None if torch.cuda.is_available() else "torch sees no CUDA GPU"
+    except Exception as e:
+        why["torch"] = f"torch does not import ({type(e).__name__})"
+    try:
+        import liger_kernel.ops.layer_norm  # noqa: F401
+        why["liger"] = why["torch"]
+    except Exception as e:
+        why["liger"] = f"liger_kernel does not import ({type(e).__name__})"
+    return why

@@ -1,0 +1,108 @@
+// The fused forward's launcher: picks where a row lives (registers, shared memory or global
+// memory) and the register path's row group from C, the dtype and the device's limits, then
+// launches forward_rows.cu's or forward_wide.cu's kernel.
+#include <algorithm>
+#include <climits>
+
+#include "forward/forward_launch.cuh"
+
+namespace lnbwd {
+namespace {
+
+int item_bytes(Dtype d) { return d == Dtype::kF64 ? 8 : d == Dtype::kF32 ? 4 : 2; }
+int acc_bytes(Dtype d) { return d == Dtype::kF64 ? 8 : 4; }
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+cudaError_t device_attribute(cudaDeviceAttr attr, int* out) {
+  int dev = 0;
+  LNBWD_FWD_RETURN_IF_ERROR(cudaGetDevice(&dev));
+  return cudaDeviceGetAttribute(out, attr, dev);
+}
+
+// 16-byte accesses need every row (of x, y and the parameters) to start on a 16-byte boundary:
+// C * sizeof(T) % 16 == 0 and 16-byte aligned base pointers. An fp32 parameter row next to
+// 16-bit x is then aligned too (C * 4 is a multiple of 32).
+bool can_vectorize(const LayernormFwdParams& p) {
+  const int vec = 16 / item_bytes(p.dtype);
+  return p.C % vec == 0 && aligned16(p.x) && aligned16(p.y) && (p.weight == nullptr || aligned16(p.weight)) &&
+         (p.bias == nullptr || aligned16(p.bias));
+}
+
+// The register path's row group: the fewest threads per row (a power of two from 32 to
+// kFwdMaxRowThreads) whose threads hold the row in at most kFwdMaxNv vectors each. Fewer threads
+// per row means fewer warps to sum over (a warp alone needs no barrier) and more independent
+// rows per SM; kFwdMaxNv vectors per thread are enough bytes in flight per thread. Scalar
+// access (vec == 1) compiles only power-of-two NV.
+bool pick_registers(int64_t nvec, int vec, int only_tpr, LayernormFwdConfig* cfg) {
+  for (int tpr = 32; tpr <= kFwdMaxRowThreads; tpr *= 2) {
+    if (only_tpr != 0 && tpr != only_tpr) continue;
+    int nv = static_cast<int>(ceil_div<int64_t>(nvec, tpr));
+    if (vec == 1) {
+      int pow2 = 1;
+      while (pow2 < nv) pow2 *= 2;
+      nv = pow2;
+    }
+    if (nv > kFwdMaxNv) continue;
+    cfg->path = FwdPath::kRegisters;
+    cfg->nv = nv;
+    cfg->tpr = tpr;
+    cfg->rows_per_block = std::max(1, kFwdBlockThreads / tpr);
+    cfg->threads = tpr * cfg->rows_per_block;
+    cfg->smem_bytes = 0;
+    return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+cudaError_t fwd_grid(int64_t units, unsigned int* blocks) {
+  int max_grid = 0;
+  LNBWD_FWD_RETURN_IF_ERROR(device_attribute(cudaDevAttrMaxGridDimX, &max_grid));
+  *blocks = static_cast<unsigned int>(std::max<int64_t>(1, std::min<int64_t>(units, max_grid)));
+  return cudaSuccess;
+}
+
+cudaError_t layernorm_fwd_pick(const LayernormFwdParams& p, LayernormFwdConfig* cfg) {
+  if (p.C < 1 || p.C > INT32_MAX || p.rows < 0) return cudaErrorInvalidValue;
+  *cfg = LayernormFwdConfig{};
+  cfg->vec = can_vectorize(p) ? 16 / item_bytes(p.dtype) : 1;
+  const int64_t nvec = ceil_div<int64_t>(p.C, cfg->vec);
+
+  if (p.path == FwdPath::kAuto || p.path == FwdPath::kRegisters) {
+    if (pick_registers(nvec, cfg->vec, p.tpr, cfg)) return cudaSuccess;
+    if (p.path == FwdPath::kRegisters || p.tpr != 0) return cudaErrorInvalidValue;
+  }
+  cfg->threads = kFwdWideThreads;
+  cfg->rows_per_block = 1;
+  if (p.path == FwdPath::kAuto || p.path == FwdPath::kSharedMemory) {
+    // The row, plus the kernel's static sums (2 x 32 accumulators), within the opt-in limit.
+    int max_smem = 0;
+    LNBWD_FWD_RETURN_IF_ERROR(device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, &max_smem));
+    const size_t row_bytes = static_cast<size_t>(p.C) * item_bytes(p.dtype);
+    if (row_bytes + 2 * 32 * static_cast<size_t>(acc_bytes(p.dtype)) <= static_cast<size_t>(max_smem)) {
+      cfg->path = FwdPath::kSharedMemory;
+      cfg->smem_bytes = row_bytes;
+      return cudaSuccess;
+    }
+    if (p.path == FwdPath::kSharedMemory) return cudaErrorInvalidValue;
+  }
+  cfg->path = FwdPath::kGlobal;
+  cfg->smem_bytes = 0;
+  return cudaSuccess;
+}
+
+cudaError_t layernorm_fwd(const LayernormFwdParams& p, cudaStream_t stream) {
+  if (p.rows == 0) return cudaSuccess;   // nothing to read or write
+  if (p.x == nullptr || p.y == nullptr || p.mean == nullptr || p.rstd == nullptr) return cudaErrorInvalidValue;
+  for (int64_t prows : {p.weight_rows, p.bias_rows}) {
+    if (prows < 0 || (prows > 0 && p.rows % prows != 0)) return cudaErrorInvalidValue;
+  }
+  if ((p.weight != nullptr && p.weight_rows < 1) || (p.bias != nullptr && p.bias_rows < 1)) return cudaErrorInvalidValue;
+  LayernormFwdConfig cfg;
+  LNBWD_FWD_RETURN_IF_ERROR(layernorm_fwd_pick(p, &cfg));
+  return cfg.path == FwdPath::kRegisters ? layernorm_fwd_rows(p, cfg, stream) : layernorm_fwd_wide(p, cfg, stream);
+}
+
+}  // namespace lnbwd

@@ -1,0 +1,69 @@
+// Host-side helpers shared by the forward's launchers (forward_rows.cu, forward_wide.cu): the
+// (x dtype, parameter dtype) dispatch, the typed kernel arguments, and the launch entry points
+// that forward_launch.cu's layernorm_fwd chooses between.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "forward/forward.h"
+#include "forward/forward_math.cuh"
+
+namespace lnbwd {
+
+#define LNBWD_FWD_RETURN_IF_ERROR(expr)               \
+  do {                                                \
+    cudaError_t lnbwd_fwd_err_ = (expr);              \
+    if (lnbwd_fwd_err_ != cudaSuccess) return lnbwd_fwd_err_; \
+  } while (0)
+
+// Calls f(T{}, P{}) with x's C++ type T and the parameters' P: (float, float), (double, double),
+// (bf16, bf16), (bf16, float), (half, half), (half, float). Any other pair is an error, never a
+// default. Without parameters, P = T (param_dtype is not read).
+template <typename F>
+cudaError_t dispatch_fwd_types(const LayernormFwdParams& p, F&& f) {
+  const bool params = p.weight != nullptr || p.bias != nullptr;
+  const bool f32_params = params && p.param_dtype == Dtype::kF32;
+  if (params && p.param_dtype != p.dtype && !f32_params) return cudaErrorInvalidValue;
+  switch (p.dtype) {
+    case Dtype::kF32: return f(float{}, float{});
+    case Dtype::kF64: return f(double{}, double{});
+    case Dtype::kBF16: return f32_params ? f(__nv_bfloat16{}, float{}) : f(__nv_bfloat16{}, __nv_bfloat16{});
+    case Dtype::kF16: return f32_params ? f(__half{}, float{}) : f(__half{}, __half{});
+  }
+  return cudaErrorInvalidValue;
+}
+
+template <typename T, typename P>
+FwdArgs<T, P> fwd_args(const LayernormFwdParams& p) {
+  FwdArgs<T, P> a;
+  a.y = static_cast<T*>(p.y);
+  a.mean = static_cast<stat_t<T>*>(p.mean);
+  a.rstd = static_cast<stat_t<T>*>(p.rstd);
+  a.x = static_cast<const T*>(p.x);
+  a.weight = static_cast<const P*>(p.weight);
+  a.bias = static_cast<const P*>(p.bias);
+  a.rows = p.rows;
+  a.C = static_cast<int>(p.C);
+  a.weight_div = p.rows / (p.weight_rows > 0 ? p.weight_rows : 1);
+  a.bias_div = p.rows / (p.bias_rows > 0 ? p.bias_rows : 1);
+  a.eps = static_cast<acc_t<T>>(p.eps);
+  return a;
+}
+
+// Blocks for `units` units of work (rows, or row groups), capped at the device's grid limit:
+// the kernels loop over what is left (grid-stride), so any row count runs.
+cudaError_t fwd_grid(int64_t units, unsigned int* blocks);
+
+// The two kernels' launchers, for a configuration from layernorm_fwd_pick.
+cudaError_t layernorm_fwd_rows(const LayernormFwdParams& p, const LayernormFwdConfig& cfg, cudaStream_t stream);
+cudaError_t layernorm_fwd_wide(const LayernormFwdParams& p, const LayernormFwdConfig& cfg, cudaStream_t stream);
+
+// Limits of the register path, written once (forward_launch.cu's pick reads them, the kernels'
+// __launch_bounds__ and variant lists are built from them).
+constexpr int kFwdMaxNv = 8;              // vectors of 16 bytes per thread: 32 registers of row data
+constexpr int kFwdMaxRowThreads = 512;    // threads per row: __launch_bounds__(512) allows 128 registers
+constexpr int kFwdBlockThreads = 128;     // a block holds 128 / tpr row groups (at least one)
+constexpr int kFwdWideThreads = 1024;     // the wide path's block: one row at a time
+
+}  // namespace lnbwd

@@ -1,0 +1,126 @@
+// Device helpers of the fused forward shared by its two kernels (forward_rows.cu: a row per warp
+// or row group, in registers; forward_wide.cu: a row per block, in shared or global memory):
+// the kernels' arguments, the parameter loads, the output of one vector, and the sum over the
+// warps that share a row.
+#pragma once
+
+#include "common/row_reduce.cuh"
+#include "common/vec.cuh"
+#include "forward/forward.h"
+
+namespace lnbwd {
+
+// The kernels' arguments, typed. P is the parameters' storage type: T, or float for 16-bit T.
+template <typename T, typename P>
+struct FwdArgs {
+  T* y;
+  stat_t<T>* mean;
+  stat_t<T>* rstd;
+  const T* x;
+  const P* weight;      // nullptr: scale 1
+  const P* bias;        // nullptr: shift 0
+  int64_t rows;
+  int C;
+  int64_t weight_div;   // rows per weight row: row r uses weight row r / weight_div
+  int64_t bias_div;
+  acc_t<T> eps;
+};
+
+// The parameter row of `row`, or nullptr when the parameter is absent.
+template <typename P>
+__device__ __forceinline__ const P* param_row(const P* p, int64_t row, int64_t div, int C) {
+  return p == nullptr ? nullptr : p + (row / div) * C;
+}
+
+// VEC parameters starting at p, widened to the accumulator type A. Loaded in 16-byte pieces (an
+// fp32 weight next to 8 bf16 elements is 32 bytes: two loads), through the ordinary cached path:
+// every row reads the same C parameters, so after the first rows they come from L1.
+template <typename A, typename P, int VEC>
+__device__ __forceinline__ Packed<A, VEC> load_params(const P* p) {
+  constexpr int kPiece = (16 / static_cast<int>(sizeof(P))) < VEC ? 16 / static_cast<int>(sizeof(P)) : VEC;
+  static_assert(VEC % kPiece == 0, "a vector is a whole number of 16-byte pieces");
+  Packed<A, VEC> out;
+#pragma unroll
+  for (int c = 0; c < VEC / kPiece; ++c) {
+    const Packed<P, kPiece> v = load(reinterpret_cast<const Packed<P, kPiece>*>(p + c * kPiece));
+#pragma unroll
+    for (int k = 0; k < kPiece; ++k) out[c * kPiece + k] = static_cast<A>(to_acc(v[k]));
+  }
+  return out;
+}
+
+// Sum of a vector's elements, in order.
+template <typename A, int N>
+__device__ __forceinline__ A sum_of(const Packed<A, N>& v) {
+  A s = A(0);
+#pragma unroll
+  for (int k = 0; k < N; ++k) s += v[k];
+  return s;
+}
+
+// Sum of squared deviations (x_k - mean)^2 of a vector: pass 2's share of the variance.
+template <typename A, int N>
+__device__ __forceinline__ A squares_about(const Packed<A, N>& v, A mean) {
+  A s = A(0);
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    const A d = v[k] - mean;
+    s += d * d;
+  }
+  return s;
+}
+
+// y for one vector at column `col`: ((x - mean) * rstd) * w + b in the accumulator type, rounded
+// once to T. w and b are the parameter rows, or nullptr (absent): a uniform branch, the same
+// for every thread of the launch.
+template <typename T, typename P, int VEC>
+__device__ __forceinline__ Packed<T, VEC> normalize(const Packed<T, VEC>& xv, acc_t<T> mean, acc_t<T> rstd,
+                                                    const P* w, const P* b, int col) {
+  using A = acc_t<T>;
+  const Packed<A, VEC> xf = to_acc(xv);
+  Packed<A, VEC> out;
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) out[k] = (xf[k] - mean) * rstd;
+  if (w != nullptr) {
+    const Packed<A, VEC> wf = load_params<A, P, VEC>(w + col);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) out[k] *= wf[k];
+  }
+  if (b != nullptr) {
+    const Packed<A, VEC> bf = load_params<A, P, VEC>(b + col);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) out[k] += bf[k];
+  }
+  Packed<T, VEC> y;
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) y[k] = from_acc<T>(out[k]);
+  return y;
+}
+
+// The sum of v over the `warps` warps that share a row: shuffles within each warp (warp_sum),
+// then lane 0 of each warp posts its sum to ex[warp], `sync()` (a barrier of exactly those
+// warps) makes the posts visible, and every thread adds them in warp order. The order is fixed,
+// so every thread gets the same bits, run after run.
+//
+// Why `ex` may be overwritten: a row takes two sums (mean, then variance), and callers give the
+// two sums two different buffers. A thread posts into a buffer only after passing the barrier
+// of the sum before, which every thread reaches only after reading that buffer's last use.
+template <typename A, typename Sync>
+__device__ __forceinline__ A row_sum(A v, A* ex, int warps, int warp, int lane, Sync&& sync) {
+  v = warp_sum(v);
+  if (warps == 1) return v;
+  if (lane == 0) ex[warp] = v;
+  sync();
+  v = A(0);
+  for (int w = 0; w < warps; ++w) v += ex[w];
+  return v;
+}
+
+// rstd from the sum of squared deviations: 1 / sqrt(var + eps), IEEE sqrt and division (not
+// rsqrt's approximation: one per row, and the C++ reference computes the same).
+template <typename A>
+__device__ __forceinline__ A rstd_of(A squares, int C, A eps) {
+  return A(1) / sqrt(squares / A(C) + eps);
+}
+
+}  // namespace lnbwd

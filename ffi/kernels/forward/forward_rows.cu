@@ -1,0 +1,144 @@
+// The fused forward's main path: each row is read from DRAM once into registers, where it stays
+// for the three passes (mean, variance, output); y is written once.
+//
+// Work split. A block holds `groups` row groups of `tpr` threads, tpr a multiple of 32: small
+// rows get a warp each (the row's sums are warp shuffles only, no barrier), wide rows a few
+// warps (the warps' sums meet in shared memory, behind the group's own named barrier). Thread t
+// of a group holds NV vectors of VEC elements, at columns
+//   col(j) = (j * tpr + t) * VEC,  j = 0..NV-1,
+// so for every j the group's loads are one contiguous, coalesced span of the row. tpr and NV
+// are chosen by layernorm_fwd_pick (forward_launch.cu): the fewest threads per row that hold
+// it with at most kFwdMaxNv vectors each. Blocks are small (128 threads, or one larger group)
+// so that the SM's register file fills evenly: at 88 registers per thread (16-bit rows of 7-8
+// vectors per thread) 23 warps fit; 256-thread blocks would run 16 of them (two blocks),
+// 128-thread blocks 20. The registers are what holds the bytes in flight.
+//
+// Bytes in flight. A memory-bound kernel is as fast as the loads it keeps outstanding: each
+// thread issues all NV of its 16-byte loads before it uses any, and a row's reductions (two
+// shuffle trees, two barriers for multi-warp groups) overlap with the other groups' loads on
+// the same SM. There is no grid-wide wait: blocks are independent, and grid-stride over rows
+// only when there are more row groups than the grid may have blocks.
+//
+// Per row, in the accumulator type A (fp32; fp64 for fp64):
+//   pass 1: mean = (1/C) sum x_i                  (registers, then the group's sum)
+//   pass 2: var  = (1/C) sum (x_i - mean)^2       (the same registers: centered, exact two-pass)
+//   pass 3: y_i  = ((x_i - mean) rstd) w_i + b_i, rstd = 1/sqrt(var + eps), stored as T.
+#include <algorithm>
+
+#include "forward/forward_launch.cuh"
+
+namespace lnbwd {
+namespace {
+
+template <typename T, typename P, int VEC, int NV>
+__global__ void __launch_bounds__(kFwdMaxRowThreads)
+forward_rows(FwdArgs<T, P> a, int tpr, int groups) {
+  using A = acc_t<T>;
+  using V = Packed<T, VEC>;
+  const int g = threadIdx.x / tpr;
+  const int t = threadIdx.x % tpr;
+  const int lane = threadIdx.x % 32;
+  const int warps = tpr / 32;
+  const int warp = t / 32;
+  const int C = a.C;
+  // The warps' partial sums: two buffers per group (mean's and variance's, see row_sum), each of
+  // `warps` slots. Unused for tpr = 32.
+  __shared__ A exchange[2][kFwdMaxRowThreads / 32 > kFwdBlockThreads / 32 ? kFwdMaxRowThreads / 32
+                                                                          : kFwdBlockThreads / 32];
+  A* ex_mean = exchange[0] + g * warps;
+  A* ex_var = exchange[1] + g * warps;
+  // The group's barrier: named barrier 1 + g of exactly its tpr threads (the other groups go on).
+  auto sync = [&] { group_sync(1 + g, tpr); };
+
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * groups + g; row < a.rows;
+       row += static_cast<int64_t>(gridDim.x) * groups) {
+    const T* x = a.x + row * C;
+    // Streaming loads (evict first): this kernel reads each element once.
+    V xv[NV];
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int col = (j * tpr + t) * VEC;
+      if (col < C) xv[j] = load_cs(reinterpret_cast<const V*>(x + col));
+    }
+
+    // Pass 1: the mean.
+    A s = A(0);
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      if ((j * tpr + t) * VEC < C) s += sum_of(to_acc(xv[j]));
+    }
+    const A mean = row_sum(s, ex_mean, warps, warp, lane, sync) / A(C);
+
+    // Pass 2: the variance about that mean, from the same registers.
+    A q = A(0);
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      if ((j * tpr + t) * VEC < C) q += squares_about(to_acc(xv[j]), mean);
+    }
+    const A rstd = rstd_of(row_sum(q, ex_var, warps, warp, lane, sync), C, a.eps);
+
+    // Pass 3: y, one 16-byte store per vector.
+    const P* w = param_row(a.weight, row, a.weight_div, C);
+    const P* b = param_row(a.bias, row, a.bias_div, C);
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int col = (j * tpr + t) * VEC;
+      if (col < C) {
+        const V y = normalize<T, P, VEC>(xv[j], mean, rstd, w, b, col);
+        *reinterpret_cast<V*>(a.y + row * C + col) = y;
+      }
+    }
+    if (t == 0) {
+      a.mean[row] = mean;
+      a.rstd[row] = rstd;
+    }
+  }
+}
+
+template <typename T, typename P, int VEC, int NV>
+cudaError_t launch(const FwdArgs<T, P>& a, const LayernormFwdConfig& cfg, cudaStream_t stream) {
+  unsigned int blocks = 0;
+  LNBWD_FWD_RETURN_IF_ERROR(fwd_grid(ceil_div<int64_t>(a.rows, cfg.rows_per_block), &blocks));
+  forward_rows<T, P, VEC, NV><<<blocks, cfg.threads, 0, stream>>>(a, cfg.tpr, cfg.rows_per_block);
+  return cudaGetLastError();
+}
+
+// The NV variants compiled: every NV up to kFwdMaxNv for 16-byte vectors (the pick uses the
+// smallest NV that holds the row, so no thread holds dead registers), and powers of two for
+// one element per access (unaligned rows, kept to fewer variants).
+template <typename T, typename P, int VEC>
+cudaError_t launch_nv(const FwdArgs<T, P>& a, const LayernormFwdConfig& cfg, cudaStream_t stream) {
+  static_assert(kFwdMaxNv == 8, "the variant list below covers NV = 1..8");
+  switch (cfg.nv) {
+    case 1: return launch<T, P, VEC, 1>(a, cfg, stream);
+    case 2: return launch<T, P, VEC, 2>(a, cfg, stream);
+    case 4: return launch<T, P, VEC, 4>(a, cfg, stream);
+    case 8: return launch<T, P, VEC, 8>(a, cfg, stream);
+  }
+  if constexpr (VEC > 1) {
+    switch (cfg.nv) {
+      case 3: return launch<T, P, VEC, 3>(a, cfg, stream);
+      case 5: return launch<T, P, VEC, 5>(a, cfg, stream);
+      case 6: return launch<T, P, VEC, 6>(a, cfg, stream);
+      case 7: return launch<T, P, VEC, 7>(a, cfg, stream);
+    }
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+cudaError_t layernorm_fwd_rows(const LayernormFwdParams& p, const LayernormFwdConfig& cfg, cudaStream_t stream) {
+  if (cfg.path != FwdPath::kRegisters) return cudaErrorInvalidValue;
+  return dispatch_fwd_types(p, [&](auto t, auto pt) -> cudaError_t {
+    using T = decltype(t);
+    using P = decltype(pt);
+    constexpr int kVec = 16 / sizeof(T);
+    const FwdArgs<T, P> a = fwd_args<T, P>(p);
+    if (cfg.vec == kVec) return launch_nv<T, P, kVec>(a, cfg, stream);
+    if (cfg.vec == 1) return launch_nv<T, P, 1>(a, cfg, stream);
+    return cudaErrorInvalidValue;
+  });
+}
+
+}  // namespace lnbwd

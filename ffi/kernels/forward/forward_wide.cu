@@ -1,0 +1,105 @@
+// The fused forward's path for rows too wide for the register path (more than kFwdMaxNv
+// vectors for each of kFwdMaxRowThreads threads: bf16 rows beyond 32768 elements, fp32 beyond
+// 16384): a block of 1024 threads per row.
+//
+//   kSharedMemory: pass 1 reads the row from DRAM once, sums it, and keeps it in dynamic shared
+//                  memory (C * sizeof(T) bytes, up to the device's opt-in limit); passes 2 and
+//                  3 read it from there. Each thread reads back only the vectors it wrote
+//                  itself, so the row copy needs no barrier; only the two block sums do.
+//   kGlobal:       rows even wider than shared memory: passes 2 and 3 read the row again from
+//                  global memory. Pass 1 and 2 use cached loads, so the re-reads come mostly
+//                  from L2 (a row per block in flight is a few MB on the whole GPU), and pass
+//                  3 a streaming load, as nothing reads the row after it.
+// The math is the register path's (forward_rows.cu): mean, centered variance, then
+// y_i = ((x_i - mean) rstd) w_i + b_i, in fp32 (fp64 for fp64).
+#include <algorithm>
+
+#include "common/occupancy.h"
+#include "forward/forward_launch.cuh"
+
+namespace lnbwd {
+namespace {
+
+template <typename T, typename P, int VEC, bool IN_SMEM>
+__global__ void __launch_bounds__(kFwdWideThreads)
+forward_wide(FwdArgs<T, P> a) {
+  using A = acc_t<T>;
+  using V = Packed<T, VEC>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  V* held = reinterpret_cast<V*>(smem);              // the row, for IN_SMEM
+  __shared__ A exchange[2][kFwdWideThreads / 32];    // the warps' sums: mean's, variance's
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int warps = blockDim.x / 32;
+  const int C = a.C;
+  const int nvec = C / VEC;   // VEC divides C (VEC = 1 otherwise)
+  auto sync = [] { __syncthreads(); };
+
+  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    const V* x = reinterpret_cast<const V*>(a.x + row * C);
+
+    // Pass 1: the mean; the row goes to shared memory on the way.
+    A s = A(0);
+    for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
+      const V v = IN_SMEM ? load_cs(x + i) : load(x + i);
+      if (IN_SMEM) held[i] = v;
+      s += sum_of(to_acc(v));
+    }
+    const A mean = row_sum(s, exchange[0], warps, warp, lane, sync) / A(C);
+
+    // Pass 2: the centered variance.
+    A q = A(0);
+    for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
+      q += squares_about(to_acc(IN_SMEM ? held[i] : load(x + i)), mean);
+    }
+    const A rstd = rstd_of(row_sum(q, exchange[1], warps, warp, lane, sync), C, a.eps);
+
+    // Pass 3: y.
+    const P* w = param_row(a.weight, row, a.weight_div, C);
+    const P* b = param_row(a.bias, row, a.bias_div, C);
+    V* y = reinterpret_cast<V*>(a.y + row * C);
+    for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
+      const V v = IN_SMEM ? held[i] : load_cs(x + i);
+      y[i] = normalize<T, P, VEC>(v, mean, rstd, w, b, i * VEC);
+    }
+    if (threadIdx.x == 0) {
+      a.mean[row] = mean;
+      a.rstd[row] = rstd;
+    }
+  }
+}
+
+template <typename T, typename P, int VEC>
+cudaError_t launch(const FwdArgs<T, P>& a, const LayernormFwdConfig& cfg, cudaStream_t stream) {
+  unsigned int blocks = 0;
+  LNBWD_FWD_RETURN_IF_ERROR(fwd_grid(a.rows, &blocks));
+  if (cfg.path == FwdPath::kGlobal) {
+    forward_wide<T, P, VEC, false><<<blocks, cfg.threads, 0, stream>>>(a);
+    return cudaGetLastError();
+  }
+  // Opts the kernel in to the row's shared memory (remembered per device and kernel, so the
+  // driver is asked once) and checks that a block of it fits at all.
+  auto kernel = forward_wide<T, P, VEC, true>;
+  int fit = 0;
+  LNBWD_FWD_RETURN_IF_ERROR(resident_units(-1, reinterpret_cast<const void*>(kernel), cfg.threads, cfg.smem_bytes, 1, &fit));
+  if (fit < 1) return cudaErrorInvalidConfiguration;
+  kernel<<<blocks, cfg.threads, cfg.smem_bytes, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t layernorm_fwd_wide(const LayernormFwdParams& p, const LayernormFwdConfig& cfg, cudaStream_t stream) {
+  if (cfg.path != FwdPath::kSharedMemory && cfg.path != FwdPath::kGlobal) return cudaErrorInvalidValue;
+  return dispatch_fwd_types(p, [&](auto t, auto pt) -> cudaError_t {
+    using T = decltype(t);
+    using P = decltype(pt);
+    constexpr int kVec = 16 / sizeof(T);
+    const FwdArgs<T, P> a = fwd_args<T, P>(p);
+    if (cfg.vec == kVec) return launch<T, P, kVec>(a, cfg, stream);
+    if (cfg.vec == 1) return launch<T, P, 1>(a, cfg, stream);
+    return cudaErrorInvalidValue;
+  });
+}
+
+}  // namespace lnbwd

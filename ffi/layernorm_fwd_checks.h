@@ -1,0 +1,104 @@
+// Argument checks of the fused forward target (jax_lnbwd_layernorm_fwd_v1), shared by its CPU
+// and CUDA handlers. Python checks the same at trace time; these exist for direct
+// jax.ffi.ffi_call users and exported programs, so no kernel runs on buffers it does not expect.
+// Errors read e.g.  layernorm_fwd: 'y' has shape (4, 9) but expected (4, 8) for x of shape (4, 8)
+#pragma once
+
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "errors.h"
+
+namespace lnbwd {
+
+inline ffi::Error FwdArgError(const std::string& message) {
+  return ffi::Error::InvalidArgument("layernorm_fwd: " + message);
+}
+
+struct LayernormFwdShape {
+  int64_t rows;
+  int64_t C;
+  int64_t weight_rows;   // 0: no weight; 1: one row for all rows; S: one per segment of rows/S rows
+  int64_t bias_rows;
+  ffi::DataType param_dtype;   // the present parameters' dtype (x's when none is present)
+};
+
+inline bool Is16Bit(ffi::DataType t) { return t == ffi::DataType::BF16 || t == ffi::DataType::F16; }
+
+// weight or bias: (0, C) absent, (1, C) shared, or (S, C) with S dividing rows.
+inline ffi::Error CheckParam(const char* name, const ffi::AnyBuffer& p, const ffi::AnyBuffer& x, int64_t* prows) {
+  const auto dims = p.dimensions();
+  const int64_t rows = x.dimensions()[0], C = x.dimensions()[1];
+  if (dims.size() != 2 || dims[1] != C) {
+    return FwdArgError(std::string("'") + name + "' has shape " + ShapeStr(dims) + " but expected (0, " +
+                       std::to_string(C) + ") (absent), (1, " + std::to_string(C) + ") or (segments, " +
+                       std::to_string(C) + ") for x of shape " + ShapeStr(x.dimensions()));
+  }
+  if (dims[0] > 1 && rows % dims[0] != 0) {
+    return FwdArgError(std::string("'") + name + "' has shape " + ShapeStr(dims) + " but its " +
+                       std::to_string(dims[0]) + " rows must divide the " + std::to_string(rows) +
+                       " rows of x (one parameter row per equal segment of rows)");
+  }
+  const ffi::DataType t = x.element_type(), pt = p.element_type();
+  if (pt != t && !(pt == ffi::DataType::F32 && Is16Bit(t))) {
+    return FwdArgError(std::string("'") + name + "' has dtype " + DtypeName(pt) + " but expected " + DtypeName(t) +
+                       (Is16Bit(t) ? " or float32" : "") + " for x of dtype " + DtypeName(t));
+  }
+  *prows = dims[0];
+  return ffi::Error::Success();
+}
+
+inline ffi::Error CheckLayernormFwdArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& weight,
+                                        const ffi::AnyBuffer& bias, const ffi::AnyBuffer& y,
+                                        const ffi::AnyBuffer& mean, const ffi::AnyBuffer& rstd, double eps,
+                                        LayernormFwdShape* shape) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2) return FwdArgError("'x' has shape " + ShapeStr(xd) + " but expected (rows, C)");
+  const int64_t rows = xd[0], C = xd[1];
+  if (C < 1) return FwdArgError("'x' has shape " + ShapeStr(xd) + " but C (the last axis) must be at least 1");
+  if (C > INT32_MAX) return FwdArgError("'x' has shape " + ShapeStr(xd) + " but C must be below 2^31");
+  const ffi::DataType t = x.element_type();
+  if (t != ffi::DataType::F32 && t != ffi::DataType::BF16 && t != ffi::DataType::F16 && t != ffi::DataType::F64) {
+    return FwdArgError(std::string("'x' has dtype ") + DtypeName(t) + " but expected float32, bfloat16, float16 or float64");
+  }
+  if (!std::isfinite(eps) || eps <= 0.0) {
+    return FwdArgError("'eps' is " + std::to_string(eps) + " but expected a positive finite number");
+  }
+  if (auto e = CheckParam("weight", weight, x, &shape->weight_rows); e.failure()) return e;
+  if (auto e = CheckParam("bias", bias, x, &shape->bias_rows); e.failure()) return e;
+  if (shape->weight_rows > 0 && shape->bias_rows > 0 && weight.element_type() != bias.element_type()) {
+    return FwdArgError(std::string("'weight' has dtype ") + DtypeName(weight.element_type()) + " but 'bias' has " +
+                       DtypeName(bias.element_type()) + "; pass both in one dtype");
+  }
+  shape->param_dtype = shape->weight_rows > 0 ? weight.element_type() : shape->bias_rows > 0 ? bias.element_type() : t;
+
+  const ffi::DataType stat = t == ffi::DataType::F64 ? ffi::DataType::F64 : ffi::DataType::F32;
+  struct Expect {
+    const char* name;
+    const ffi::AnyBuffer& buf;
+    size_t rank;
+    ffi::DataType dtype;
+  };
+  const Expect expects[] = {{"y", y, 2, t}, {"mean", mean, 1, stat}, {"rstd", rstd, 1, stat}};
+  for (const Expect& e : expects) {
+    const auto d = e.buf.dimensions();
+    const bool ok = d.size() == e.rank && d[0] == rows && (e.rank == 1 || d[1] == C);
+    if (!ok) {
+      const std::string want = e.rank == 1 ? "(" + std::to_string(rows) + ",)"
+                                           : "(" + std::to_string(rows) + ", " + std::to_string(C) + ")";
+      return FwdArgError(std::string("'") + e.name + "' has shape " + ShapeStr(d) + " but expected " + want +
+                         " for x of shape " + ShapeStr(xd));
+    }
+    if (e.buf.element_type() != e.dtype) {
+      return FwdArgError(std::string("'") + e.name + "' has dtype " + DtypeName(e.buf.element_type()) +
+                         " but expected " + DtypeName(e.dtype) + " for x of dtype " + DtypeName(t));
+    }
+  }
+  shape->rows = rows;
+  shape->C = C;
+  return ffi::Error::Success();
+}
+
+}  // namespace lnbwd

@@ -1,0 +1,67 @@
+// CUDA handler of the fused forward target: checks the buffers, maps dtypes, and hands plain
+// pointers to the launcher in ffi/kernels/forward/. No math here.
+#include <cstdint>
+#include <string>
+
+#include <cuda_runtime_api.h>
+
+#include "kernels/forward/forward.h"
+#include "layernorm_fwd.h"
+#include "layernorm_fwd_checks.h"
+
+namespace lnbwd {
+namespace {
+
+Dtype ToKernelDtype(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::BF16: return Dtype::kBF16;
+    case ffi::DataType::F16: return Dtype::kF16;
+    case ffi::DataType::F64: return Dtype::kF64;
+    default: return Dtype::kF32;   // CheckLayernormFwdArgs admitted only float32 besides these
+  }
+}
+
+ffi::Error LayernormFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
+                            ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> mean,
+                            ffi::Result<ffi::AnyBuffer> rstd, double eps) {
+  LayernormFwdShape shape;
+  if (auto e = CheckLayernormFwdArgs(x, weight, bias, *y, *mean, *rstd, eps, &shape); e.failure()) return e;
+  if (shape.rows == 0) return ffi::Error::Success();   // nothing to read or write: no launch
+
+  LayernormFwdParams p = {};
+  p.y = y->untyped_data();
+  p.mean = mean->untyped_data();
+  p.rstd = rstd->untyped_data();
+  p.x = x.untyped_data();
+  p.weight = shape.weight_rows > 0 ? weight.untyped_data() : nullptr;
+  p.bias = shape.bias_rows > 0 ? bias.untyped_data() : nullptr;
+  p.rows = shape.rows;
+  p.C = shape.C;
+  p.weight_rows = shape.weight_rows;
+  p.bias_rows = shape.bias_rows;
+  p.dtype = ToKernelDtype(x.element_type());
+  p.param_dtype = ToKernelDtype(shape.param_dtype);
+  p.eps = eps;
+  p.path = FwdPath::kAuto;
+  p.tpr = 0;
+  LNBWD_FFI_RETURN_IF_CUDA_ERROR(layernorm_fwd(p, stream));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace lnbwd
+
+// Command-buffer compatible: the handler only launches kernels on XLA's stream, never
+// synchronizes or allocates, and keeps no state between calls.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxLnbwdLayernormFwdCuda, lnbwd::LayernormFwdCuda,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()   // XLA's stream
+        .Arg<xla::ffi::AnyBuffer>()   // x [rows, C] dtype
+        .Arg<xla::ffi::AnyBuffer>()   // weight [0 (absent), 1 or segments, C] dtype, or float32 for 16-bit x
+        .Arg<xla::ffi::AnyBuffer>()   // bias [0 (absent), 1 or segments, C] weight's dtype
+        .Ret<xla::ffi::AnyBuffer>()   // y [rows, C] dtype
+        .Ret<xla::ffi::AnyBuffer>()   // mean [rows] float32 (float64 for float64 x)
+        .Ret<xla::ffi::AnyBuffer>()   // rstd [rows] float32 (float64 for float64 x)
+        .Attr<double>("eps"),         // added to the variance, in the statistics' dtype
+    {xla::ffi::Traits::kCmdBufferCompatible});

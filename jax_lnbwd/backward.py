@@ -1,0 +1,133 @@
+"""The FFI backward op made batchable and differentiable: op(dy, x, weight, mean, rstd).
+
+The op keeps x's leading axes instead of flattening them into rows, so that a sharding of any
+of them reaches the partitioning rule (jax_lnbwd/sharding.py) as it is: flattening (batch,
+seq, C) sharded over batch and seq into rows would need a transpose across devices. For
+`seg_dims` = k (static), the layout is
+  dy, x:        (*segments, *rows, C)  k segment axes, then at least one row axis;
+  weight:       (*segments, C), all segment axes as in x (one weight per segment), or all 1
+                (one weight shared by every segment);
+  mean, rstd:   (*segments, *rows);
+  dx:           like x;  dweight, dbias: (*segments, C), sums over each segment's rows.
+Segment axes are the batch axes that vmap added (one per vmap level): per-example sums.
+
+Three wrappers around the FFI call, from the inside out (see `segmented_op`):
+  * jax.experimental.custom_partitioning (jax_lnbwd/sharding.py): under a sharded jit every
+    device runs the op on its own rows, and dweight/dbias are summed with one psum;
+  * jax.custom_batching.custom_vmap: under vmap the batch axis becomes one more segment axis
+    of the rows, so a vmapped backward is still ONE FFI call, with per-example dweight/dbias
+    (the sums over each example's rows, not over the whole batch);
+  * jax.custom_jvp: the op's own derivative is the JVP of the same math in pure jnp, so the
+    backward is differentiable again, in both modes: grad of grad, and jax.jvp of jax.grad
+    (the usual Hessian-vector product).
+layernorm's reverse mode reaches this op as the transpose of its tangent map
+(jax_lnbwd/primitive.py); layernorm_bwd calls it directly.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from . import reference, sharding
+from .kernels import KERNELS
+
+# Kernels that can split the rows into segments with their own dweight/dbias sums: the ones
+# that run under vmap (KernelInfo.segments). Others sum over all rows only (the C++ refuses
+# segments > 1 for them).
+SEGMENT_KERNELS = frozenset(k for k, info in KERNELS.items() if info.segments)
+
+
+def reference_segments(dy, x, weight, mean, rstd, *, seg_dims: int):
+    """What the op computes, in jnp: reference.layernorm_bwd on each segment of rows."""
+    segs, C = x.shape[:seg_dims], x.shape[-1]
+    S, rows = math.prod(segs), math.prod(x.shape[seg_dims:-1])
+    per_segment_weight = jnp.broadcast_to(weight.reshape(math.prod(weight.shape[:-1]), C), (S, C))
+    dx, dweight, dbias = jax.vmap(reference.layernorm_bwd)(
+        dy.reshape(S, rows, C), x.reshape(S, rows, C), per_segment_weight,
+        mean.reshape(S, rows), rstd.reshape(S, rows))
+    return dx.reshape(x.shape), dweight.reshape(*segs, C), dbias.reshape(*segs, C)
+
+
+def _vmap_rule(seg_dims, kernel, block_size, caller, axis_size, in_batched, dy, x, weight, mean, rstd):
+    """custom_vmap rule: a batch of B problems is one problem with one more segment axis.
+
+    custom_vmap has moved every batched argument's batch axis to the front, which is exactly
+    where a new (outermost) segment axis goes: example b's rows are segment b's, and dweight/
+    dbias come out per example, (B, *segments, C). An unbatched argument is the same for every
+    example and is broadcast. The call goes through segmented_op again, so a further (outer)
+    vmap applies this rule once more: nested vmaps still make one FFI call.
+    """
+    B = axis_size
+    dy_b, x_b, weight_b, mean_b, rstd_b = in_batched
+    example = x.shape[1:] if x_b else x.shape
+    segs, C = example[:seg_dims], example[-1]
+    if B == 0:  # an empty batch: nothing to compute
+        return (jnp.zeros((0, *example), x.dtype),) + (jnp.zeros((0, *segs, C), x.dtype),) * 2, (True,) * 3
+
+    def batch(a, batched):
+        return a if batched else jnp.broadcast_to(a, (B, *a.shape))
+
+    example_weight = weight.shape[1:] if weight_b else weight.shape
+    if weight_b or math.prod(example_weight[:-1]) != 1:
+        # Weights differ between segments: one per new segment, (B, *segments, C).
+        weight = jnp.broadcast_to(weight, (B, *segs, C))
+    else:  # one weight shared by all segments, old and new
+        weight = weight.reshape((1,) * (seg_dims + 1) + (C,))
+    out = segmented_op(seg_dims + 1, kernel, block_size, caller)(
+        batch(dy, dy_b), batch(x, x_b), weight, batch(mean, mean_b), batch(rstd, rstd_b))
+    return out, (True, True, True)
+
+
+@functools.cache
+def segmented_op(seg_dims: int, kernel: int, block_size: int, caller: str):
+    """The FFI op for these static settings: op(dy, x, weight, mean, rstd) -> (dx, dweight, dbias).
+
+    Shapes as above; `caller` is the public function that errors name. The wrappers:
+      * custom_partitioning (sharding.layernorm_bwd_segments): under a sharded jit each device
+        runs the FFI on its own rows and dweight/dbias are summed with one psum;
+      * custom_vmap (`run`): vmap of the op is _vmap_rule, one FFI call with more segments;
+      * custom_jvp (outer, so that it, not custom_vmap's generic rule, defines derivatives):
+        the op's tangents are the JVP of reference_segments (pure jnp), its value the FFI's.
+        JAX derives reverse mode from it (linearize + transpose of jnp), so grad of grad and
+        jvp of grad both work. Under vmap, JAX batches the JVP rule too; its primal call
+        goes through `op`, so it reaches _vmap_rule (and higher orders reach this rule again).
+    vmap and differentiation are thus handled before custom_partitioning is reached, which
+    only ever sees a plain call with static settings. A first-order grad of layernorm only
+    calls the op (the FFI alone, no jnp backward); the jnp JVP is traced only when the backward
+    itself is differentiated. Cached, so equal settings give the same function (and jit caches hit).
+    """
+    @jax.custom_batching.custom_vmap
+    def run(dy, x, weight, mean, rstd):
+        if math.prod(x.shape[:seg_dims]) > 1 and kernel not in SEGMENT_KERNELS:
+            raise ValueError(
+                f"{caller}: kernel {kernel} sums dweight/dbias over all rows and cannot keep one sum "
+                f"per example: per-example (vmapped) dweight/dbias need kernel "
+                f"{' or '.join(map(str, sorted(SEGMENT_KERNELS)))} or kernel=None")
+        return sharding.layernorm_bwd_segments(dy, x, weight, mean, rstd, seg_dims, kernel, block_size)
+
+    run.def_vmap(functools.partial(_vmap_rule, seg_dims, kernel, block_size, caller))
+    op = jax.custom_jvp(run)
+
+    @op.defjvp
+    def op_jvp(primals, tangents):
+        _, tangents_out = jax.jvp(functools.partial(reference_segments, seg_dims=seg_dims), primals, tangents)
+        return op(*primals), tangents_out
+
+    return op
+
+
+def backward(dy, x, weight, mean, rstd, *, seg_dims: int, kernel: int, block_size: int, caller: str):
+    """(dx, dweight, dbias) by the op, for the layout above with possibly NO row axis.
+
+    (x of shape (*segments, C): one row per segment; the op needs a row axis, so one is added.)
+    """
+    if x.ndim == seg_dims + 1:
+        dx, dweight, dbias = backward(
+            jnp.expand_dims(dy, seg_dims), jnp.expand_dims(x, seg_dims), weight,
+            jnp.expand_dims(mean, seg_dims), jnp.expand_dims(rstd, seg_dims),
+            seg_dims=seg_dims, kernel=kernel, block_size=block_size, caller=caller)
+        return jnp.squeeze(dx, seg_dims), dweight, dbias
+    return segmented_op(seg_dims, kernel, block_size, caller)(dy, x, weight, mean, rstd)

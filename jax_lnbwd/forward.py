@@ -1,0 +1,157 @@
+"""The fused layernorm forward: one FFI call that reads x once and writes y, mean and rstd.
+
+    y, mean, rstd = layernorm_fwd_op(x, weight, bias, eps=1e-5)
+
+x has any rank >= 1 and dtype float32, bfloat16, float16 or float64; normalization is over the
+last axis (C). weight and bias are (C,) arrays or None (no scale / no shift). Their dtype is x's,
+or float32 when x is bfloat16/float16 (mixed precision: the parameters stay float32, the output
+is computed in fp32 and rounded once to x's dtype). mean and rstd have shape x.shape[:-1] and
+dtype float32 (float64 for float64 x). The numbers are jax_lnbwd.reference.layernorm_fwd's:
+statistics in fp32 (fp64), variance centered.
+
+On the GPU the CUDA kernels in ffi/kernels/forward/ run; on the CPU a C++ reference. The op is
+wrapped, from the inside out, in
+  * jax.experimental.custom_partitioning (forward_sharding.py): under a sharded jit each device
+    normalizes its own rows, without communication;
+  * jax.custom_batching.custom_vmap: vmap folds the batch axis into the rows (exact for the
+    forward: every row is normalized by itself); per-example weight/bias become one parameter
+    row per example, so a vmapped call is still ONE FFI call;
+  * jax.custom_jvp: derivatives are the JVP of reference.layernorm_fwd (pure jnp), so the op is
+    differentiable in both modes, though a training step's custom_vjp never needs it.
+It works under jit, vmap, grad/jvp, shard_map and jax.export (target jax_lnbwd_layernorm_fwd_v1).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from . import reference
+from .forward_sharding import TARGET, layernorm_fwd_partitioned
+
+__all__ = ["layernorm_fwd_op", "TARGET"]
+
+_SUPPORTED = ("float32", "bfloat16", "float16", "float64")
+
+
+def _name(a) -> str:
+    return str(jnp.dtype(a.dtype))
+
+
+def _check(x, weight, bias, eps):
+    """Trace-time checks; returns (eps as float, weight, bias) with a 16-bit parameter next to a
+    float32 one upcast to float32 (exact), so both reach the kernel in one dtype."""
+    try:
+        eps_f = float(eps)
+    except (TypeError, ValueError):
+        raise ValueError(f"layernorm_fwd: eps must be a positive finite float, got {eps!r}") from None
+    if isinstance(eps, (bool, str, bytes)) or not math.isfinite(eps_f) or eps_f <= 0.0:
+        raise ValueError(f"layernorm_fwd: eps must be a positive finite float, got {eps!r}")
+    if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+        raise TypeError(f"layernorm_fwd: 'x' must be an array, got {type(x).__name__}")
+    if _name(x) not in _SUPPORTED:
+        raise TypeError(f"layernorm_fwd: 'x' has dtype {_name(x)} but expected one of {', '.join(_SUPPORTED)}")
+    if x.ndim < 1:
+        raise ValueError("layernorm_fwd: 'x' must have rank >= 1 (normalization is over the last axis)")
+    C = x.shape[-1]
+    if C < 1:
+        raise ValueError(f"layernorm_fwd: 'x' has shape {tuple(x.shape)} but the last axis (C) must be >= 1")
+    sixteen = _name(x) in ("bfloat16", "float16")
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is None:
+            continue
+        if not hasattr(p, "dtype") or not hasattr(p, "shape"):
+            raise TypeError(f"layernorm_fwd: '{name}' must be an array or None, got {type(p).__name__}")
+        if tuple(p.shape) != (C,):
+            raise ValueError(f"layernorm_fwd: '{name}' has shape {tuple(p.shape)} but expected ({C},) "
+                             f"for x of shape {tuple(x.shape)}")
+        if p.dtype != x.dtype and not (sixteen and _name(p) == "float32"):
+            allowed = f"{_name(x)} or float32" if sixteen else _name(x)
+            raise TypeError(f"layernorm_fwd: '{name}' has dtype {_name(p)} but expected {allowed} "
+                            f"for x of dtype {_name(x)}")
+    if weight is not None and bias is not None and weight.dtype != bias.dtype:
+        weight, bias = weight.astype(jnp.float32), bias.astype(jnp.float32)   # exact: bf16/f16 -> f32
+    return eps_f, weight, bias
+
+
+def layernorm_fwd_op(x, weight, bias, eps: float = 1e-5):
+    """(y, mean, rstd) of layernorm over the last axis, by the fused FFI forward (see the module
+    docstring for shapes and dtypes)."""
+    eps, weight, bias = _check(x, weight, bias, eps)
+    params = tuple(p for p in (weight, bias) if p is not None)
+    if x.ndim == 1:  # one row: the op needs a row axis
+        y, mean, rstd = _op(0, weight is not None, bias is not None, eps)(x[None], *params)
+        return y[0], mean[0], rstd[0]
+    return _op(0, weight is not None, bias is not None, eps)(x, *params)
+
+
+# --- the op for static settings ------------------------------------------------------------------
+#
+# Layout (forward_sharding.py): x (*segments, *rows, C) with seg_dims segment axes; each present
+# parameter (*segments, C), a segment axis either as in x or 1 (shared). Absent parameters are not
+# operands. Segment axes are the batch axes vmap added where a parameter is batched.
+
+def _reference(seg_dims: int, has_w: bool, has_b: bool, eps: float, x, *params):
+    """What the op computes, in jnp: reference.layernorm_fwd with each parameter broadcast over
+    its segment's rows."""
+    row_axes = x.ndim - 1 - seg_dims
+    it = iter(params)
+
+    def widen(present):
+        if not present:
+            return None
+        p = next(it)
+        return p.reshape(*p.shape[:-1], *(1,) * row_axes, p.shape[-1])
+
+    w, b = widen(has_w), widen(has_b)
+    return reference.layernorm_fwd(x, w, b, eps)
+
+
+def _vmap_rule(seg_dims, has_w, has_b, eps, axis_size, in_batched, x, *params):
+    """custom_vmap rule: B problems are one problem whose rows are the examples' rows.
+
+    custom_vmap has moved every batched argument's batch axis to the front. x becomes
+    (B, *example) (broadcast if unbatched). A parameter that is batched, or already per segment,
+    becomes (B, *segments, C): one row per new segment; a shared one stays shared, (1, ..., 1, C).
+    The call goes through _op again (one more segment axis), so nested vmaps make one FFI call.
+    """
+    B = axis_size
+    x_b, *p_b = in_batched
+    example = x.shape[1:] if x_b else x.shape
+    segs, C = example[:seg_dims], example[-1]
+    stat = reference.acc_dtype(x.dtype)
+    if B == 0:  # an empty batch: nothing to compute
+        return (jnp.zeros((0, *example), x.dtype), jnp.zeros((0, *example[:-1]), stat),
+                jnp.zeros((0, *example[:-1]), stat)), (True, True, True)
+    x = x if x_b else jnp.broadcast_to(x, (B, *x.shape))
+
+    def batch(p, batched):
+        ex = p.shape[1:] if batched else p.shape
+        if batched or math.prod(ex[:-1]) != 1:
+            return jnp.broadcast_to(p, (B, *segs, C))
+        return p.reshape((1,) * (seg_dims + 1) + (C,))
+
+    params = tuple(batch(p, b) for p, b in zip(params, p_b))
+    out = _op(seg_dims + 1, has_w, has_b, eps)(x, *params)
+    return out, (True, True, True)
+
+
+@functools.cache
+def _op(seg_dims: int, has_w: bool, has_b: bool, eps: float):
+    """op(x, *params) -> (y, mean, rstd) for these static settings (cached: equal settings give
+    the same function, so jit caches hit)."""
+    @jax.custom_batching.custom_vmap
+    def run(x, *params):
+        return layernorm_fwd_partitioned(x, params, seg_dims, has_w, has_b, eps)
+
+    run.def_vmap(functools.partial(_vmap_rule, seg_dims, has_w, has_b, eps))
+    op = jax.custom_jvp(run)
+
+    @op.defjvp
+    def op_jvp(primals, tangents):
+        _, tangents_out = jax.jvp(functools.partial(_reference, seg_dims, has_w, has_b, eps), primals, tangents)
+        return op(*primals), tangents_out
+
+    return op

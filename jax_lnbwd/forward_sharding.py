@@ -1,0 +1,180 @@
+"""The fused forward's FFI call, and its rule under sharding: every device normalizes its own rows.
+
+XLA's SPMD partitioner cannot see into a custom call, so by default it would replicate it (gather
+x onto every device). The op is therefore a `jax.experimental.custom_partitioning` function.
+Its arrays keep x's leading axes (flattening (batch, seq, C) sharded over batch and seq into
+rows would need a transpose across devices); the layout, for `seg_dims` = k, is
+  x:             (*segments, *rows, C)   k segment axes (vmap's batch axes), then row axes;
+  weight, bias:  (*segments, C), each segment axis as in x or 1 (shared); absent ones are not
+                 operands at all;
+  y:             like x;  mean, rstd: x's shape without C.
+The rule, per axis:
+  * every leading axis of x may be sharded over any mesh axes, and y, mean and rstd keep that
+    sharding: each row is normalized by itself, so no communication at all;
+  * weight and bias follow x's segment axes where they have them, and are replicated otherwise;
+  * C must be whole on every device (each row's statistics need all of its columns): a
+    C-sharded x is gathered along C, with a ShardingFallbackWarning; so is an axis whose size
+    does not divide evenly over its mesh axes.
+Inside a shard_map over all mesh axes the op never reaches this rule: it is the plain FFI call
+on the local arrays. The rule is given for Shardy (`sharding_rule`) and for GSPMD
+(`infer_sharding_from_operands`); `partition` serves both.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.extend.mlir import ir
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from . import _ffi, reference
+from .sharding import ShardingFallbackWarning
+
+TARGET = "jax_lnbwd_layernorm_fwd_v1"
+
+
+def ffi_forward(x, weight, bias, eps: float):
+    """The FFI target on (rows, C) x and (W, C) weight/bias: (y, mean, rstd).
+
+    W is 0 (absent), 1 (shared) or S dividing rows (rows form S equal segments, segment s uses
+    parameter row s). The bare call: no checks, batching, derivative or sharding rule. Inside
+    shard_map the results are typed as varying along every mesh axis any input varies along
+    (a replicated weight next to sharded rows is cast to varying first), like jnp code.
+    """
+    _ffi.check_handler_for_default_platform("layernorm_fwd_op")
+    axes = _ffi.varying_axes(x, weight, bias)
+    x, weight, bias = (_ffi.vary(a, axes) for a in (x, weight, bias))
+    typed = dict(sharding=NamedSharding(jax.sharding.get_abstract_mesh(), P()),
+                 manual_axis_type=jax.sharding.ManualAxisType(varying=axes)) if axes else {}
+    rows, C = x.shape
+    stat = reference.acc_dtype(x.dtype)
+    out_types = (
+        jax.ShapeDtypeStruct((rows, C), x.dtype, **typed),   # y
+        jax.ShapeDtypeStruct((rows,), stat, **typed),        # mean
+        jax.ShapeDtypeStruct((rows,), stat, **typed),        # rstd
+    )
+    return jax.ffi.ffi_call(TARGET, out_types)(x, weight, bias, eps=np.float64(eps))
+
+
+def local_op(x, params, seg_dims: int, has_w: bool, has_b: bool, eps: float):
+    """The op on the arrays it is given (whole, or one device's block): flattens the layout to
+    the FFI's (rows, C), with an empty (0, C) array for an absent parameter."""
+    C = x.shape[-1]
+    rows = math.prod(x.shape[:-1])
+    it = iter(params)
+    pdtype = params[0].dtype if params else x.dtype
+
+    def flat(present):
+        if not present:
+            return jnp.zeros((0, C), pdtype)
+        p = next(it)
+        return p.reshape(math.prod(p.shape[:-1]), C)
+
+    w, b = flat(has_w), flat(has_b)
+    y, mean, rstd = ffi_forward(x.reshape(rows, C), w, b, eps)
+    return y.reshape(x.shape), mean.reshape(x.shape[:-1]), rstd.reshape(x.shape[:-1])
+
+
+def layernorm_fwd_partitioned(x, params, seg_dims: int, has_w: bool, has_b: bool, eps: float):
+    """The op, partitioned by the rule below wherever XLA partitions it. A shard_map over only
+    some mesh axes is left to XLA (custom_partitioning cannot name the automatic axes): the plain
+    FFI call runs there and XLA gathers x along the automatic axes."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.manual_axes and set(mesh.manual_axes) != set(mesh.axis_names):
+        warnings.warn(f"jax_lnbwd: inside a shard_map over mesh axes {mesh.manual_axes} of "
+                      f"{mesh.axis_names}, the layernorm forward gathers x along the others; "
+                      "shard_map over all axes, or jit with shardings, keeps it sharded.",
+                      ShardingFallbackWarning)
+        return local_op(x, params, seg_dims, has_w, has_b, eps)
+    return _partitioned(len(params))(x, *params, seg_dims, has_w, has_b, eps)
+
+
+def _axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry: None -> (), 'a' -> ('a',), ('a', 'b') -> itself."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _specs(arg_shapes, warn: bool):
+    """x's usable spec, one entry per axis: C and unevenly split axes replaced by None."""
+    x = arg_shapes[0]
+    sharding = x.sharding
+    if not isinstance(sharding, NamedSharding):
+        raise NotImplementedError("jax_lnbwd: the layernorm forward can only be partitioned over a "
+                                  f"mesh (NamedSharding), got {sharding!r}")
+    spec = list(sharding.spec) + [None] * (x.ndim - len(sharding.spec))
+    notes = []
+    if spec[-1] is not None:
+        notes.append(f"x's last axis (C={x.shape[-1]}) is sharded over mesh axes {_axes(spec[-1])}, "
+                     "but each row's mean and variance need all of its columns: x is gathered along C. "
+                     "Shard the leading axes instead.")
+        spec[-1] = None
+    for i, size in enumerate(x.shape[:-1]):
+        devices = math.prod(sharding.mesh.shape[a] for a in _axes(spec[i]))
+        if size % devices:
+            notes.append(f"axis {i} of x (size {size}) does not split evenly over mesh axes "
+                         f"{_axes(spec[i])} ({devices} devices): it is gathered.")
+            spec[i] = None
+    if warn:
+        for note in notes:
+            warnings.warn(f"jax_lnbwd: {note}", ShardingFallbackWarning)
+    return tuple(spec)
+
+
+def _shardings(seg_dims, mesh, arg_shapes, spec):
+    """(argument shardings, result shardings) for (x, *params) -> (y, mean, rstd)."""
+    x = arg_shapes[0]
+
+    def param(p):  # a parameter's segment axis follows x's where it is not broadcast (size 1)
+        return NamedSharding(mesh, P(*[spec[i] if p.shape[i] == x.shape[i] else None for i in range(seg_dims)], None))
+
+    rows, stats = NamedSharding(mesh, P(*spec)), NamedSharding(mesh, P(*spec[:-1]))
+    return (rows, *(param(p) for p in arg_shapes[1:])), (rows, stats, stats)
+
+
+def _partition(seg_dims, has_w, has_b, eps, mesh, arg_shapes, result_shape):
+    spec = _specs(arg_shapes, warn=True)
+    arg_shardings, result_shardings = _shardings(seg_dims, mesh, arg_shapes, spec)
+
+    def per_device(x, *params):
+        return local_op(x, params, seg_dims, has_w, has_b, eps)
+
+    return mesh, per_device, result_shardings, arg_shardings
+
+
+def _infer_sharding_from_operands(seg_dims, has_w, has_b, eps, mesh, arg_shapes, result_shape):
+    return _shardings(seg_dims, mesh, arg_shapes, _specs(arg_shapes, warn=False))[1]
+
+
+def _sharding_rule(seg_dims, has_w, has_b, eps, mesh, value_types, result_types):
+    """Shardy's factors: s<i> segment axes, r<i> row axes, c columns, w<i> a parameter axis of
+    size 1 (broadcast over its segment axis). E.g. one segment axis, one row axis, weight and
+    bias per segment: 's0 r0 c, s0 c, s0 c -> s0 r0 c, s0 r0, s0 r0'."""
+    x_shape = ir.RankedTensorType(value_types[0]).shape
+    segs = [f"s{i}" for i in range(seg_dims)]
+    lead = " ".join(segs + [f"r{i}" for i in range(len(x_shape) - 1 - seg_dims)])
+    params = []
+    for k, t in enumerate(value_types[1:]):
+        p_shape = ir.RankedTensorType(t).shape
+        params.append(" ".join([s if p_shape[i] == x_shape[i] else f"w{k}_{i}" for i, s in enumerate(segs)] + ["c"]))
+    return ", ".join([f"{lead} c", *params]) + f" -> {lead} c, {lead}, {lead}"
+
+
+@functools.cache
+def _partitioned(n_params: int):
+    """The custom_partitioning op for n_params present parameters: (x, *params, seg_dims, has_w,
+    has_b, eps) -> (y, mean, rstd), the last four static."""
+    def op(x, *rest):
+        params, (seg_dims, has_w, has_b, eps) = rest[:n_params], rest[n_params:]
+        return local_op(x, params, seg_dims, has_w, has_b, eps)
+
+    partitioned = custom_partitioning(op, static_argnums=tuple(range(1 + n_params, 5 + n_params)))
+    partitioned.def_partition(partition=_partition, infer_sharding_from_operands=_infer_sharding_from_operands,
+                              sharding_rule=_sharding_rule)
+    return partitioned

@@ -1,0 +1,287 @@
+// Standalone check of the fused forward (ffi/kernels/forward/), without JAX or XLA.
+//
+// Why it exists: XLA's pooled allocator hands kernels slices of one big allocation, so
+// compute-sanitizer's memcheck cannot see a kernel touch one element past its buffer. Here every
+// buffer is its own cudaMalloc of exactly the bytes the kernel may touch (a misaligned case
+// starts one element into its allocation and ends at its end), so memcheck, racecheck,
+// synccheck and initcheck see every stray access, race and unwritten output.
+//
+//   forward_check check                  every path (registers at each feasible row-group size,
+//                                        shared memory, global memory) x dtypes x parameter
+//                                        kinds x shapes, against a CPU reference in double
+//   forward_check sweep ROWS C DTYPE [f32params]
+//                                        time each configuration of one shape and a same-bytes
+//                                        device copy (CUDA events, median of 7 runs of 20)
+//
+// Build and run (also under the sanitizers):
+//   nvcc -O3 -lineinfo -std=c++17 -arch=sm_90 -Iffi/kernels tests/cuda/forward_check.cu \
+//        ffi/kernels/forward/*.cu ffi/kernels/common/occupancy.cu -o /tmp/forward_check
+//   /tmp/forward_check check
+//   for t in memcheck racecheck synccheck initcheck; do
+//     compute-sanitizer --tool $t --error-exitcode 1 /tmp/forward_check check; done
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "forward/forward.h"
+
+using namespace lnbwd;
+
+#define CHECK_CUDA(expr)                                                                       \
+  do {                                                                                         \
+    cudaError_t e_ = (expr);                                                                   \
+    if (e_ != cudaSuccess) {                                                                   \
+      std::fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
+      std::exit(2);                                                                            \
+    }                                                                                          \
+  } while (0)
+
+static size_t item_bytes(Dtype d) { return d == Dtype::kF64 ? 8 : d == Dtype::kF32 ? 4 : 2; }
+static size_t stat_bytes(Dtype d) { return d == Dtype::kF64 ? 8 : 4; }
+static const char* dtype_name(Dtype d) {
+  return d == Dtype::kF64 ? "float64" : d == Dtype::kF32 ? "float32" : d == Dtype::kBF16 ? "bfloat16" : "float16";
+}
+static const char* path_name(FwdPath p) {
+  return p == FwdPath::kAuto ? "auto" : p == FwdPath::kRegisters ? "registers" : p == FwdPath::kSharedMemory ? "smem" : "global";
+}
+
+// Host values <-> storage bytes of a dtype (bf16/f16 rounded to nearest even by cuda_*.h).
+static void store(Dtype d, void* base, size_t i, double v) {
+  switch (d) {
+    case Dtype::kF32: static_cast<float*>(base)[i] = static_cast<float>(v); break;
+    case Dtype::kF64: static_cast<double*>(base)[i] = v; break;
+    case Dtype::kBF16: static_cast<__nv_bfloat16*>(base)[i] = __float2bfloat16_rn(static_cast<float>(v)); break;
+    case Dtype::kF16: static_cast<__half*>(base)[i] = __float2half_rn(static_cast<float>(v)); break;
+  }
+}
+static double load(Dtype d, const void* base, size_t i) {
+  switch (d) {
+    case Dtype::kF32: return static_cast<const float*>(base)[i];
+    case Dtype::kF64: return static_cast<const double*>(base)[i];
+    case Dtype::kBF16: return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
+    case Dtype::kF16: return __half2float(static_cast<const __half*>(base)[i]);
+  }
+  return NAN;
+}
+
+// One device buffer of exactly `bytes` (+ `lead` bytes before the pointer handed out).
+struct DeviceBuffer {
+  void* base = nullptr;
+  void* ptr = nullptr;
+  DeviceBuffer(size_t bytes, size_t lead = 0) {
+    CHECK_CUDA(cudaMalloc(&base, std::max<size_t>(bytes + lead, 1)));
+    ptr = static_cast<char*>(base) + lead;
+  }
+  ~DeviceBuffer() { cudaFree(base); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+};
+
+struct Case {
+  int64_t rows, C;
+  Dtype dtype, param_dtype;
+  int64_t weight_rows, bias_rows;   // 0 absent, 1 shared, S per segment
+  bool misaligned;                  // x and y one element into their allocations: scalar path
+  FwdPath path;
+  int tpr;
+};
+
+// Norm-wise relative error sqrt(sum (a-b)^2 / sum b^2) (absolute when b is all zero).
+static double rel_err(const std::vector<double>& a, const std::vector<double>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num += (a[i] - b[i]) * (a[i] - b[i]);
+    den += b[i] * b[i];
+  }
+  if (std::isnan(num)) return INFINITY;
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+// Runs one case; returns 0 on success, 1 on a wrong value (printed), -1 when the forced
+// configuration does not apply to this shape (not counted).
+static int run_case(const Case& c, std::mt19937_64& rng) {
+  LayernormFwdParams p = {};
+  p.rows = c.rows;
+  p.C = c.C;
+  p.dtype = c.dtype;
+  p.param_dtype = c.param_dtype;
+  p.weight_rows = c.weight_rows;
+  p.bias_rows = c.bias_rows;
+  p.eps = 1e-5;
+  p.path = c.path;
+  p.tpr = c.tpr;
+  const size_t n = static_cast<size_t>(c.rows * c.C), item = item_bytes(c.dtype), pitem = item_bytes(c.param_dtype);
+  const size_t lead = c.misaligned ? item : 0;
+  DeviceBuffer x(n * item, lead), y(n * item, lead), mean(c.rows * stat_bytes(c.dtype)), rstd(c.rows * stat_bytes(c.dtype));
+  DeviceBuffer w(c.weight_rows * c.C * pitem), b(c.bias_rows * c.C * pitem);
+  p.x = x.ptr;
+  p.y = y.ptr;
+  p.mean = mean.ptr;
+  p.rstd = rstd.ptr;
+  p.weight = c.weight_rows > 0 ? w.ptr : nullptr;
+  p.bias = c.bias_rows > 0 ? b.ptr : nullptr;
+  LayernormFwdConfig cfg;
+  if (c.rows > 0 && layernorm_fwd_pick(p, &cfg) != cudaSuccess) return -1;
+
+  // Inputs: rows with an offset (|mean| a few times std) so a non-centered variance would show.
+  std::normal_distribution<double> normal;
+  std::vector<unsigned char> hx(n * item), hw(c.weight_rows * c.C * pitem), hb(c.bias_rows * c.C * pitem);
+  for (size_t i = 0; i < n; ++i) store(c.dtype, hx.data(), i, 3.0 + normal(rng));
+  for (size_t i = 0; i < static_cast<size_t>(c.weight_rows * c.C); ++i) store(c.param_dtype, hw.data(), i, 1 + 0.1 * normal(rng));
+  for (size_t i = 0; i < static_cast<size_t>(c.bias_rows * c.C); ++i) store(c.param_dtype, hb.data(), i, normal(rng));
+  CHECK_CUDA(cudaMemcpy(x.ptr, hx.data(), hx.size(), cudaMemcpyHostToDevice));
+  if (!hw.empty()) CHECK_CUDA(cudaMemcpy(w.ptr, hw.data(), hw.size(), cudaMemcpyHostToDevice));
+  if (!hb.empty()) CHECK_CUDA(cudaMemcpy(b.ptr, hb.data(), hb.size(), cudaMemcpyHostToDevice));
+  cudaError_t err = layernorm_fwd(p, 0);
+  if (err == cudaSuccess) err = cudaDeviceSynchronize();
+  char label[256];
+  std::snprintf(label, sizeof(label), "%lldx%lld %s params %s w%lld b%lld %s%s tpr %d", (long long)c.rows,
+                (long long)c.C, dtype_name(c.dtype), dtype_name(c.param_dtype), (long long)c.weight_rows,
+                (long long)c.bias_rows, path_name(c.path), c.misaligned ? " misaligned" : "", c.rows > 0 ? cfg.tpr : 0);
+  if (err != cudaSuccess) {
+    std::printf("FAIL %s: %s\n", label, cudaGetErrorString(err));
+    return 1;
+  }
+  std::vector<unsigned char> hy(n * item), hm(c.rows * stat_bytes(c.dtype)), hr(c.rows * stat_bytes(c.dtype));
+  CHECK_CUDA(cudaMemcpy(hy.data(), y.ptr, hy.size(), cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(hm.data(), mean.ptr, hm.size(), cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(hr.data(), rstd.ptr, hr.size(), cudaMemcpyDeviceToHost));
+
+  // The reference in double from the exact inputs.
+  const Dtype stat = c.dtype == Dtype::kF64 ? Dtype::kF64 : Dtype::kF32;
+  std::vector<double> gy(n), ry(n), gm(c.rows), rm(c.rows), gr(c.rows), rr(c.rows);
+  for (int64_t r = 0; r < c.rows; ++r) {
+    double s = 0, q = 0;
+    for (int64_t i = 0; i < c.C; ++i) s += load(c.dtype, hx.data(), r * c.C + i);
+    const double m = s / c.C;
+    for (int64_t i = 0; i < c.C; ++i) {
+      const double d = load(c.dtype, hx.data(), r * c.C + i) - m;
+      q += d * d;
+    }
+    const double rs = 1.0 / std::sqrt(q / c.C + 1e-5);
+    const int64_t wr = c.weight_rows > 0 ? r / (c.rows / c.weight_rows) : 0;
+    const int64_t br = c.bias_rows > 0 ? r / (c.rows / c.bias_rows) : 0;
+    for (int64_t i = 0; i < c.C; ++i) {
+      double v = (load(c.dtype, hx.data(), r * c.C + i) - m) * rs;
+      if (c.weight_rows > 0) v *= load(c.param_dtype, hw.data(), wr * c.C + i);
+      if (c.bias_rows > 0) v += load(c.param_dtype, hb.data(), br * c.C + i);
+      ry[r * c.C + i] = v;
+      gy[r * c.C + i] = load(c.dtype, hy.data(), r * c.C + i);
+    }
+    rm[r] = m;
+    rr[r] = rs;
+    gm[r] = load(stat, hm.data(), r);
+    gr[r] = load(stat, hr.data(), r);
+  }
+  const double tol_y = c.dtype == Dtype::kF64 ? 1e-12 : c.dtype == Dtype::kF32 ? 1e-5 : c.dtype == Dtype::kBF16 ? 1e-2 : 2e-3;
+  const double tol_s = c.dtype == Dtype::kF64 ? 1e-12 : 1e-5;
+  const double ey = rel_err(gy, ry), em = rel_err(gm, rm), er = rel_err(gr, rr);
+  if (ey > tol_y || em > tol_s || er > tol_s) {
+    std::printf("FAIL %s: rel_err y %.2e (tol %.0e) mean %.2e rstd %.2e (tol %.0e)\n", label, ey, tol_y, em, er, tol_s);
+    return 1;
+  }
+  return 0;
+}
+
+static int check() {
+  std::mt19937_64 rng(1234);
+  const bool quick = std::getenv("LNBWD_QUICK") != nullptr;
+  std::vector<std::pair<int64_t, int64_t>> shapes = {{1, 1}, {7, 1}, {7, 3}, {5, 1601}, {33, 1600}, {4, 8192}, {2, 30000}, {0, 8}};
+  if (!quick) shapes.insert(shapes.end(), {{4225, 64}, {2, 70000}, {300, 768}});
+  const Dtype dtypes[] = {Dtype::kF32, Dtype::kBF16, Dtype::kF16, Dtype::kF64};
+  int cases = 0, failures = 0;
+  for (auto [rows, C] : shapes) {
+    for (Dtype d : dtypes) {
+      std::vector<Dtype> pdts = {d};
+      if (d == Dtype::kBF16 || d == Dtype::kF16) pdts.push_back(Dtype::kF32);
+      for (Dtype pd : pdts) {
+        // (weight_rows, bias_rows): both shared, weight only, none, per-segment weight.
+        std::vector<std::pair<int64_t, int64_t>> params = {{1, 1}, {1, 0}, {0, 0}};
+        if (rows % 7 == 0 && rows > 0) params.push_back({7, 1});
+        for (auto [wr, br] : params) {
+          for (bool mis : {false, true}) {
+            if (mis && (wr != 1 || br != 1)) continue;
+            // Quick (sanitizer) runs force two row-group sizes: one warp (shuffles only) and
+            // four (named barriers); the automatic choice covers the others it picks.
+            std::vector<std::pair<FwdPath, int>> paths = {{FwdPath::kAuto, 0}, {FwdPath::kSharedMemory, 0}, {FwdPath::kGlobal, 0}};
+            for (int tpr = 32; tpr <= 512; tpr *= 2) {
+              if (!quick || tpr == 32 || tpr == 128) paths.push_back({FwdPath::kRegisters, tpr});
+            }
+            for (auto [path, tpr] : paths) {
+              const int r = run_case({rows, C, d, pd, wr, br, mis, path, tpr}, rng);
+              if (r < 0) continue;
+              ++cases;
+              failures += r;
+            }
+          }
+        }
+      }
+    }
+  }
+  std::printf("forward check: %d cases, %d failures\n", cases, failures);
+  return failures ? 1 : 0;
+}
+
+// Median µs of 7 runs of 20 launches, timed with events.
+template <typename F>
+static double time_us(F&& launch) {
+  cudaEvent_t a, b;
+  CHECK_CUDA(cudaEventCreate(&a));
+  CHECK_CUDA(cudaEventCreate(&b));
+  launch();
+  std::vector<double> t;
+  for (int rep = 0; rep < 7; ++rep) {
+    CHECK_CUDA(cudaEventRecord(a));
+    for (int i = 0; i < 20; ++i) launch();
+    CHECK_CUDA(cudaEventRecord(b));
+    CHECK_CUDA(cudaEventSynchronize(b));
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
+    t.push_back(ms * 1000.0 / 20);
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+static int sweep(int64_t rows, int64_t C, const std::string& dtype, bool f32params) {
+  const Dtype d = dtype == "float32" ? Dtype::kF32 : dtype == "bfloat16" ? Dtype::kBF16 : dtype == "float16" ? Dtype::kF16 : Dtype::kF64;
+  const Dtype pd = f32params ? Dtype::kF32 : d;
+  const size_t n = static_cast<size_t>(rows * C), bytes = n * item_bytes(d);
+  DeviceBuffer x(bytes), y(bytes), mean(rows * stat_bytes(d)), rstd(rows * stat_bytes(d));
+  DeviceBuffer w(C * item_bytes(pd)), b(C * item_bytes(pd));
+  CHECK_CUDA(cudaMemset(x.ptr, 0x3c, bytes));   // finite values in every dtype
+  CHECK_CUDA(cudaMemset(w.ptr, 0, C * item_bytes(pd)));
+  CHECK_CUDA(cudaMemset(b.ptr, 0, C * item_bytes(pd)));
+  const double copy = time_us([&] { CHECK_CUDA(cudaMemcpyAsync(y.ptr, x.ptr, bytes, cudaMemcpyDeviceToDevice)); });
+  std::printf("%lldx%lld %s (params %s): copy %.2f us (%.0f GB/s)\n", (long long)rows, (long long)C, dtype.c_str(),
+              dtype_name(pd), copy, 2.0 * bytes / copy / 1e3);
+  std::vector<std::pair<FwdPath, int>> paths = {{FwdPath::kAuto, 0}, {FwdPath::kSharedMemory, 0}, {FwdPath::kGlobal, 0}};
+  for (int tpr = 32; tpr <= 512; tpr *= 2) paths.push_back({FwdPath::kRegisters, tpr});
+  for (auto [path, tpr] : paths) {
+    LayernormFwdParams p = {y.ptr, mean.ptr, rstd.ptr, x.ptr, w.ptr, b.ptr, rows, C, 1, 1, d, pd, 1e-5, path, tpr};
+    LayernormFwdConfig cfg;
+    if (layernorm_fwd_pick(p, &cfg) != cudaSuccess) continue;
+    const double us = time_us([&] { CHECK_CUDA(layernorm_fwd(p, 0)); });
+    std::printf("  %-9s tpr %3d nv %d vec %d rows/block %d threads %4d smem %7zu: %9.2f us %6.0f GB/s %5.1f%% of copy\n",
+                path_name(path), cfg.tpr, cfg.nv, cfg.vec, cfg.rows_per_block, cfg.threads, cfg.smem_bytes, us,
+                2.0 * bytes / us / 1e3, 100.0 * copy / us);
+  }
+  return 0;
+}
+
+int main(int argc, char** argv) {
+  const std::string mode = argc > 1 ? argv[1] : "check";
+  if (mode == "check") return check();
+  if (mode == "sweep" && argc >= 5) return sweep(std::atoll(argv[2]), std::atoll(argv[3]), argv[4], argc > 5 && std::string(argv[5]) == "f32params");
+  std::fprintf(stderr, "usage: %s check | sweep ROWS C DTYPE [f32params]\n", argv[0]);
+  return 2;
+}

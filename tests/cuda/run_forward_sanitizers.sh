@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Runs the fused forward's standalone check (tests/cuda/forward_check.cu: exact-size cudaMalloc
+# buffers, every path) plainly and under compute-sanitizer's four tools, and proves the tools
+# would notice: scratch copies of forward_rows.cu with one planted out-of-bounds store and one
+# missing barrier must be reported. Needs a GPU (sm_90), nvcc and compute-sanitizer.
+#   [LNBWD_SANITIZER_TIMEOUT=900] tests/cuda/run_forward_sanitizers.sh [OUT_DIR]
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${1:-/tmp/forward_sanitizers}
+mkdir -p "$OUT"
+NVCC=(nvcc -O3 -lineinfo -std=c++17 -arch=sm_90 -Iffi/kernels)
+KERNELS=(ffi/kernels/forward/forward_launch.cu ffi/kernels/forward/forward_wide.cu ffi/kernels/common/occupancy.cu)
+TIMEOUT=${LNBWD_SANITIZER_TIMEOUT:-900}
+
+"${NVCC[@]}" tests/cuda/forward_check.cu ffi/kernels/forward/forward_rows.cu "${KERNELS[@]}" -o "$OUT/forward_check" || exit 2
+"$OUT/forward_check" check | tail -5 || exit 1
+
+status=0
+export LNBWD_QUICK=1   # the reduced shape set: the sanitizers are slow
+sanitize() {   # sanitize TOOL: one line of result (the four run side by side: the GPU has room)
+  local tool=$1 extra=()
+  [ "$tool" = memcheck ] && extra=(--leak-check full)
+  if timeout "$TIMEOUT" compute-sanitizer --tool "$tool" --error-exitcode 1 "${extra[@]}" "$OUT/forward_check" check \
+      > "$OUT/$tool.log" 2>&1; then
+    echo "$tool: $(grep -Eo '(ERROR|RACECHECK) SUMMARY: .*' "$OUT/$tool.log" | tail -1)" \
+         "($(grep -Eo 'forward check: [0-9]+ cases, [0-9]+ failures' "$OUT/$tool.log"))"
+  else
+    echo "$tool: FAILED (exit $?, see $OUT/$tool.log)"
+  fi
+}
+for tool in memcheck racecheck synccheck initcheck; do sanitize "$tool" > "$OUT/$tool.result" & done
+wait
+cat "$OUT"/{memcheck,racecheck,synccheck,initcheck}.result
+grep -q FAILED "$OUT"/*.result && status=1
+
+# Positive controls: each planted bug must make its tool fail.
+ctl=$OUT/controls
+mkdir -p "$ctl"
+sed 's|\*reinterpret_cast<V\*>(a.y + row \* C + col) = y;|*reinterpret_cast<V*>(a.y + row * C + col + (row + 1 == a.rows ? C : 0)) = y;|' \
+  ffi/kernels/forward/forward_rows.cu > "$ctl/forward_rows_oob.cu"
+sed 's|auto sync = \[&\] { group_sync(1 + g, tpr); };|auto sync = [] {};|' \
+  ffi/kernels/forward/forward_rows.cu > "$ctl/forward_rows_race.cu"
+for planted in oob race; do
+  if cmp -s "$ctl/forward_rows_$planted.cu" ffi/kernels/forward/forward_rows.cu; then
+    echo "control $planted: the planted change did not apply"; status=1; continue
+  fi
+  "${NVCC[@]}" tests/cuda/forward_check.cu "$ctl/forward_rows_$planted.cu" "${KERNELS[@]}" -o "$ctl/check_$planted" || { status=1; continue; }
+  tool=$([ $planted = oob ] && echo memcheck || echo racecheck)
+  # The planted bug also makes values wrong (the check fails either way): what counts is that
+  # the tool itself reports errors.
+  timeout "$TIMEOUT" compute-sanitizer --tool "$tool" "$ctl/check_$planted" check > "$ctl/$planted.log" 2>&1
+  summary=$(grep -Eo '(ERROR|RACECHECK) SUMMARY: .*' "$ctl/$planted.log" | tail -1)
+  if [[ "$summary" =~ SUMMARY:\ [1-9] ]]; then
+    echo "control $planted ($tool): reported: $summary"
+  else
+    echo "control $planted ($tool): NOT reported ($summary) - the check would miss this bug"; status=1
+  fi
+done
+rm -f "$ctl"/*.cu
+exit $status

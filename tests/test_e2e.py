@@ -1,0 +1,192 @@
+"""The end-to-end training-step bench (benchmarks/e2e, run from a checkout), on CPU in CI.
+
+A smoke test of the tool, not a measurement: no timing is asserted. It checks that the three
+model families are the same model in linen and nnx, that every (model, API, variant) step
+traces, that the command runs end to end in a pipe and writes its outputs (on the CPU, with
+jax.profiler's trace), and the trace attribution rule on a hand-written HLO module. On a GPU
+it checks that each collector (CUPTI through torch.profiler, jax.profiler) sees the step's
+kernels and finds layernorm's among them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("flax")
+pytest.importorskip("optax")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+sys.path.insert(0, ROOT)  # the checkout: benchmarks/
+from benchmarks.e2e import cli, config, trace, train, variants  # noqa: E402
+
+
+def n_params(tree) -> int:
+    return sum(x.size for x in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize("name", sorted(config.SMALL))
+def test_linen_and_nnx_build_the_same_model_and_every_step_traces(name):
+    cfg = config.SMALL[name]
+    batch = config.make_batch(cfg, jnp.bfloat16)
+    counts = {}
+    for api in cli.APIS:
+        for v in ("flax", "jax_lnbwd"):
+            made = {}
+
+            def make():  # shapes only: nothing is computed or compiled
+                made["apply"], params = train.init(cfg, api, variants.VARIANTS[v], jnp.bfloat16, batch[0], 0)
+                return params
+            params = jax.eval_shape(make)
+            apply = made["apply"]
+            counts[api, v] = n_params(params)
+            logits = jax.eval_shape(apply, params, batch[0])
+            assert logits.shape == batch[1].shape + (cfg.vocab or cfg.classes,)
+            assert logits.dtype == jnp.bfloat16
+            grads = jax.eval_shape(jax.grad(lambda p: apply(p, batch[0]).astype(jnp.float32).sum()), params)
+            assert jax.tree.structure(grads) == jax.tree.structure(params)
+    assert len(set(counts.values())) == 1, counts  # 13 LayerNorms' scale and bias in every one
+
+
+def run_e2e(tmp_path, *extra, platform="cpu"):
+    """`python -m benchmarks.e2e --small ...` in a subprocess, as a user runs it (stdout a pipe);
+    returns (stdout + stderr, the rows of e2e.json). Tiny models, one block, unoptimized code
+    generation: compiling dominates, so it is kept short."""
+    # On a GPU this process may hold most of its memory already: the child allocates on demand.
+    env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0", NO_COLOR="",
+               JAX_PLATFORMS="cuda" if platform == "gpu" else "cpu", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    cmd = [sys.executable, "-m", "benchmarks.e2e", "--small", "--layers", "1", "--models", "vit",
+           "--rounds", "2", "--steps", "1", "--warmup", "1", "--trace-steps", "1", "--out", str(tmp_path),
+           *extra]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout + done.stderr, json.loads((tmp_path / "e2e.json").read_text())["rows"]
+
+
+def test_the_command_runs_end_to_end_in_a_pipe(tmp_path):
+    printed, rows = run_e2e(tmp_path)
+    assert "\033[" not in printed  # a pipe: no colour codes
+    assert {(r["api"], r["variant"]) for r in rows} == {(a, v) for a in cli.APIS for v in ("flax", "jax_lnbwd")}
+    assert all(len(r["round_ms"]) == 2 and r["ms"] > 0 for r in rows)
+    assert all(r["speedup"] == 1.0 for r in rows if r["variant"] == "flax")
+    for r in rows:  # on CPU: jax.profiler's per-instruction tasks
+        assert r["trace"]["ln_ms"] > 0 and r["trace"]["other_ms"] > 0 and r["trace"]["idle_ms"] >= 0
+    text = (tmp_path / "e2e.txt").read_text()
+    assert "jax_lnbwd" in text and "ms/step" in text
+    if _has("matplotlib"):
+        assert (tmp_path / "e2e.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("collector", ["torch", "jax"])
+def test_the_gpu_trace_finds_the_layernorm_kernels(tmp_path, collector):
+    # What the H200 run relies on: the collector sees the step's kernels, and the attribution
+    # finds layernorm's among them (our backward, 3 LayerNorms: at least 3 kernels a step).
+    if collector == "torch":
+        torch = pytest.importorskip("torch")
+        if not torch.cuda.is_available():
+            pytest.skip("torch sees no CUDA GPU")
+    _, rows = run_e2e(tmp_path, "--apis", "linen", "--trace", collector, platform="gpu")
+    assert len(rows) == 2
+    for r in rows:
+        t = r["trace"]
+        assert t and t["kernels"] > 10 and t["busy_ms"] > 0, t
+        assert t["ln_ms"] > 0 and t["other_ms"] > 0, t  # kernels matched to instructions of both kinds
+        assert t["unmapped_ms"] < 0.2 * t["kernel_ms"], t  # the name matching works
+    ours = next(r["trace"] for r in rows if r["variant"] == "jax_lnbwd")
+    assert ours["ln_kernels"] >= 3, ours
+
+
+def _has(module: str) -> bool:
+    try:
+        __import__(module)
+        return True
+    except ImportError:
+        return False
+
+
+HLO = """\
+HloModule jit_train_step
+
+%fused_computation (param_0: f32[4,8], param_1: f32[4,8]) -> f32[4,8] {
+  %param_0 = f32[4,8]{1,0} parameter(0)
+  %param_1 = f32[4,8]{1,0} parameter(1)
+  ROOT %add.1 = f32[4,8]{1,0} add(%param_0, %param_1), metadata={op_name="jit(f)/jvp(T)/e2e_layernorm/norm/add"}
+}
+
+%fused_computation.1 (param_0.1: f32[4,8]) -> f32[4,8] {
+  %param_0.1 = f32[4,8]{1,0} parameter(0)
+  %tanh.2 = f32[4,8]{1,0} tanh(%param_0.1), metadata={op_name="jit(f)/jvp(T)/mlp/tanh"}
+  ROOT %mul.3 = f32[4,8]{1,0} multiply(%tanh.2, %tanh.2), metadata={op_name="jit(f)/transpose(jvp(T))/e2e_layernorm/norm/mul"}
+}
+
+%region_0 (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %add.9 = f32[] add(%a, %b), metadata={op_name="jit(f)/jvp(T)/mlp/reduce_sum"}
+}
+
+%fused_computation.2 (param_0.2: f32[4,8]) -> f32[8] {
+  %param_0.2 = f32[4,8]{1,0} parameter(0)
+  %c = f32[] constant(0)
+  ROOT %reduce.4 = f32[8]{0} reduce(%param_0.2, %c), dimensions={0}, to_apply=%region_0, metadata={op_name="jit(f)/transpose(jvp(T))/e2e_layernorm/norm/reduce_sum"}
+}
+
+ENTRY %main.5 (Arg_0.1: f32[4,8], Arg_1.2: f32[4,8]) -> f32[8] {
+  %Arg_0.1 = f32[4,8]{1,0} parameter(0)
+  %Arg_1.2 = f32[4,8]{1,0} parameter(1)
+  %loop_add_fusion = f32[4,8]{1,0} fusion(%Arg_0.1, %Arg_1.2), kind=kLoop, calls=%fused_computation
+  %loop_multiply_fusion.2 = f32[4,8]{1,0} fusion(%loop_add_fusion), kind=kLoop, calls=%fused_computation.1
+  %custom-call.3 = f32[4,8]{1,0} custom-call(%loop_add_fusion), custom_call_target="__cublas$gemm", metadata={op_name="jit(f)/jvp(T)/mlp/dot_general"}
+  ROOT %input_reduce_fusion = f32[8]{0} fusion(%loop_multiply_fusion.2), kind=kInput, calls=%fused_computation.2
+}
+"""
+
+
+def test_attribution_rule_on_a_hand_written_module():
+    classes = trace.classify_hlo(HLO)
+    assert classes["loop_add_fusion"] == "ln"
+    assert classes["loop_multiply_fusion_2"] == "mixed"  # tanh outside the scope, mul inside
+    assert classes["custom_call_3"] == "other"
+    # The reduction's shared add (to_apply) carries another op's metadata: it must not count.
+    assert classes["input_reduce_fusion"] == "ln"
+    a = trace.attribute
+    assert a("loop_add_fusion", None, classes) == "ln"            # by kernel name
+    assert a("whatever", "loop_multiply_fusion.2", classes) == "mixed"  # by hlo_op
+    assert a("loop_add_fusion_1", None, classes) == "ln"          # a fusion's second kernel
+    assert a("void lnbwd::kernel12<bf16>(Params)", None, classes) == "ln"  # ours, by namespace
+    assert a("sm90_xmma_gemm_bf16bf16", None, classes) == "other"    # cuBLAS, by library name
+    assert a("nvjet_tst_128x256_64x4", None, classes) == "other"
+    assert a("loop_convert_fusion_7", None, classes) == "unmapped"  # XLA's, but no such instruction
+
+
+def test_summary_counts_overlaps_once_and_gaps_as_idle():
+    classes = {"ln_k": "ln", "mix_k": "mixed", "mm": "other"}
+    ns = 1e6  # 1 ms
+    events = [("ln_k", None, 0, 1 * ns), ("mm", None, 0.5 * ns, 2 * ns),  # overlap: busy 0..2.5
+              ("mix_k", None, 3 * ns, 1 * ns), ("fusion_9", None, 4 * ns, 2 * ns)]  # gap 2.5..3
+    s = trace.summarize(events, classes, steps=2)
+    assert s["kernel_ms"] == pytest.approx(3.0) and s["busy_ms"] == pytest.approx(2.75)
+    assert s["idle_ms"] == pytest.approx(0.25)
+    assert (s["ln_ms"], s["mixed_ms"], s["other_ms"], s["unmapped_ms"]) == pytest.approx((0.5, 0.5, 1.0, 1.0))
+
+
+def test_a_registered_variant_is_accepted_and_the_first_listed_is_the_baseline():
+    extra = variants.register(dataclasses.replace(variants.VARIANTS["flax"], name="extra"))
+    try:
+        a = cli.parse_args(["--small", "--variants", "extra,jax_lnbwd", "--models", "gpt"])
+        assert a.variants == ["extra", "jax_lnbwd"] and a.configs[0].d_model == config.SMALL["gpt"].d_model
+        assert variants.VARIANTS["extra"] is extra
+    finally:
+        del variants.VARIANTS["extra"]
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--variants", "flax,nope"])
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--dtypes", "float32", "--attention", "cudnn"])
