@@ -8,8 +8,10 @@
 # Needs nvcc (CUDA 12.8 or newer for the Blackwell cubins) and a C++17 compiler. The build
 # runs in pip's isolated environment (scikit-build-core and nanobind come from PyPI);
 # JAX_LNBWD_NO_ISOLATION=1 uses this Python's own instead (for machines without network).
-# It reuses the persistent build folder build/{wheel_tag}, so after `pip install -e .` of the
-# same settings nothing is compiled again.
+# Each isolated build compiles everything (scikit-build-core clears the CMake cache of the
+# persistent build folder build/{wheel_tag} for a new isolated environment); without isolation
+# an earlier --no-build-isolation build of the same settings is reused. Architectures a
+# developer cached there (-DCMAKE_CUDA_ARCHITECTURES) fail the check below, loudly.
 #
 # The wheel is then checked (cubins and PTX listed by cuobjdump, no libcudart.so needed) and
 # repaired by auditwheel (from PyPI, in build/release-tools-venv) into a manylinux_2_X wheel,
