@@ -21,6 +21,35 @@ for _name, _capsule, _platform in _jax_lnbwd.registrations():
     jax.ffi.register_ffi_target(_name, _capsule, platform=_platform)
 
 
+def _default_platform() -> str:
+    """The platform a computation traced now will run on unless told otherwise: that of
+    jax.default_device (or the jax_default_device setting) when set, else the default backend's.
+    Under jit the tracers carry no device, so this is the best trace time can know."""
+    device = jax.config.jax_default_device
+    if device is None:
+        return jax.default_backend()
+    return device if isinstance(device, str) else device.platform
+
+
+def check_handler_for_default_platform(op: str = "layernorm_bwd"):
+    """Raises at trace time if the FFI call of `op` is headed for a GPU with no handler of ours.
+
+    A build without nvcc has only the CPU handlers (WITH_CUDA False). On a GPU XLA would fail
+    only when compiling, with "No FFI handler registered ... on a platform CUDA", which says
+    neither why nor what to do. The check sits at each FFI call, not in layernorm: layernorm's
+    forward is jnp, so inference on the GPU still works with such a build; only the backward
+    (and the optional FFI forward, forward.layernorm_fwd_op) needs the handler."""
+    if WITH_CUDA or _default_platform() not in ("gpu", "cuda", "rocm"):
+        return
+    raise RuntimeError(
+        f"{op}: this jax_lnbwd was built without its CUDA handler (jax_lnbwd.WITH_CUDA is "
+        "False: no CUDA compiler, nvcc, was found when it was built), but JAX's default device "
+        f"is a GPU ({_default_platform()}), where {op} cannot run. Install a jax_lnbwd wheel "
+        "built with the CUDA kernels, or rebuild from source with the CUDA toolkit's nvcc on "
+        "the PATH: JAX_LNBWD_CUDA=ON pip install . (ON fails loudly if nvcc is missing). To run "
+        "on the CPU instead, use jax.default_device(jax.devices('cpu')[0]).")
+
+
 def varying_axes(*arrays) -> frozenset:
     """The shard_map mesh axes along which any of the arrays varies (their type's "varying
     manual axes"): empty outside shard_map, and with shard_map(check_vma=False)."""
@@ -51,6 +80,7 @@ def layernorm_bwd_segments(dy, x, weight, mean, rstd, *, segments: int, kernel: 
     call's results have the types we declare: all inputs are brought to the same varying
     axes (a replicated weight next to sharded rows, say) and the results vary along them too.
     """
+    check_handler_for_default_platform()
     axes = varying_axes(dy, x, weight, mean, rstd)
     dy, x, weight, mean, rstd = (vary(a, axes) for a in (dy, x, weight, mean, rstd))
     typed = _typed(axes)
@@ -108,6 +138,7 @@ def layernorm_bwd_segments_v2(dy, x, weight, mean, rstd, *, segments: int, kerne
     Absent dresidual is a zero-size placeholder with the attribute has_residual=False (one target,
     no aliasing then). Kernels 1-10 refuse both additions. Same shard_map typing as v1.
     """
+    check_handler_for_default_platform()
     check_v2_args(x, weight, dresidual)
     has_residual = dresidual is not None
     if dresidual is None:

@@ -46,6 +46,7 @@ def ffi_forward(x, weight, bias, eps: float):
     shard_map the results are typed as varying along every mesh axis any input varies along
     (a replicated weight next to sharded rows is cast to varying first), like jnp code.
     """
+    _ffi.check_handler_for_default_platform("layernorm_fwd_op")
     axes = _ffi.varying_axes(x, weight, bias)
     x, weight, bias = (_ffi.vary(a, axes) for a in (x, weight, bias))
     typed = dict(sharding=NamedSharding(jax.sharding.get_abstract_mesh(), P()),

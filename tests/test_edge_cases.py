@@ -85,8 +85,11 @@ def test_large_offsets_do_not_cancel(platform, kernel, dtype, offset, noise):
     x64 = f64(x)
     m64 = x64.mean(axis=1)
     r64 = 1 / np.sqrt(((x64 - m64[:, None]) ** 2).mean(axis=1) + 1e-5)
-    np.testing.assert_allclose(mean, m64, rtol=2 ** -23)
-    np.testing.assert_allclose(rstd, r64, rtol=1e-4)
+    # The tolerances allow for XLA's float32 sum order, which differs between jaxlib versions:
+    # jaxlib 0.10.0's CPU mean is 2.05e-7 off here (0.10.2's within 2^-23), and that offset
+    # of the centered values adds its square to the variance: rstd 2.0e-4 off (0.10.2's < 1e-4).
+    np.testing.assert_allclose(mean, m64, rtol=2 ** -21)
+    np.testing.assert_allclose(rstd, r64, rtol=5e-4)
     # The kernels, given those statistics, match float64 math on the same inputs: they center
     # x too, so nothing cancels.
     out = run_bwd(platform, dy, x, w, mean, rstd, kernel)
