@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _ffi, backward, config, primitive, reference
+from . import _ffi, backward, config, forward, primitive, reference
 from .kernels import DEFAULT_KERNEL, KERNELS
 
 _SUPPORTED = {"float32", "bfloat16", "float16", "float64"}
@@ -112,9 +112,22 @@ def _resolve_kernel(fn: str, kernel, block_size, dtype: str, C: int) -> tuple[in
 
 
 def _forward(x, weight, bias, eps: float):
-    """THE forward, (y, mean, rstd), for checked inputs: every path computes it here (jnp today;
-    an FFI forward kernel would replace this one function)."""
-    return reference.layernorm_fwd(x, weight, bias, eps)
+    """THE forward, (y, mean, rstd), for checked inputs: every path computes it here.
+
+    The fused FFI forward (forward.layernorm_fwd_op: reads x once) on CUDA, jnp's
+    (reference.layernorm_fwd) elsewhere, chosen per platform by jax.lax.platform_dependent when
+    the program is lowered (so an export for cpu and cuda carries both); the switch in
+    config.py (JAX_LNBWD_FORWARD, use_ffi_forward) forces either on every platform. The two
+    compute the same numbers (statistics in fp32, centered variance, y rounded once)."""
+    mode = config.ffi_forward_mode()
+    if mode == "xla":
+        return reference.layernorm_fwd(x, weight, bias, eps)
+    if mode == "ffi":
+        return forward.layernorm_fwd_op(x, weight, bias, eps)
+    return jax.lax.platform_dependent(
+        x, weight, bias,
+        cuda=lambda x, w, b: forward.layernorm_fwd_op(x, w, b, eps),
+        default=lambda x, w, b: reference.layernorm_fwd(x, w, b, eps))
 
 
 def layernorm_fwd(x, weight, bias, *, eps: float = 1e-5):
