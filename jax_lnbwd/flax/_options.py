@@ -94,7 +94,10 @@ def add_normalize(module_kind: str, x, residual, scale, bias, *, epsilon: float,
     y = normalize(s) by the rule above. When s already has the compute dtype (the usual case:
     all float32, or bf16 activations with dtype=bfloat16), ONE jax_lnbwd.add_layernorm does both,
     and its backward is one kernel call; otherwise (the compute dtype is wider than s's) s is
-    added in jnp and normalized like LayerNorm does, so the values are Flax's either way."""
+    added in jnp and normalized like LayerNorm does, so the values are Flax's either way.
+    residual None (a block with nothing to add yet): (normalize(x), x)."""
+    if residual is None:
+        return normalize(module_kind, x, scale, bias, epsilon=epsilon, dtype=dtype), x
     x, residual = jnp.asarray(x), jnp.asarray(residual)
     s_dtype = jnp.result_type(x, residual)
     probe = jax.ShapeDtypeStruct(x.shape, s_dtype)

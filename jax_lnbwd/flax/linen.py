@@ -40,13 +40,13 @@ class AddLayerNorm(nn.LayerNorm):
         y, h = AddLayerNorm()(h, attention_out)    # h = h + attention_out; y = LN(h)
         h2 = h + mlp(y)
 
-    s has jnp's promotion of x's and residual's dtypes. When the compute dtype is wider than
+    residual=None gives (LayerNorm(x), x). s has jnp's promotion of x's and residual's dtypes. When the compute dtype is wider than
     s's (bf16 activations with dtype=None and float32 params) the add and the norm are done
     separately, with Flax's numbers.
     """
 
     @nn.compact
-    def __call__(self, x, residual, *, mask=None):
+    def __call__(self, x, residual=None, *, mask=None):
         check_options(self, x, mask)
         scale, bias = _params(self, x)
         return add_normalize("linen", x, residual, scale, bias, epsilon=self.epsilon, dtype=self.dtype)

@@ -32,9 +32,9 @@ class AddLayerNorm(nnx.LayerNorm):
     """The residual add and a LayerNorm in one: `y, s = AddLayerNorm(n, rngs=rngs)(x, residual)`
     is `s = x + residual; y = LayerNorm(n, rngs=rngs)(s)` (same arguments, state and dtypes as
     LayerNorm above) through jax_lnbwd.add_layernorm, whose backward adds s's cotangent inside
-    the one kernel call."""
+    the one kernel call. residual=None gives (LayerNorm(x), x)."""
 
-    def __call__(self, x, residual, *, mask=None):
+    def __call__(self, x, residual=None, *, mask=None):
         check_options(self, x, mask)
         return add_normalize("nnx", x, residual, *_params(self), epsilon=self.epsilon, dtype=self.dtype)
 
