@@ -136,10 +136,14 @@ def _forward(x, weight, bias, eps: float):
         return reference.layernorm_fwd(x, weight, bias, eps)
     if mode == "ffi":
         return forward.layernorm_fwd_op(x, weight, bias, eps)
+    fused = lambda x, w, b: forward.layernorm_fwd_op(x, w, b, eps)  # noqa: E731
     return jax.lax.platform_dependent(
-        x, weight, bias,
-        cuda=lambda x, w, b: forward.layernorm_fwd_op(x, w, b, eps),
+        x, weight, bias, **{p: fused for p in FFI_FORWARD_PLATFORMS},
         default=lambda x, w, b: reference.layernorm_fwd(x, w, b, eps))
+
+
+# Where the default forward is the fused FFI op (jax.lax.platform_dependent's platform names).
+FFI_FORWARD_PLATFORMS = ("cuda",)
 
 
 def layernorm_fwd(x, weight, bias, *, eps: float = 1e-5):

@@ -105,3 +105,37 @@ def test_gpu_forward_is_the_fused_op(platform):
     f = jax.jit(lambda x, w, b: layernorm(x, w, b))
     assert f"{FWD}" in f.lower(x, w, b).compile().as_text()
     assert_close("y", f(x, w, b), reference.layernorm(x, w, b), "bfloat16")
+
+
+@pytest.fixture
+def ffi_branch_on_cpu(monkeypatch):
+    """The default (per-platform) forward with the CPU among the FFI platforms: the
+    platform_dependent branch that CUDA takes, exercised here."""
+    import sys
+    monkeypatch.setattr(sys.modules["jax_lnbwd.layernorm"], "FFI_FORWARD_PLATFORMS", ("cuda", "cpu"))
+
+
+def test_platform_branch_under_transformations(ffi_branch_on_cpu):
+    """The FFI branch of platform_dependent under jit, grad, vmap, sharded jit and export."""
+    x, dy, w, b = (jnp.asarray(a) for a in make_inputs((4, 6, 40), "bfloat16", seed=6))
+    w32 = w.astype(jnp.float32)
+    f = jax.jit(lambda x, w, b: layernorm(x, w, b))
+    assert FWD in f.lower(x, w32, b).compile().as_text()
+    assert_close("y", f(x, w32, b), reference.layernorm(x, w32, b), "bfloat16")
+    yv = jax.jit(jax.vmap(lambda x, w: layernorm(x, w, b)))(x, jnp.stack([w32 * (i + 1) for i in range(4)]))
+    assert_close("vmap y", yv[2], reference.layernorm(x[2], 3 * w32, b), "bfloat16")
+    g = jax.jit(jax.grad(lambda x, w: jnp.sum(layernorm(x, w, b).astype(jnp.float32) * dy), argnums=(0, 1)))(x, w32)
+    g_want = jax.grad(lambda x, w: jnp.sum(reference.layernorm(x, w, b).astype(jnp.float32) * dy),
+                      argnums=(0, 1))(x, w32)
+    assert_close("dx", g[0], g_want[0], "bfloat16")
+    assert_close("dweight", g[1], g_want[1], "bfloat16")
+    mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:4]).reshape(2, 2), ("a", "b"))
+    NS, P = jax.sharding.NamedSharding, jax.sharding.PartitionSpec
+    xs = jax.device_put(x, NS(mesh, P("a", "b")))
+    ws, bs = (jax.device_put(a, NS(mesh, P())) for a in (w32, b))
+    compiled = jax.jit(lambda x, w, b: layernorm(x, w, b)).lower(xs, ws, bs).compile()
+    assert "all-gather" not in compiled.as_text()    # each device normalizes its own rows
+    assert_close("sharded y", compiled(xs, ws, bs), reference.layernorm(x, w32, b), "bfloat16")
+    exported = export.export(jax.jit(lambda x, w, b: layernorm(x, w, b)), platforms=["cpu"],
+                             disabled_checks=DISABLED)(x, w32, b)
+    assert f"@{FWD}(" in exported.mlir_module()
