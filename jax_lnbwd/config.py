@@ -65,6 +65,7 @@ class use_xla_backward:
 #   * jax_lnbwd.use_ffi_forward(False): the same, overriding the environment; True forces the
 #     FFI forward on every platform (the CPU runs its C++ handler: how CPU tests reach it);
 #     None returns to the environment (the per-platform default). Also a context manager.
+# Under Explicit mesh axes (sharding in types) the default takes the jnp forward on every platform.
 
 FORWARD_ENV_VAR = "JAX_LNBWD_FORWARD"
 

@@ -136,10 +136,23 @@ def _forward(x, weight, bias, eps: float):
         return reference.layernorm_fwd(x, weight, bias, eps)
     if mode == "ffi":
         return forward.layernorm_fwd_op(x, weight, bias, eps)
+    if _explicitly_sharded(x, weight, bias):
+        # Explicit mesh axes (sharding in types): the FFI forward's results are typed without
+        # a sharding, which platform_dependent's branches must agree on; the jnp forward is.
+        return reference.layernorm_fwd(x, weight, bias, eps)
     fused = lambda x, w, b: forward.layernorm_fwd_op(x, w, b, eps)  # noqa: E731
     return jax.lax.platform_dependent(
         x, weight, bias, **{p: fused for p in FFI_FORWARD_PLATFORMS},
         default=lambda x, w, b: reference.layernorm_fwd(x, w, b, eps))
+
+
+def _explicitly_sharded(*arrays) -> bool:
+    """Whether any array's type names mesh axes (jax.sharding.AxisType.Explicit)."""
+    for a in arrays:
+        sharding = None if a is None else jax.typeof(a).sharding
+        if sharding is not None and any(e is not None for e in getattr(sharding, "spec", ())):
+            return True
+    return False
 
 
 # Where the default forward is the fused FFI op (jax.lax.platform_dependent's platform names).
@@ -157,7 +170,9 @@ def layernorm_fwd(x, weight, bias, *, eps: float = 1e-5):
 def layernorm_bwd(dy, x, weight, mean, rstd, *, kernel: int | None = None, block_size: int | None = None):
     """The raw backward op: (dx, dweight, dbias) given the forward's saved mean and rstd.
 
-    dy and x have any shape (..., C) with C >= 1; weight has shape (C,); mean and rstd have
+    dy and x have any shape (..., C) with C >= 1; weight has shape (C,) and x's dtype, or
+    float32 beside bfloat16/float16 x (mixed precision: target v2, float32 dweight/dbias; kernels
+    11 and 12); mean and rstd have
     shape x.shape[:-1] and dtype float32 (float64 when x is float64). dweight and dbias are
     summed over all leading axes (under vmap: per example). `kernel` picks a CUDA kernel from
     KERNELS (None: the default); the CPU runs a C++ reference for every kernel.
