@@ -40,32 +40,38 @@ from .kernels import KERNELS
 SEGMENT_KERNELS = frozenset(k for k, info in KERNELS.items() if info.segments)
 
 
-def reference_segments(dy, x, weight, mean, rstd, *, seg_dims: int):
-    """What the op computes, in jnp: reference.layernorm_bwd on each segment of rows."""
+def reference_segments(dy, x, weight, mean, rstd, *dresidual, seg_dims: int):
+    """What the op computes, in jnp: reference.layernorm_bwd on each segment of rows, plus the
+    residual gradient (if given) added to dx in fp32 and rounded once, as target v2 does."""
     segs, C = x.shape[:seg_dims], x.shape[-1]
     S, rows = math.prod(segs), math.prod(x.shape[seg_dims:-1])
     per_segment_weight = jnp.broadcast_to(weight.reshape(math.prod(weight.shape[:-1]), C), (S, C))
     dx, dweight, dbias = jax.vmap(reference.layernorm_bwd)(
         dy.reshape(S, rows, C), x.reshape(S, rows, C), per_segment_weight,
         mean.reshape(S, rows), rstd.reshape(S, rows))
-    return dx.reshape(x.shape), dweight.reshape(*segs, C), dbias.reshape(*segs, C)
+    dx = dx.reshape(x.shape)
+    if dresidual:
+        acc = reference.acc_dtype(x.dtype)
+        dx = (dx.astype(acc) + dresidual[0].astype(acc)).astype(x.dtype)
+    return dx, dweight.reshape(*segs, C), dbias.reshape(*segs, C)
 
 
-def _vmap_rule(seg_dims, kernel, block_size, caller, axis_size, in_batched, dy, x, weight, mean, rstd):
+def _vmap_rule(seg_dims, kernel, block_size, caller, axis_size, in_batched, dy, x, weight, mean, rstd, *dresidual):
     """custom_vmap rule: a batch of B problems is one problem with one more segment axis.
 
     custom_vmap has moved every batched argument's batch axis to the front, which is exactly
     where a new (outermost) segment axis goes: example b's rows are segment b's, and dweight/
     dbias come out per example, (B, *segments, C). An unbatched argument is the same for every
     example and is broadcast. The call goes through segmented_op again, so a further (outer)
-    vmap applies this rule once more: nested vmaps still make one FFI call.
+    vmap applies this rule once more: nested vmaps still make one FFI call. A residual gradient
+    (add_layernorm's) is batched like dy.
     """
     B = axis_size
-    dy_b, x_b, weight_b, mean_b, rstd_b = in_batched
+    dy_b, x_b, weight_b, mean_b, rstd_b, *res_b = in_batched
     example = x.shape[1:] if x_b else x.shape
     segs, C = example[:seg_dims], example[-1]
     if B == 0:  # an empty batch: nothing to compute
-        return (jnp.zeros((0, *example), x.dtype),) + (jnp.zeros((0, *segs, C), x.dtype),) * 2, (True,) * 3
+        return (jnp.zeros((0, *example), x.dtype),) + (jnp.zeros((0, *segs, C), weight.dtype),) * 2, (True,) * 3
 
     def batch(a, batched):
         return a if batched else jnp.broadcast_to(a, (B, *a.shape))
@@ -76,15 +82,21 @@ def _vmap_rule(seg_dims, kernel, block_size, caller, axis_size, in_batched, dy, 
         weight = jnp.broadcast_to(weight, (B, *segs, C))
     else:  # one weight shared by all segments, old and new
         weight = weight.reshape((1,) * (seg_dims + 1) + (C,))
-    out = segmented_op(seg_dims + 1, kernel, block_size, caller)(
-        batch(dy, dy_b), batch(x, x_b), weight, batch(mean, mean_b), batch(rstd, rstd_b))
+    out = segmented_op(seg_dims + 1, kernel, block_size, caller, bool(dresidual))(
+        batch(dy, dy_b), batch(x, x_b), weight, batch(mean, mean_b), batch(rstd, rstd_b),
+        *(batch(r, b) for r, b in zip(dresidual, res_b)))
     return out, (True, True, True)
 
 
 @functools.cache
-def segmented_op(seg_dims: int, kernel: int, block_size: int, caller: str):
-    """The FFI op for these static settings: op(dy, x, weight, mean, rstd) -> (dx, dweight, dbias).
+def segmented_op(seg_dims: int, kernel: int, block_size: int, caller: str, residual: bool = False):
+    """The FFI op for these static settings: op(dy, x, weight, mean, rstd) -> (dx, dweight, dbias),
+    or with `residual` op(dy, x, weight, mean, rstd, dresidual), whose dx is layernorm's dx +
+    dresidual (add_layernorm's backward).
 
+    Which target runs is decided by what it must do: v1 for a weight of x's dtype and no
+    residual (so programs and tests that used v1 still see v1), else v2 (a float32 weight
+    beside 16-bit x: float32 dweight/dbias; or a residual gradient, aliased to dx).
     Shapes as above; `caller` is the public function that errors name. The wrappers:
       * custom_partitioning (sharding.layernorm_bwd_segments): under a sharded jit each device
         runs the FFI on its own rows and dweight/dbias are summed with one psum;
@@ -100,12 +112,15 @@ def segmented_op(seg_dims: int, kernel: int, block_size: int, caller: str):
     itself is differentiated. Cached, so equal settings give the same function (and jit caches hit).
     """
     @jax.custom_batching.custom_vmap
-    def run(dy, x, weight, mean, rstd):
+    def run(dy, x, weight, mean, rstd, *dresidual):
         if math.prod(x.shape[:seg_dims]) > 1 and kernel not in SEGMENT_KERNELS:
             raise ValueError(
                 f"{caller}: kernel {kernel} sums dweight/dbias over all rows and cannot keep one sum "
                 f"per example: per-example (vmapped) dweight/dbias need kernel "
                 f"{' or '.join(map(str, sorted(SEGMENT_KERNELS)))} or kernel=None")
+        if residual or weight.dtype != x.dtype:
+            return sharding.layernorm_bwd_segments_v2(dy, x, weight, mean, rstd, seg_dims, kernel, block_size,
+                                                      dresidual[0] if residual else None)
         return sharding.layernorm_bwd_segments(dy, x, weight, mean, rstd, seg_dims, kernel, block_size)
 
     run.def_vmap(functools.partial(_vmap_rule, seg_dims, kernel, block_size, caller))
@@ -119,15 +134,18 @@ def segmented_op(seg_dims: int, kernel: int, block_size: int, caller: str):
     return op
 
 
-def backward(dy, x, weight, mean, rstd, *, seg_dims: int, kernel: int, block_size: int, caller: str):
+def backward(dy, x, weight, mean, rstd, *, seg_dims: int, kernel: int, block_size: int, caller: str,
+             dresidual=None):
     """(dx, dweight, dbias) by the op, for the layout above with possibly NO row axis.
 
     (x of shape (*segments, C): one row per segment; the op needs a row axis, so one is added.)
+    dresidual (x's shape and dtype), if given, is added to dx in the kernel (target v2).
     """
     if x.ndim == seg_dims + 1:
+        expand = lambda a: None if a is None else jnp.expand_dims(a, seg_dims)  # noqa: E731
         dx, dweight, dbias = backward(
-            jnp.expand_dims(dy, seg_dims), jnp.expand_dims(x, seg_dims), weight,
-            jnp.expand_dims(mean, seg_dims), jnp.expand_dims(rstd, seg_dims),
-            seg_dims=seg_dims, kernel=kernel, block_size=block_size, caller=caller)
+            expand(dy), expand(x), weight, expand(mean), expand(rstd), seg_dims=seg_dims, kernel=kernel,
+            block_size=block_size, caller=caller, dresidual=expand(dresidual))
         return jnp.squeeze(dx, seg_dims), dweight, dbias
-    return segmented_op(seg_dims, kernel, block_size, caller)(dy, x, weight, mean, rstd)
+    residual = () if dresidual is None else (dresidual,)
+    return segmented_op(seg_dims, kernel, block_size, caller, bool(residual))(dy, x, weight, mean, rstd, *residual)

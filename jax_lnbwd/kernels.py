@@ -179,3 +179,19 @@ def workspace_bytes(kernel: int, rows: int, C: int, dtype: str, block_size: int,
     info = KERNELS[kernel]
     per_segment = info.partial_slots(max(rows // segments, 1), block_size, max(sm_count() // segments, 1))
     return WORKSPACE_HEADER_BYTES + segments * per_segment * 2 * C * _acc_bytes(dtype)
+
+
+# Kernels that run target v2's additions (a float32 weight beside 16-bit data, a residual gradient
+# added to dx): the C++ refuses the others (ffi/checks.h, CheckV2Kernel); Python refuses them at
+# trace time with the same words.
+V2_KERNELS = frozenset({11, 12})
+
+
+def v2_refusal(kernel: int, *, mixed: bool, residual: bool) -> str | None:
+    """None if `kernel` can run what target v2 adds that this call needs, else why not."""
+    if kernel in V2_KERNELS or not (mixed or residual):
+        return None
+    what = ("a float32 weight/bias beside 16-bit x (mixed precision)" if mixed
+            else "an added residual gradient (add_layernorm)")
+    return (f"kernel {kernel} does not support {what}; kernels "
+            f"{' and '.join(map(str, sorted(V2_KERNELS)))} do (kernel=None picks the default, {DEFAULT_KERNEL})")

@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _ffi, backward, config, primitive, reference
-from .kernels import DEFAULT_KERNEL, KERNELS
+from . import _ffi, backward, config, forward, primitive, reference
+from .kernels import DEFAULT_KERNEL, KERNELS, v2_refusal
 
 _SUPPORTED = {"float32", "bfloat16", "float16", "float64"}
 
@@ -52,7 +52,8 @@ def _check_eps(fn: str, eps) -> float:
 
 
 def _check_param(fn: str, name: str, p, x) -> None:
-    """weight or bias: None (absent: scale 1, shift 0) or a (C,) array of x's dtype."""
+    """weight or bias: None (absent: scale 1, shift 0) or a (C,) array of x's dtype, or float32
+    beside bfloat16/float16 x (mixed precision: the parameter is never rounded to 16 bits)."""
     if p is None:
         return
     _check_float(fn, name, p)
@@ -60,9 +61,17 @@ def _check_param(fn: str, name: str, p, x) -> None:
     if tuple(p.shape) != (C,):
         raise ValueError(f"{fn}: '{name}' has shape {tuple(p.shape)} but expected ({C},) "
                          f"for x of shape {tuple(x.shape)}")
-    if p.dtype != x.dtype:
-        raise TypeError(f"{fn}: '{name}' has dtype {_dtype_name(p)} but x has dtype "
-                        f"{_dtype_name(x)}; cast them to one dtype")
+    if p.dtype != x.dtype and not (is_mixed(x, p)):
+        allowed = (f"{_dtype_name(x)} or float32" if _dtype_name(x) in ("bfloat16", "float16")
+                   else _dtype_name(x))
+        raise TypeError(f"{fn}: '{name}' has dtype {_dtype_name(p)} but expected {allowed} for x of "
+                        f"dtype {_dtype_name(x)}")
+
+
+def is_mixed(x, *params) -> bool:
+    """Whether a parameter is float32 beside bfloat16/float16 x (mixed precision: target v2)."""
+    return _dtype_name(x) in ("bfloat16", "float16") and any(
+        p is not None and _dtype_name(p) == "float32" for p in params)
 
 
 def _check_x(fn: str, x) -> None:
@@ -87,7 +96,10 @@ def _check_inputs(fn: str, x, weight, bias, eps) -> float:
     return eps
 
 
-def _resolve_kernel(fn: str, kernel, block_size, dtype: str, C: int) -> tuple[int, int]:
+def _resolve_kernel(fn: str, kernel, block_size, dtype: str, C: int, *, mixed: bool = False,
+                    residual: bool = False) -> tuple[int, int]:
+    """(kernel id, block size) for the backward, checked against x's dtype and C, and against
+    target v2's additions the call needs (mixed precision, a residual gradient)."""
     if kernel is None:
         kernel = DEFAULT_KERNEL
     if isinstance(kernel, bool) or not isinstance(kernel, (int, np.integer)) or int(kernel) not in KERNELS:
@@ -105,16 +117,46 @@ def _resolve_kernel(fn: str, kernel, block_size, dtype: str, C: int) -> tuple[in
                              f"(or 0), got {block_size!r}")
         raise ValueError(f"{fn}: kernel {info.id} accepts block_size in {list(info.block_sizes)} "
                          f"or None, got {block_size!r}")
-    why = info.refuse(C, dtype, int(block_size))
+    why = info.refuse(C, dtype, int(block_size)) or v2_refusal(info.id, mixed=mixed, residual=residual)
     if why is not None:
         raise ValueError(f"{fn}: {why}")
     return info.id, int(block_size)
 
 
 def _forward(x, weight, bias, eps: float):
-    """THE forward, (y, mean, rstd), for checked inputs: every path computes it here (jnp today;
-    an FFI forward kernel would replace this one function)."""
-    return reference.layernorm_fwd(x, weight, bias, eps)
+    """THE forward, (y, mean, rstd), for checked inputs: every path computes it here.
+
+    The fused FFI forward (forward.layernorm_fwd_op: reads x once) on CUDA, jnp's
+    (reference.layernorm_fwd) elsewhere, chosen per platform by jax.lax.platform_dependent when
+    the program is lowered (so an export for cpu and cuda carries both); the switch in
+    config.py (JAX_LNBWD_FORWARD, use_ffi_forward) forces either on every platform. The two
+    compute the same numbers (statistics in fp32, centered variance, y rounded once)."""
+    mode = config.ffi_forward_mode()
+    if mode == "xla":
+        return reference.layernorm_fwd(x, weight, bias, eps)
+    if mode == "ffi":
+        return forward.layernorm_fwd_op(x, weight, bias, eps)
+    if _explicitly_sharded(x, weight, bias):
+        # Explicit mesh axes (sharding in types): the FFI forward's results are typed without
+        # a sharding, which platform_dependent's branches must agree on; the jnp forward is.
+        return reference.layernorm_fwd(x, weight, bias, eps)
+    fused = lambda x, w, b: forward.layernorm_fwd_op(x, w, b, eps)  # noqa: E731
+    return jax.lax.platform_dependent(
+        x, weight, bias, **{p: fused for p in FFI_FORWARD_PLATFORMS},
+        default=lambda x, w, b: reference.layernorm_fwd(x, w, b, eps))
+
+
+def _explicitly_sharded(*arrays) -> bool:
+    """Whether any array's type names mesh axes (jax.sharding.AxisType.Explicit)."""
+    for a in arrays:
+        sharding = None if a is None else jax.typeof(a).sharding
+        if sharding is not None and any(e is not None for e in getattr(sharding, "spec", ())):
+            return True
+    return False
+
+
+# Where the default forward is the fused FFI op (jax.lax.platform_dependent's platform names).
+FFI_FORWARD_PLATFORMS = ("cuda",)
 
 
 def layernorm_fwd(x, weight, bias, *, eps: float = 1e-5):
@@ -128,7 +170,9 @@ def layernorm_fwd(x, weight, bias, *, eps: float = 1e-5):
 def layernorm_bwd(dy, x, weight, mean, rstd, *, kernel: int | None = None, block_size: int | None = None):
     """The raw backward op: (dx, dweight, dbias) given the forward's saved mean and rstd.
 
-    dy and x have any shape (..., C) with C >= 1; weight has shape (C,); mean and rstd have
+    dy and x have any shape (..., C) with C >= 1; weight has shape (C,) and x's dtype, or
+    float32 beside bfloat16/float16 x (mixed precision: target v2, float32 dweight/dbias; kernels
+    11 and 12); mean and rstd have
     shape x.shape[:-1] and dtype float32 (float64 when x is float64). dweight and dbias are
     summed over all leading axes (under vmap: per example). `kernel` picks a CUDA kernel from
     KERNELS (None: the default); the CPU runs a C++ reference for every kernel.
@@ -154,7 +198,8 @@ def layernorm_bwd(dy, x, weight, mean, rstd, *, kernel: int | None = None, block
         if s.dtype != stat:
             raise TypeError(f"{fn}: '{name}' has dtype {_dtype_name(s)} but expected {stat} "
                             f"for x of dtype {_dtype_name(x)}")
-    kernel, block_size = _resolve_kernel(fn, kernel, block_size, _dtype_name(x), x.shape[-1])
+    kernel, block_size = _resolve_kernel(fn, kernel, block_size, _dtype_name(x), x.shape[-1],
+                                         mixed=is_mixed(x, weight))
     if config.xla_backward_enabled():
         return reference.layernorm_bwd(dy, x, weight, mean, rstd)
     return backward.backward(dy, x, weight, mean, rstd, seg_dims=0, kernel=kernel, block_size=block_size,
@@ -177,14 +222,25 @@ def _layernorm_jvp(eps, kernel, block_size, primals, tangents):
     x, weight, bias = primals
     dx, dweight, dbias = tangents
     y, mean, rstd = _forward(x, weight, bias, eps)
-    C = x.shape[-1]
-    if weight is None:
-        weight, dweight = jnp.ones((C,), x.dtype), jnp.zeros((C,), x.dtype)
-    if bias is None:
-        dbias = jnp.zeros((C,), x.dtype)
+    weight, dweight, dbias = fill_params(x, weight, bias, dweight, dbias)
     dy = primitive.tangent_map(x, weight, mean, rstd, dx, dweight, dbias,
                                seg_dims=0, kernel=kernel, block_size=block_size)
     return y, dy
+
+
+def fill_params(x, weight, bias, dweight, dbias):
+    """(weight, dweight, dbias) with an absent weight as ones and absent tangents as zeros, in the
+    parameters' dtype (float32 beside 16-bit x when either present parameter is: then the
+    backward runs target v2 and the other parameter's gradient is summed in float32 too)."""
+    C = x.shape[-1]
+    dtype = jnp.float32 if is_mixed(x, weight, bias) else x.dtype
+    if weight is None:
+        weight, dweight = jnp.ones((C,), dtype), jnp.zeros((C,), dtype)
+    elif weight.dtype != dtype:   # a 16-bit weight beside a float32 bias: exact upcast
+        weight, dweight = weight.astype(dtype), dweight.astype(dtype)
+    if bias is None:
+        dbias = jnp.zeros((C,), dtype)
+    return weight, dweight, dbias
 
 
 def layernorm(x, weight, bias, *, eps: float = 1e-5, kernel: int | None = None, block_size: int | None = None):
@@ -193,15 +249,20 @@ def layernorm(x, weight, bias, *, eps: float = 1e-5, kernel: int | None = None, 
     x has any rank >= 1, a last axis (C) of at least 1 element, and dtype float32, bfloat16,
     float16 or float64 (float64 needs jax_enable_x64); weight and bias have shape (C,) and x's
     dtype, or are None (no scale / no shift, like Flax's use_scale=False / use_bias=False; no
-    gradient is returned for them). The forward runs in jnp (statistics in float32, float64
-    for float64); the backward (reverse mode) runs our FFI op with `kernel` (None: the
+    gradient is returned for them). Mixed precision: beside bfloat16/float16 x, weight and bias
+    may be float32. They are then never rounded: y is computed in fp32 and rounded once to x's
+    dtype, and their gradients are float32 sums from one kernel pass (target v2; kernels 11
+    and 12). y always has x's dtype; statistics are float32 (float64 for float64). The forward
+    is the fused FFI op on CUDA and jnp elsewhere (jax_lnbwd.use_ffi_forward,
+    JAX_LNBWD_FORWARD); the backward (reverse mode) runs our FFI op with `kernel` (None: the
     default kernel). Works under jit, grad and jvp (to any order: jacfwd, jacrev, hessian,
     linearize), vmap, scan, checkpoint and jax.export, and on sharded inputs: jit with
     shardings, and shard_map (see jax_lnbwd/sharding.py).
     """
     fn = "layernorm"
     eps = _check_inputs(fn, x, weight, bias, eps)
-    kernel, block_size = _resolve_kernel(fn, kernel, block_size, _dtype_name(x), x.shape[-1])
+    kernel, block_size = _resolve_kernel(fn, kernel, block_size, _dtype_name(x), x.shape[-1],
+                                         mixed=is_mixed(x, weight, bias))
     if config.xla_backward_enabled():
         return reference.layernorm(x, weight, bias, eps)
     # Inside shard_map, x usually varies along mesh axes along which a replicated weight and

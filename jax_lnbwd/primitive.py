@@ -91,14 +91,10 @@ def _abstract_eval(x, weight, mean, rstd, dx, dweight, dbias, *, seg_dims, kerne
     return x.update(weak_type=False)
 
 
-def _transpose(ct, x, weight, mean, rstd, dx, dweight, dbias, *, seg_dims, kernel, block_size):
-    """(dx, dweight, dbias) cotangents by the FFI op: dy -> the layernorm backward."""
-    if any(ad.is_undefined_primal(a) for a in (x, weight, mean, rstd)):
-        raise ValueError("jax_lnbwd: the layernorm tangent map is linear in dx, dweight and dbias "
-                         "only; it cannot be transposed in x, weight, mean or rstd")
-    linear = (dx, dweight, dbias)
-    if type(ct) is ad.Zero or not any(ad.is_undefined_primal(t) for t in linear):
-        return (None,) * 7
+def _backward(ct, x, weight, mean, rstd, dweight, dbias, dresidual, *, seg_dims, kernel, block_size):
+    """(gx, gweight, gbias): the FFI op on cotangent ct, with dweight/dbias's cotangents (None where
+    they are not being transposed) summed to their shapes. dresidual (None or x's shape) is
+    added to gx in the kernel (target v2)."""
     segs, C = x.shape[:seg_dims], x.shape[-1]
     # A segment axis along which the weight is shared and no per-segment sum is wanted (every
     # parameter tangent being transposed is shared too: grad of vmap with shared parameters)
@@ -113,18 +109,31 @@ def _transpose(ct, x, weight, mean, rstd, dx, dweight, dbias, *, seg_dims, kerne
     if math.prod(weight.shape[:-1]) != 1:
         weight = jnp.broadcast_to(weight, (*segs[:k], C))
     gx, gweight, gbias = backward.backward(ct, x, weight, mean, rstd, seg_dims=k, kernel=kernel,
-                                           block_size=block_size, caller="layernorm")
+                                           block_size=block_size, caller="layernorm", dresidual=dresidual)
 
     def summed(g, p):
         """Per-segment sums -> p's shape: a parameter shared by segments gets their total."""
+        if not ad.is_undefined_primal(p):
+            return None
         axes = tuple(i for i in range(k) if p.aval.shape[i] == 1 and segs[i] != 1)
         if axes:
             g = jnp.sum(g.astype(reference.acc_dtype(g.dtype)), axis=axes, keepdims=True)
         return g.reshape(p.aval.shape).astype(p.aval.dtype)
 
-    cts = (gx if ad.is_undefined_primal(dx) else None,
-           *(summed(g, p) if ad.is_undefined_primal(p) else None for g, p in ((gweight, dweight), (gbias, dbias))))
-    return (None,) * N_NONLINEAR + cts
+    return gx, summed(gweight, dweight), summed(gbias, dbias)
+
+
+def _transpose(ct, x, weight, mean, rstd, dx, dweight, dbias, *, seg_dims, kernel, block_size):
+    """(dx, dweight, dbias) cotangents by the FFI op: dy -> the layernorm backward."""
+    if any(ad.is_undefined_primal(a) for a in (x, weight, mean, rstd)):
+        raise ValueError("jax_lnbwd: the layernorm tangent map is linear in dx, dweight and dbias "
+                         "only; it cannot be transposed in x, weight, mean or rstd")
+    linear = (dx, dweight, dbias)
+    if type(ct) is ad.Zero or not any(ad.is_undefined_primal(t) for t in linear):
+        return (None,) * 7
+    gx, gweight, gbias = _backward(ct, x, weight, mean, rstd, dweight, dbias, None,
+                                   seg_dims=seg_dims, kernel=kernel, block_size=block_size)
+    return (None,) * N_NONLINEAR + (gx if ad.is_undefined_primal(dx) else None, gweight, gbias)
 
 
 def _jvp(primals, tangents, *, seg_dims, kernel, block_size):

@@ -38,7 +38,7 @@ def test_linen_and_nnx_build_the_same_model_and_every_step_traces(name):
     batch = config.make_batch(cfg, jnp.bfloat16)
     counts = {}
     for api in cli.APIS:
-        for v in ("flax", "jax_lnbwd"):
+        for v in ("flax", "jax_lnbwd", "add_layernorm"):
             made = {}
 
             def make():  # shapes only: nothing is computed or compiled
@@ -73,7 +73,8 @@ def run_e2e(tmp_path, *extra, platform="cpu"):
 def test_the_command_runs_end_to_end_in_a_pipe(tmp_path):
     printed, rows = run_e2e(tmp_path)
     assert "\033[" not in printed  # a pipe: no colour codes
-    assert {(r["api"], r["variant"]) for r in rows} == {(a, v) for a in cli.APIS for v in ("flax", "jax_lnbwd")}
+    assert {(r["api"], r["variant"]) for r in rows} == {(a, v) for a in cli.APIS
+                                                        for v in ("flax", "jax_lnbwd", "add_layernorm")}
     assert all(len(r["round_ms"]) == 2 and r["ms"] > 0 for r in rows)
     assert all(r["speedup"] == 1.0 for r in rows if r["variant"] == "flax")
     for r in rows:  # on CPU: jax.profiler's per-instruction tasks

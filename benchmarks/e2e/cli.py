@@ -36,8 +36,9 @@ def parse_args(argv):
     p.add_argument("--apis", default="linen,nnx", help="comma list from linen,nnx (default both)")
     p.add_argument("--dtypes", default="bfloat16",
                    help="compute dtypes, comma list from bfloat16,float32 (default bfloat16)")
-    p.add_argument("--variants", default="flax,jax_lnbwd",
-                   help="comma list of LayerNorm variants; the first is the baseline (default flax,jax_lnbwd)")
+    p.add_argument("--variants", default="flax,jax_lnbwd,add_layernorm",
+                   help="comma list of LayerNorm variants; the first is the baseline "
+                        "(default flax,jax_lnbwd,add_layernorm)")
     p.add_argument("--variant-module", action="append", default=[], metavar="MODULE",
                    help="import MODULE first: it registers more variants (see benchmarks/e2e/variants.py)")
     p.add_argument("--small", action="store_true", help="tiny models for a CPU smoke test")

@@ -10,8 +10,10 @@ into the kernel (``jax_lnbwd.add_layernorm``) plugs in without touching the mode
     register(Variant("fused", linen=MyLinenAddNorm, nnx=MyNnxAddNorm))
 
 where ``MyLinenAddNorm(dtype=..., epsilon=...)`` is a linen module and ``MyNnxAddNorm(features,
-dtype=..., epsilon=..., rngs=...)`` an nnx one, each with the call above. Run it with
-``--variants flax,jax_lnbwd,fused``; a module outside this folder can be loaded first with
+dtype=..., epsilon=..., rngs=...)`` an nnx one, each with the call above. Registered here:
+``flax`` (flax's LayerNorm), ``jax_lnbwd`` (the drop-in jax_lnbwd.flax.LayerNorm after a jnp add)
+and ``add_layernorm`` (jax_lnbwd.flax.AddLayerNorm: add and norm fused, one backward call).
+Run another with ``--variants flax,jax_lnbwd,fused``; a module outside this folder can be loaded first with
 ``--variant-module my.module`` (it calls register() when imported). The first variant listed
 is the baseline that the others' step-time ratios are taken against.
 """
@@ -73,3 +75,35 @@ def register(variant: Variant) -> Variant:
 register(Variant("flax", linen=linen_add_norm(nn.LayerNorm), nnx=nnx_add_norm(nnx.LayerNorm)))
 register(Variant("jax_lnbwd", linen=linen_add_norm(jax_lnbwd.flax.LayerNorm),
                  nnx=nnx_add_norm(jax_lnbwd.flax.nnx.LayerNorm)))
+
+
+def linen_fused_add_norm(cls: type) -> type:
+    """An add & norm linen module that IS a residual-fused module (jax_lnbwd.flax.AddLayerNorm's
+    API: (x, residual) -> (y, x + residual)); its params sit under "norm" like the others'."""
+    class AddNorm(nn.Module):
+        dtype: Any
+        epsilon: float
+
+        @nn.compact
+        def __call__(self, x, residual=None):
+            return cls(dtype=self.dtype, epsilon=self.epsilon, name="norm")(x, residual)
+    AddNorm.__name__ = AddNorm.__qualname__ = f"AddNorm_fused_{cls.__module__.split('.')[0]}"
+    return AddNorm
+
+
+def nnx_fused_add_norm(cls: type) -> type:
+    """The nnx counterpart of linen_fused_add_norm."""
+    class AddNorm(nnx.Module):
+        def __init__(self, features: int, *, dtype, epsilon: float, rngs: nnx.Rngs):
+            self.norm = cls(features, dtype=dtype, epsilon=epsilon, rngs=rngs)
+
+        def __call__(self, x, residual=None):
+            return self.norm(x, residual)
+    AddNorm.__name__ = AddNorm.__qualname__ = f"AddNorm_fused_{cls.__module__.split('.')[0]}"
+    return AddNorm
+
+
+# The residual-fused block: the add and the LayerNorm in one op (jax_lnbwd.add_layernorm), whose
+# backward adds the residual stream's gradient inside the one kernel call.
+register(Variant("add_layernorm", linen=linen_fused_add_norm(jax_lnbwd.flax.AddLayerNorm),
+                 nnx=nnx_fused_add_norm(jax_lnbwd.flax.nnx.AddLayerNorm)))

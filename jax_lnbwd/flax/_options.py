@@ -13,8 +13,10 @@ same number up to rounding, and it does not lose digits when |mean| >> std.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
+from ..add_layernorm import add_layernorm
 from ..layernorm import layernorm
 
 
@@ -39,7 +41,70 @@ def check_options(module, x, mask) -> None:
                          "reduces in float32 (float64 for float64)")
 
 
-def normalize(x, scale, bias, *, epsilon: float, dtype):
-    """jax_lnbwd.layernorm of x, scale and bias all cast to `dtype` (the op needs one dtype)."""
-    x, scale, bias = (None if a is None else jnp.asarray(a, dtype) for a in (x, scale, bias))
-    return layernorm(x, scale, bias, eps=epsilon)
+# --- dtypes ----------------------------------------------------------------------------------------
+#
+# Flax's rule (linen and nnx alike): the output dtype is `dtype`, or when None the promotion of
+# x's dtype and the parameters' (bf16 x with float32 params: float32). Both compute in float32
+# (float64 for float64) and cast y to that dtype once; linen from x and the parameters as they
+# are, nnx after first casting x, scale and bias to `dtype` (promote_dtype).
+#
+# Our op returns y in x's dtype, computed in fp32 from float32 (or x's dtype) parameters. So:
+#   * x is cast to the compute dtype `compute`: for linen the wider of x's dtype and the output
+#     dtype (only then could a narrower x not hold the result: bf16 x with dtype=None and float32
+#     params gives a float32 y, as in Flax); for nnx the output dtype, as nnx casts x;
+#   * the parameters are passed as they are when the op takes them: in `compute`, or float32
+#     beside 16-bit `compute` (mixed precision: never rounded, float32 gradients). Any other
+#     dtype is cast exactly (bf16 to float32, say), or, rarely, rounded (float64 params
+#     beside a float32 x) to `compute`;
+#   * y is cast to the output dtype if it differs (x float32 with dtype=bfloat16: y is
+#     computed in float32 and rounded once, as Flax does).
+# The common mixed-precision setup, dtype=bfloat16 with float32 params and bf16 activations,
+# thus runs the op on bf16 x with float32 scale and bias: no cast at all.
+
+
+def dtypes_for(module_kind: str, x, scale, bias, dtype):
+    """(output dtype, compute dtype) by Flax's rule above; module_kind is 'linen' or 'nnx'."""
+    args = [a for a in (x, scale, bias) if a is not None]
+    out = jnp.dtype(dtype) if dtype is not None else jnp.dtype(jnp.result_type(*args))
+    compute = jnp.promote_types(x.dtype, out) if module_kind == "linen" else out
+    return out, jnp.dtype(compute)
+
+
+def _param_as_op_takes(p, compute):
+    """p as is if the op takes it beside x of dtype `compute`, else cast (see above)."""
+    if p is None:
+        return None
+    p = jnp.asarray(p)
+    sixteen = compute in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    if p.dtype == compute or (sixteen and p.dtype == jnp.float32):
+        return p
+    return p.astype(jnp.float32 if sixteen else compute)
+
+
+def normalize(module_kind: str, x, scale, bias, *, epsilon: float, dtype):
+    """jax_lnbwd.layernorm of x, scale and bias with Flax's dtypes (the rule above)."""
+    out, compute = dtypes_for(module_kind, x, scale, bias, dtype)
+    x = jnp.asarray(x, compute)
+    y = layernorm(x, _param_as_op_takes(scale, compute), _param_as_op_takes(bias, compute), eps=epsilon)
+    return y.astype(out)
+
+
+def add_normalize(module_kind: str, x, residual, scale, bias, *, epsilon: float, dtype):
+    """(y, s): s = x + residual with jnp's promotion (what `x + residual` gives in a Flax block),
+    y = normalize(s) by the rule above. When s already has the compute dtype (the usual case:
+    all float32, or bf16 activations with dtype=bfloat16), ONE jax_lnbwd.add_layernorm does both,
+    and its backward is one kernel call; otherwise (the compute dtype is wider than s's) s is
+    added in jnp and normalized like LayerNorm does, so the values are Flax's either way.
+    residual None (a block with nothing to add yet): (normalize(x), x)."""
+    if residual is None:
+        return normalize(module_kind, x, scale, bias, epsilon=epsilon, dtype=dtype), x
+    x, residual = jnp.asarray(x), jnp.asarray(residual)
+    s_dtype = jnp.result_type(x, residual)
+    probe = jax.ShapeDtypeStruct(x.shape, s_dtype)
+    out, compute = dtypes_for(module_kind, probe, scale, bias, dtype)
+    if compute != s_dtype:
+        s = x + residual
+        return normalize(module_kind, s, scale, bias, epsilon=epsilon, dtype=dtype), s
+    y, s = add_layernorm(x.astype(s_dtype), residual.astype(s_dtype), _param_as_op_takes(scale, compute),
+                         _param_as_op_takes(bias, compute), eps=epsilon)
+    return y.astype(out), s

@@ -1,10 +1,9 @@
-"""jax_lnbwd.flax.LayerNorm: flax.linen.LayerNorm with jax_lnbwd's backward."""
+"""jax_lnbwd.flax.LayerNorm and AddLayerNorm: flax.linen.LayerNorm with jax_lnbwd's op."""
 from __future__ import annotations
 
 import flax.linen as nn
-from flax.linen import dtypes
 
-from ._options import check_options, normalize
+from ._options import add_normalize, check_options, normalize
 
 
 class LayerNorm(nn.LayerNorm):
@@ -15,20 +14,47 @@ class LayerNorm(nn.LayerNorm):
     initializers with the same RNG streams; auto-named `LayerNorm_<n>` like Flax's, so
     parameter trees and checkpoints are interchangeable. Normalization is over the last axis.
 
-    dtypes as in Flax: the computation dtype is `dtype`, or when None the promotion of x's
-    dtype and the parameters' (x bfloat16 with float32 params: float32). x, scale and bias are
-    cast to it, since our op takes one dtype; statistics are float32 (float64 for float64).
-    With dtype=bfloat16 and float32 params, the params are thus rounded to bfloat16 before
-    use, as flax.nnx.LayerNorm does (linen's multiplies by the float32 scale and rounds the
-    result): outputs differ by bfloat16 rounding. Unsupported options raise a ValueError
-    (see jax_lnbwd/flax/_options.py).
+    dtypes exactly as in linen: y has `dtype`, or when None the promotion of x's dtype and the
+    parameters'; it is computed in float32 (float64 for float64) from x and the parameters as
+    they are, and rounded once. float32 parameters are never rounded: beside bf16/fp16 x they
+    go to the op as float32 (mixed precision: float32 scale/bias gradients). x is cast only
+    when the output dtype is wider than x's (bf16 x, float32 params, dtype=None: y is float32,
+    as in Flax); with dtype=bfloat16 it is not cast at all. (The rule: _options.py.)
+    Unsupported options raise a ValueError (see jax_lnbwd/flax/_options.py).
     """
 
     @nn.compact
     def __call__(self, x, *, mask=None):
         check_options(self, x, mask)
-        features = (x.shape[-1],)
-        scale = self.param("scale", self.scale_init, features, self.param_dtype) if self.use_scale else None
-        bias = self.param("bias", self.bias_init, features, self.param_dtype) if self.use_bias else None
-        dtype = dtypes.canonicalize_dtype(x, scale, bias, dtype=self.dtype)
-        return normalize(x, scale, bias, epsilon=self.epsilon, dtype=dtype)
+        scale, bias = _params(self, x)
+        return normalize("linen", x, scale, bias, epsilon=self.epsilon, dtype=self.dtype)
+
+
+class AddLayerNorm(nn.LayerNorm):
+    """The residual add and a LayerNorm in one: `y, s = AddLayerNorm()(x, residual)` is
+    `s = x + residual; y = nn.LayerNorm()(s)` with the same fields, parameters (`scale`, `bias`
+    of shape (features,), same initializers) and dtypes as LayerNorm above, but through
+    jax_lnbwd.add_layernorm: the backward adds the residual stream's gradient (s's cotangent)
+    inside the one kernel call. For a pre-LN block:
+
+        y, h = AddLayerNorm()(h, attention_out)    # h = h + attention_out; y = LN(h)
+        h2 = h + mlp(y)
+
+    residual=None gives (LayerNorm(x), x). s has jnp's promotion of x's and residual's dtypes. When the compute dtype is wider than
+    s's (bf16 activations with dtype=None and float32 params) the add and the norm are done
+    separately, with Flax's numbers.
+    """
+
+    @nn.compact
+    def __call__(self, x, residual=None, *, mask=None):
+        check_options(self, x, mask)
+        scale, bias = _params(self, x)
+        return add_normalize("linen", x, residual, scale, bias, epsilon=self.epsilon, dtype=self.dtype)
+
+
+def _params(module, x):
+    """(scale, bias) as linen.LayerNorm makes them (None where unused)."""
+    features = (x.shape[-1],)
+    scale = module.param("scale", module.scale_init, features, module.param_dtype) if module.use_scale else None
+    bias = module.param("bias", module.bias_init, features, module.param_dtype) if module.use_bias else None
+    return scale, bias

@@ -1,13 +1,14 @@
-"""jax_lnbwd.flax.nnx.LayerNorm: flax.nnx.LayerNorm with jax_lnbwd's backward.
+"""jax_lnbwd.flax.nnx.LayerNorm and AddLayerNorm: flax.nnx.LayerNorm with jax_lnbwd's op.
 
     from jax_lnbwd.flax import nnx as lnbwd_nnx
     norm = lnbwd_nnx.LayerNorm(num_features, rngs=rngs)   # in place of nnx.LayerNorm(...)
+    y, s = lnbwd_nnx.AddLayerNorm(num_features, rngs=rngs)(x, residual)   # s = x + residual
 """
 from __future__ import annotations
 
 from flax import nnx
 
-from ._options import check_options, normalize
+from ._options import add_normalize, check_options, normalize
 
 
 class LayerNorm(nnx.LayerNorm):
@@ -15,14 +16,31 @@ class LayerNorm(nnx.LayerNorm):
 
     A subclass: __init__ is Flax's own (same arguments, defaults, `scale`/`bias` Params, RNG
     use, metadata), so the module's state is the same; only __call__ differs. dtypes as in
-    nnx: x, scale and bias are promoted to one dtype (`dtype` if given) by the module's
-    `promote_dtype`, then normalized over the last axis; statistics are float32 (float64 for
-    float64). Unsupported options raise a ValueError (see jax_lnbwd/flax/_options.py).
+    nnx: y has `dtype`, or when None the promotion of x's and the parameters' dtypes, and x is
+    cast to it as nnx casts it; statistics are float32 (float64 for float64). Unlike nnx, float32
+    parameters are never rounded: beside bf16/fp16 x they go to the op as float32 (mixed
+    precision: float32 scale/bias gradients). The rule: _options.py. Unsupported options
+    raise a ValueError (see jax_lnbwd/flax/_options.py).
     """
 
     def __call__(self, x, *, mask=None):
         check_options(self, x, mask)
-        scale = None if self.scale is None else self.scale[...]
-        bias = None if self.bias is None else self.bias[...]
-        x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
-        return normalize(x, scale, bias, epsilon=self.epsilon, dtype=x.dtype)
+        return normalize("nnx", x, *_params(self), epsilon=self.epsilon, dtype=self.dtype)
+
+
+class AddLayerNorm(nnx.LayerNorm):
+    """The residual add and a LayerNorm in one: `y, s = AddLayerNorm(n, rngs=rngs)(x, residual)`
+    is `s = x + residual; y = LayerNorm(n, rngs=rngs)(s)` (same arguments, state and dtypes as
+    LayerNorm above) through jax_lnbwd.add_layernorm, whose backward adds s's cotangent inside
+    the one kernel call. residual=None gives (LayerNorm(x), x)."""
+
+    def __call__(self, x, residual=None, *, mask=None):
+        check_options(self, x, mask)
+        return add_normalize("nnx", x, residual, *_params(self), epsilon=self.epsilon, dtype=self.dtype)
+
+
+def _params(module):
+    """(scale, bias) values (None where unused)."""
+    scale = None if module.scale is None else module.scale[...]
+    bias = None if module.bias is None else module.bias[...]
+    return scale, bias
