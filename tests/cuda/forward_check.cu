@@ -45,11 +45,9 @@ using namespace lnbwd;
     }                                                                                          \
   } while (0)
 
-static size_t item_bytes(Dtype d) { return d == Dtype::kF64 ? 8 : d == Dtype::kF32 ? 4 : 2; }
-static size_t stat_bytes(Dtype d) { return d == Dtype::kF64 ? 8 : 4; }
-static const char* dtype_name(Dtype d) {
-  return d == Dtype::kF64 ? "float64" : d == Dtype::kF32 ? "float32" : d == Dtype::kBF16 ? "bfloat16" : "float16";
-}
+// Sizes and names from ffi/kernels/dtype.h.
+static size_t item_bytes(Dtype d) { return dtype_item_bytes(d); }
+static size_t stat_bytes(Dtype d) { return dtype_acc_bytes(d); }
 static const char* path_name(FwdPath p) {
   return p == FwdPath::kAuto ? "auto" : p == FwdPath::kRegisters ? "registers" : p == FwdPath::kSharedMemory ? "smem" : "global";
 }

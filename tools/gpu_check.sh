@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# One GPU session's checks, in stages, each logging under OUT (default $OUT or /tmp/gpu_check):
+#   tools/gpu_check.sh STAGE...
+# Stages:
+#   build      pip install the package (no build isolation: the machine's jax and its CUDA plugin)
+#   tests      the GPU test suite (pytest -m gpu), the slow ones (a second build, 100,000 segments)
+#              included only with SLOW=1
+#   check      tests/cuda/check.cu for every kernel (LNBWD_QUICK=1), and the forward's check
+#   sanitize   compute-sanitizer over kernels 11 and 12 and the forward (run_sanitizers.sh)
+#   kernels    the kernel bench on the issue shapes, three dtypes
+#   coop       the same bench with the cooperative in-grid finish (A/B of the launch path)
+#   forward    the forward bench
+#   e2e        the training-step bench
+# Wheels under .carry/wheels (e.g. liger-kernel, a bench peer) are installed first when present.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+SHAPES=${SHAPES:-16384x1600,16384x2048,16384x4096,8192x8192,4096x16384,1024x768}
+status=0
+run() {   # run NAME COMMAND...: tee the output to OUT/NAME.log, remember a failure
+  local name=$1
+  shift
+  echo "=== $name: $*"
+  local t0=$SECONDS
+  "$@" 2>&1 | tee "$OUT/$name.log" | tail -n "${TAIL:-15}"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: rc=$rc in $((SECONDS - t0)) s"
+  [ "$rc" -eq 0 ] || status=1
+}
+for stage in "$@"; do
+  case $stage in
+    build)
+      ls .carry/wheels/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps .carry/wheels/*.whl
+      # Editable: `python -m pytest` puts the checkout first on sys.path, where an installed
+      # (non-editable) package would be shadowed by the source folder, which has no extension.
+      run build python3 -m pip install -q --no-build-isolation --no-deps -e . ;;
+    tests)
+      deselect=()
+      [ -n "${SLOW:-}" ] || deselect=(--deselect tests/test_arch_build.py)
+      run tests python3 -m pytest -q -m gpu -n "${JOBS:-4}" "${deselect[@]}" tests ;;
+    check)
+      nvcc -O3 -std=c++17 -arch=sm_90 -Iffi/kernels -Iffi tests/cuda/check.cu ffi/registry.cc \
+        $(find ffi/kernels -name '*.cu') -o /tmp/lnbwd_check && LNBWD_QUICK=1 run check /tmp/lnbwd_check
+      ;;
+    sanitize)
+      KERNELS="11 12" run sanitize tests/cuda/run_sanitizers.sh "$OUT/sanitizers"
+      run sanitize_forward tests/cuda/run_forward_sanitizers.sh "$OUT/forward_sanitizers" ;;
+    kernels)
+      run kernels python3 -m benchmarks.kernels --dtypes bfloat16,float32,float16 --shapes "$SHAPES" \
+        --no-progress --out "$OUT/kernels" ;;
+    coop)
+      JAX_LNBWD_COOPERATIVE_FINISH=1 run coop python3 -m benchmarks.kernels --dtypes bfloat16,float32,float16 \
+        --shapes "$SHAPES" --peers copy --no-progress --out "$OUT/coop" ;;
+    forward)
+      run forward python3 benchmarks/forward.py ;;
+    e2e)
+      TAIL=40 run e2e python3 -m benchmarks.e2e ${E2E_ARGS:-} --out "$OUT/e2e" ;;
+    *) echo "unknown stage $stage"; status=2 ;;
+  esac
+done
+exit $status
