@@ -40,7 +40,7 @@ unset CUDA_HOME CUDA_PATH CUDACXX CUDAToolkit_ROOT
 if command -v nvcc; then echo "check_wheel: nvcc still found" >&2; exit 1; fi
 echo "check_wheel: no nvcc on the PATH; LD_LIBRARY_PATH='$LD_LIBRARY_PATH'"
 
-cp -r "$src/tests" "$src/examples" "$work/"
+cp -r "$src/tests" "$src/examples" "$src/benchmarks" "$work/"
 cp "$src/pyproject.toml" "$work/"   # pytest's settings (markers) only
 cd "$work"
 so=$(ls "$venv_site"/jax_lnbwd/_jax_lnbwd*.so)
