@@ -136,13 +136,16 @@ def _forward(x, weight, bias, eps: float):
         return reference.layernorm_fwd(x, weight, bias, eps)
     if mode == "ffi":
         return forward.layernorm_fwd_op(x, weight, bias, eps)
-    if _explicitly_sharded(x, weight, bias):
+    # A build without the CUDA handler has no fused forward for CUDA; the jnp forward needs no
+    # handler, so inference still runs there (only the backward raises, _ffi.py).
+    platforms = [p for p in FFI_FORWARD_PLATFORMS if p != "cuda" or _ffi.WITH_CUDA]
+    if not platforms or _explicitly_sharded(x, weight, bias):
         # Explicit mesh axes (sharding in types): the FFI forward's results are typed without
         # a sharding, which platform_dependent's branches must agree on; the jnp forward is.
         return reference.layernorm_fwd(x, weight, bias, eps)
     fused = lambda x, w, b: forward.layernorm_fwd_op(x, w, b, eps)  # noqa: E731
     return jax.lax.platform_dependent(
-        x, weight, bias, **{p: fused for p in FFI_FORWARD_PLATFORMS},
+        x, weight, bias, **{p: fused for p in platforms},
         default=lambda x, w, b: reference.layernorm_fwd(x, w, b, eps))
 
 
