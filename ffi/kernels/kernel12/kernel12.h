@@ -2,11 +2,24 @@
 // (tools/tune/), which run configurations directly. The FFI glue uses api.h only.
 #pragma once
 
+#include <cstddef>
+#include <type_traits>
 #include <vector>
 
 #include "api.h"
+#include "common/vec.cuh"
 
 namespace lnbwd {
+
+// Threads per block. A thread keeps 2 * NV * VEC sums, its weight columns and one row of dy and
+// x in registers; up to 32 bytes of sums (8 fp32) fit the 64 registers a 1024-thread block
+// allows, more needs the 128 of a 512-thread block (else the compiler reports spills).
+constexpr int kernel12_max_threads(size_t sum_bytes) { return sum_bytes <= 32 ? 1024 : 512; }
+constexpr int kKernel12MaxGroups = 15;   // row groups per block: named barriers 1..15
+
+// Split rows exist for the types whose sums are fp32 (the pair a group sends is two floats).
+template <typename T>
+constexpr bool kCanSplit = std::is_same_v<acc_t<T>, float>;
 
 struct Kernel12Config {
   int nv = 1;       // 16-byte vectors per thread per row
@@ -23,6 +36,9 @@ struct Kernel12Config {
 std::vector<Kernel12Config> kernel12_candidates(Dtype dtype, int64_t C, const DeviceLimits& lim,
                                                 bool weight_f32 = false);
 bool kernel12_pick(Dtype dtype, int64_t C, const DeviceLimits& lim, Kernel12Config* cfg, bool weight_f32 = false);
+// Dynamic shared memory of one block of this configuration, C being the columns of a row that
+// one block takes (C / split); item and acc the bytes of T and acc_t<T>.
+size_t kernel12_smem_bytes(const Kernel12Config& cfg, int64_t C, size_t item, size_t acc);
 cudaError_t layernorm_bwd_kernel12_config(const LayernormBwdParams& p, const Kernel12Config& cfg, cudaStream_t stream);
 
 // Rows too wide for the per-group ring: one row per block, streamed in chunks, once per pass

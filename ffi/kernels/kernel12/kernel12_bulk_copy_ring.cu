@@ -9,9 +9,8 @@
 //
 // Work split (as kernel 11): a block holds `groups` row groups of `tpr` threads; block b of a
 // segment's B blocks owns the rows b, b + B, b + 2B, ..., dealt to its groups in turn, so group g
-// walks rows b + g*B, then + groups*B, ... (blocks' row counts differ by at most one: rows
-// handed out group-major, b*groups + g, left a third of the SMs a whole row per group more at
-// 16384 rows of 1600); thread t owns the columns
+// walks rows b + g*B, then + groups*B, ... (so blocks' row counts differ by at most one); thread
+// t owns the columns
 // col(j) = (j * tpr + t) * VEC, j < NV, for every row, so its dweight/dbias sums stay in
 // registers (no atomics, no shared-memory traffic) until the end.
 //
@@ -52,11 +51,6 @@
 namespace lnbwd {
 namespace {
 
-// Threads per block. A thread keeps 2 * NV * VEC sums, its weight columns and one row of dy and
-// x in registers; up to 32 bytes of sums (8 fp32) that fits the 64 registers a 1024-thread
-// block allows, more needs the 128 of a 512-thread block (else the compiler reports spills).
-constexpr int max_threads(size_t sum_bytes) { return sum_bytes <= 32 ? 1024 : 512; }
-constexpr int kMaxGroups = 15;               // named barriers 1..15
 
 // O: the type of weight, dweight and dbias (T, or float beside 16-bit T: mixed precision);
 // RESID: dresidual is added to dx (dispatch_types, launch.cuh).
@@ -64,7 +58,7 @@ constexpr int kMaxGroups = 15;               // named barriers 1..15
 // converted once; or T itself (O = T only), half the bytes, converted in every pass, for 16-bit
 // rows so wide that an fp32 copy of the weight would cost the ring a buffer.
 template <typename T, typename O, bool RESID, int VEC, int NV, int NB, bool REGS, typename W, int SPLIT>
-__global__ void __launch_bounds__(max_threads(NV * VEC * sizeof(acc_t<T>)), 1)
+__global__ void __launch_bounds__(kernel12_max_threads(NV * VEC * sizeof(acc_t<T>)), 1)
 kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __restrict__ dy,
               const T* __restrict__ x, const O* __restrict__ weight, const T* dresidual,
               const stat_t<T>* __restrict__ mean, const stat_t<T>* __restrict__ rstd, int64_t rows_per_segment,
@@ -403,20 +397,6 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
 #endif
 }
 
-// C: the columns of a row that one block takes (C / split).
-size_t smem_bytes(const Kernel12Config& cfg, int64_t C, size_t item, size_t acc) {
-  const size_t row = C * item;
-  const size_t weight = cfg.regs ? 0 : round_up<size_t>(C * (cfg.raw_weight ? item : acc), 16);
-  // The block's sums later take the ring's place: without split rows each group's nb rows of dy
-  // and x (nb * 2 * item >= 2 * acc), with split rows [groups][2][C] over the weight row and ring.
-  const size_t data = weight + static_cast<size_t>(cfg.groups) * cfg.nb * 2 * row;
-  const size_t buffers = static_cast<size_t>(cfg.groups) * cfg.nb;
-  const size_t barriers = 16 * ceil_div<size_t>(buffers, 2);
-  const size_t stats = round_up<size_t>(buffers * 2 * acc, 16);   // stat_t is acc_t
-  const size_t peers = cfg.split > 1 ? static_cast<size_t>(cfg.groups) * 2 * (8 + 2 * acc) : 0;
-  return data + barriers + stats + static_cast<size_t>(cfg.groups) * 2 * (cfg.tpr / 32) * 2 * acc + peers;
-}
-
 template <typename T, typename O, bool RESID, int VEC, int NV, int NB, bool REGS, typename W, int SPLIT>
 cudaError_t launch(const LayernormBwdParams& p, Kernel12Config cfg, cudaStream_t stream) {
   if (p.plan) {
@@ -432,14 +412,13 @@ cudaError_t launch(const LayernormBwdParams& p, Kernel12Config cfg, cudaStream_t
   const int64_t units_on_gpu = std::max(1, lim.sms / SPLIT);
   cfg.groups = static_cast<int>(std::clamp<int64_t>(ceil_div<int64_t>(p.rows, units_on_gpu), 1, cfg.groups));
   return launch_with_partials<T, O>(p, kernel12_ring<T, O, RESID, VEC, NV, NB, REGS, W, SPLIT>, cfg.tpr * cfg.groups,
-                                 smem_bytes(cfg, p.C / SPLIT, sizeof(T), sizeof(acc_t<T>)), BlocksPerSm::kOccupancy,
+                                 kernel12_smem_bytes(cfg, p.C / SPLIT, sizeof(T), sizeof(acc_t<T>)), BlocksPerSm::kOccupancy,
                                  cfg.groups, SPLIT, stream, cfg.tpr, cfg.groups);
 }
 
-// The compiled variants, chosen from measurements on an H200 (tests/cuda/harness.cu sweep):
-// 16-bit types do best re-reading shared memory in both passes with NV = 4 (register mode needs
-// too many registers there), with the weight staged as fp32 or, three buffers only, as T;
-// fp32 does best in register mode with NV = 4; fp64 uses NV = 2.
+// The compiled variants (measured fastest, docs/kernel12.md): 16-bit types re-read shared
+// memory in both passes with NV = 4 (register mode needs too many registers there), the weight
+// staged as fp32 or, three buffers only, as T; fp32 runs in register mode with NV = 4; fp64 NV = 2.
 template <typename T>
 constexpr bool kRegsMode = std::is_same_v<T, float>;
 
@@ -459,108 +438,7 @@ cudaError_t launch_variant(const LayernormBwdParams& p, const Kernel12Config& cf
   return cudaErrorInvalidValue;
 }
 
-// Split rows exist for the types whose sums are fp32 (the pair a group sends is two floats).
-template <typename T>
-constexpr bool kCanSplit = std::is_same_v<acc_t<T>, float>;
-
-bool can_split(Dtype dtype) {
-  bool can = false;
-  dispatch_dtype(dtype, [&](auto t) {
-    can = kCanSplit<decltype(t)>;
-    return cudaSuccess;
-  });
-  return can;
-}
-
-// The pick among the configurations that split rows `split` ways (see kernel12_pick).
-bool pick_buffers(const std::vector<Kernel12Config>& all, Dtype dtype, int64_t C, int split, Kernel12Config* cfg) {
-  // What counts is how many bytes of dy and x each SM has on their way while its groups compute.
-  // A group computing one row has nb - 1 rows in flight in shared-memory mode (a buffer is refilled
-  // after the row's second pass), nb in register mode (refilled as soon as the row is in
-  // registers). Measured on an H200 (tests/cuda/harness.cu sweep):
-  //  * Two buffers win when the SM's groups together have at least ~56 KB in flight with them:
-  //    16-bit rows 6-11% faster than three at C = 2048..8192. fp32 rows (register mode, so two
-  //    rows in flight per group even with a single group) reach it at every C measured: two
-  //    buffers 1-2% faster at C = 768..3072 and 2-6% at C = 5120..8192 (45.0 against 46.0 us at
-  //    16384x768, 192.4 against 205.7 us at 12288x5120). More rows in flight only queue.
-  //  * Below that, or with a single group in shared-memory mode (whose requests would stop
-  //    while it computes a row), three buffers win: 3-9% at C = 768..1600, 4-29% at C =
-  //    6144..16384. When the fp32 weight row leaves no room for three, the weight is staged as T
-  //    (raw_weight).
-  // Four buffers measured no better (5-7% slower in 16-bit at C = 1600..8192).
-  // kernel12_candidates lists three buffers with an fp32 weight before three with a raw one.
-  const size_t row_bytes = static_cast<size_t>(C / split) * dtype_bytes(dtype);
-  const Kernel12Config* two = nullptr;
-  const Kernel12Config* three = nullptr;
-  for (const Kernel12Config& c : all) {
-    if (c.split != split) continue;
-    if (c.nb == 2 && !two) two = &c;
-    if (c.nb == 3 && !three) three = &c;
-  }
-  const size_t in_flight = two ? static_cast<size_t>(two->groups) * (two->regs ? 2 : 1) * 2 * row_bytes : 0;
-  bool two_enough = two && (two->regs || two->groups >= 2) && in_flight >= 56 * 1024;
-  // Split rows in shared-memory mode: a group also waits, every row, for the other block's sums,
-  // so the slower of the pair sets the pace. With at most two groups a block, a third buffer
-  // (with an fp32 weight) absorbs that: 4096x16384 bf16 111.0 against 116.5 us (three runs each),
-  // fp16 115.1 against 114.0. With four, two buffers win as before (8192x8192 bf16 111.9 against
-  // 118.4, fp16 110.1 against 121.8); with one (C = 32768), three fit only with a 16-bit weight,
-  // and lose (bf16 2048x32768 142.9 against 127.7).
-  if (split > 1 && three && !three->regs && !three->raw_weight && three->groups <= 2) two_enough = false;
-  const Kernel12Config* pick = two_enough || !three ? two : three;
-  if (!pick) return false;
-  *cfg = *pick;
-  return true;
-}
-
 }  // namespace
-
-// Configurations whose ring fits the device's opt-in shared memory; split rows only where the
-// device launches clusters and has two SMs for one.
-std::vector<Kernel12Config> kernel12_candidates(Dtype dtype, int64_t C, const DeviceLimits& lim, bool weight_f32) {
-  const int item = dtype_bytes(dtype);
-  const int vec = 16 / item;
-  const size_t acc = dtype == Dtype::kF64 ? 8 : 4;
-  std::vector<Kernel12Config> out;
-  for (const int split : {1, 2}) {
-    if (split > 1 && (!can_split(dtype) || !lim.clusters || lim.sms < split)) continue;
-    if (C % (split * vec) != 0) continue;
-    const int64_t Cb = C / split;
-    for (const auto [nb, raw_weight] : {std::pair{3, false}, {2, false}, {3, true}}) {
-      if (raw_weight && (item != 2 || weight_f32)) continue;
-      Kernel12Config cfg;
-      cfg.nv = item == 8 ? 2 : 4;
-      cfg.nb = nb;
-      cfg.regs = dtype == Dtype::kF32;
-      cfg.raw_weight = raw_weight;
-      cfg.split = split;
-      const int64_t tpr = 32 * ceil_div<int64_t>(Cb / vec, 32 * cfg.nv);
-      const int block_max = max_threads(cfg.nv * vec * acc);
-      if (tpr > block_max) continue;
-      cfg.tpr = static_cast<int>(tpr);
-      cfg.groups = std::min(block_max / cfg.tpr, kMaxGroups);
-      while (cfg.groups > 0 && smem_bytes(cfg, Cb, item, acc) > lim.smem_optin) --cfg.groups;
-      if (cfg.groups == 0) continue;
-      out.push_back(cfg);
-    }
-  }
-  return out;
-}
-
-bool kernel12_pick(Dtype dtype, int64_t C, const DeviceLimits& lim, Kernel12Config* cfg, bool weight_f32) {
-  // Split rows where they measured faster: 16-bit rows of 4096 columns and more (H200, harness
-  // sweep, the pick without split against the pick with: 4096x16384 bf16 128.7 -> 111.0 us,
-  // fp16 122.6 -> 115.1; 8192x8192 bf16 115.6 -> 111.9, fp16 111.9 -> 110.1; 16384x4096 bf16
-  // 108.5 -> 106.9; but 16384x2048 bf16 58.1 -> 59.1). A 16-bit row that one block takes whole is
-  // converted in both passes by few, large groups (one group of 512 threads at C = 16384, with
-  // its weight staged as bf16/fp16 for room); half a row per block doubles the groups and leaves
-  // room for the fp32 weight, and a cluster's two blocks write one slot, which halves the
-  // partial sums' traffic (17 MB of slots at C = 16384 in 16-bit: 4% of the bytes, each written
-  // and read once). fp32 rows split only where a whole row does not fit (C > 8192; 4096x16384
-  // 221.3 us on the wide-row path, 218.2 split; 8192x8192 212.6 whole, 212.7 split).
-  const std::vector<Kernel12Config> all = kernel12_candidates(dtype, C, lim, weight_f32);
-  if (dtype_bytes(dtype) == 2 && C >= 4096 && pick_buffers(all, dtype, C, 2, cfg)) return true;
-  return pick_buffers(all, dtype, C, 1, cfg) || pick_buffers(all, dtype, C, 2, cfg);
-}
 
 cudaError_t layernorm_bwd_kernel12_config(const LayernormBwdParams& p, const Kernel12Config& cfg, cudaStream_t stream) {
   return dispatch_types(p, [&](auto t, auto o, auto resid) -> cudaError_t {
@@ -587,26 +465,6 @@ bool kernel12_has_code(int device) {
     return false;
   }
   return arch >= 90;
-}
-
-cudaError_t layernorm_bwd_kernel12(const LayernormBwdParams& p, cudaStream_t stream) {
-  DeviceLimits lim;
-  LNBWD_RETURN_IF_CUDA_ERROR(device_limits(p.device, &lim));
-  bool vectorized = false;
-  dispatch_dtype(p.dtype, [&](auto t) {
-    vectorized = can_vectorize<decltype(t)>(p);
-    return cudaSuccess;
-  });
-  // The bulk copy engine needs sm_90 and 16-byte aligned rows, and the build must have sm_90
-  // code (else the body, guarded by __CUDA_ARCH__ >= 900, is empty). Otherwise kernel 11 does
-  // the job, as it does for rows wider than the ring and the wide path take in this device's
-  // shared memory (on Hopper: fp32 and 16-bit C > 16384 and 32768, fp64 beyond the ring).
-  if (lim.cc_major >= 9 && vectorized && kernel12_has_code(lim.device)) {
-    Kernel12Config cfg;
-    if (kernel12_pick(p.dtype, p.C, lim, &cfg, p.weight_f32)) return layernorm_bwd_kernel12_config(p, cfg, stream);
-    if (kernel12_wide_fits(p.dtype, p.C, lim)) return layernorm_bwd_kernel12_wide(p, stream);
-  }
-  return layernorm_bwd_kernel11(p, stream);
 }
 
 }  // namespace lnbwd
