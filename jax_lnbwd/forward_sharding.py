@@ -33,7 +33,7 @@ from jax.extend.mlir import ir
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import _ffi, reference
-from .sharding import ShardingFallbackWarning
+from .sharding import ShardingFallbackWarning, usable_spec
 
 TARGET = "jax_lnbwd_layernorm_fwd_v1"
 
@@ -94,37 +94,10 @@ def layernorm_fwd_partitioned(x, params, seg_dims: int, has_w: bool, has_b: bool
     return _partitioned(len(params))(x, *params, seg_dims, has_w, has_b, eps)
 
 
-def _axes(entry) -> tuple[str, ...]:
-    """The mesh axes of one PartitionSpec entry: None -> (), 'a' -> ('a',), ('a', 'b') -> itself."""
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _specs(arg_shapes, warn: bool):
     """x's usable spec, one entry per axis: C and unevenly split axes replaced by None."""
-    x = arg_shapes[0]
-    sharding = x.sharding
-    if not isinstance(sharding, NamedSharding):
-        raise NotImplementedError("jax_lnbwd: the layernorm forward can only be partitioned over a "
-                                  f"mesh (NamedSharding), got {sharding!r}")
-    spec = list(sharding.spec) + [None] * (x.ndim - len(sharding.spec))
-    notes = []
-    if spec[-1] is not None:
-        notes.append(f"x's last axis (C={x.shape[-1]}) is sharded over mesh axes {_axes(spec[-1])}, "
-                     "but each row's mean and variance need all of its columns: x is gathered along C. "
-                     "Shard the leading axes instead.")
-        spec[-1] = None
-    for i, size in enumerate(x.shape[:-1]):
-        devices = math.prod(sharding.mesh.shape[a] for a in _axes(spec[i]))
-        if size % devices:
-            notes.append(f"axis {i} of x (size {size}) does not split evenly over mesh axes "
-                         f"{_axes(spec[i])} ({devices} devices): it is gathered.")
-            spec[i] = None
-    if warn:
-        for note in notes:
-            warnings.warn(f"jax_lnbwd: {note}", ShardingFallbackWarning)
-    return tuple(spec)
+    return tuple(usable_spec(arg_shapes[0], "the layernorm forward",
+                             "each row's mean and variance need all of its columns: x is", warn))
 
 
 def _shardings(seg_dims, mesh, arg_shapes, spec):

@@ -125,42 +125,52 @@ def layernorm_bwd_segments_v2(dy, x, weight, mean, rstd, seg_dims: int, kernel: 
     return _partitioned_op_v2_residual(dy, x, weight, mean, rstd, dresidual, seg_dims, kernel, block_size)
 
 
-def _axes(entry) -> tuple[str, ...]:
+def axes_of(entry) -> tuple[str, ...]:
     """The mesh axes of one PartitionSpec entry: None -> (), 'a' -> ('a',), ('a', 'b') -> itself."""
     if entry is None:
         return ()
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _specs(seg_dims, arg_shapes, warn: bool):
-    """(x's usable spec as a tuple, the mesh axes that split its rows), from x's sharding.
+def usable_spec(x, op: str, c_needs: str, warn: bool) -> list:
+    """x's sharding as a spec the op can keep, one entry per axis of x: C (each row needs all of
+    its columns) and axes that do not split evenly (padding rows would enter the row sums) are
+    replaced by None, i.e. gathered, with a ShardingFallbackWarning each when `warn`.
 
-    A spec entry per axis of x; C and unevenly split axes are replaced by None (gathered)."""
-    x = arg_shapes[1]
+    op names the op for errors ("the layernorm backward"); c_needs says what a row needs C for
+    and what is gathered ("each row's gradient needs all of its columns: dy and x are")."""
     sharding = x.sharding
     if not isinstance(sharding, NamedSharding):
         # JAX hands the rule NamedShardings whenever the program has a mesh (any NamedSharding
         # in it); without one there would be no axis names to psum over.
-        raise NotImplementedError("jax_lnbwd: the layernorm backward can only be partitioned over a "
-                                  f"mesh (NamedSharding), got {sharding!r}")
+        raise NotImplementedError(f"jax_lnbwd: {op} can only be partitioned over a mesh (NamedSharding), "
+                                  f"got {sharding!r}")
     spec = list(sharding.spec) + [None] * (x.ndim - len(sharding.spec))
     notes = []
     if spec[-1] is not None:
-        notes.append(f"x's last axis (C={x.shape[-1]}) is sharded over mesh axes {_axes(spec[-1])}, "
-                     "but each row's gradient needs all of its columns: dy and x are gathered along C. "
-                     "Shard the leading axes instead.")
+        notes.append(f"x's last axis (C={x.shape[-1]}) is sharded over mesh axes {axes_of(spec[-1])}, "
+                     f"but {c_needs} gathered along C. Shard the leading axes instead.")
         spec[-1] = None
     for i, size in enumerate(x.shape[:-1]):
-        devices = math.prod(sharding.mesh.shape[a] for a in _axes(spec[i]))
+        devices = math.prod(sharding.mesh.shape[a] for a in axes_of(spec[i]))
         if size % devices:
             notes.append(f"axis {i} of x (size {size}) does not split evenly over mesh axes "
-                         f"{_axes(spec[i])} ({devices} devices): it is gathered.")
+                         f"{axes_of(spec[i])} ({devices} devices): it is gathered.")
             spec[i] = None
     if warn:
         for note in notes:
             warnings.warn(f"jax_lnbwd: {note}", ShardingFallbackWarning)
+    return spec
+
+
+def _specs(seg_dims, arg_shapes, warn: bool):
+    """(x's usable spec as a tuple, the mesh axes that split its rows), from x's sharding."""
+    x = arg_shapes[1]
+    sharding = x.sharding
+    spec = usable_spec(x, "the layernorm backward",
+                       "each row's gradient needs all of its columns: dy and x are", warn)
     # The psum's axes; an axis of size 1 splits nothing (and would cost an all-reduce).
-    row_axes = tuple(a for entry in spec[seg_dims:-1] for a in _axes(entry) if sharding.mesh.shape[a] > 1)
+    row_axes = tuple(a for entry in spec[seg_dims:-1] for a in axes_of(entry) if sharding.mesh.shape[a] > 1)
     return tuple(spec), row_axes
 
 
