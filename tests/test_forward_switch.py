@@ -35,6 +35,11 @@ def _exported(platform: str, *args) -> str:
                          disabled_checks=DISABLED)(*args).mlir_module()
 
 
+needs_cuda_build = pytest.mark.skipif(
+    not jax_lnbwd.WITH_CUDA, reason="a build without the CUDA handler lowers the jnp forward for CUDA too")
+
+
+@needs_cuda_build
 def test_default_is_ffi_on_cuda_and_jnp_elsewhere():
     x, _, w, b = make_inputs((4, 3, 40), "bfloat16", seed=1)
     assert f"@{FWD}(" in _exported("cuda", x, w, b)
@@ -47,6 +52,7 @@ def test_default_is_ffi_on_cuda_and_jnp_elsewhere():
                                   np.asarray(jax.jit(reference.layernorm)(x, w, b)))
 
 
+@needs_cuda_build
 def test_switch_to_xla(monkeypatch):
     x, _, w, b = make_inputs((4, 40), "float32", seed=2)
     monkeypatch.setenv(config.FORWARD_ENV_VAR, "xla")
