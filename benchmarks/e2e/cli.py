@@ -51,6 +51,9 @@ def parse_args(argv):
     p.add_argument("--trace", default="auto", choices=("auto", "torch", "jax", "none"),
                    help="kernel trace collector (default auto: torch on a GPU, else jax)")
     p.add_argument("--trace-steps", type=int, default=3, help="steps per traced run (default 3)")
+    p.add_argument("--kernels", type=int, default=0, metavar="N",
+                   help="after the table, list each run's N costliest layernorm and mixed kernels "
+                        "(also in e2e.json under trace.top; default 0: none)")
     p.add_argument("--attention", default="xla", choices=("xla", "cudnn"),
                    help="jax.nn.dot_product_attention's implementation (default xla; cudnn: bf16 only)")
     p.add_argument("--matmul-precision", default="default", choices=("default", "high", "highest"),
@@ -183,11 +186,17 @@ def main(argv=None):
             prog.step(f"trace {run.label}")
             try:
                 events = trace.collect(lambda: run_steps(run, args.trace_steps), how)
-                run.trace = trace.summarize(events, trace.classify_hlo(run.hlo), args.trace_steps) or None
+                run.trace = trace.summarize(events, trace.classify_hlo(run.hlo), args.trace_steps,
+                                            args.kernels) or None
             except Exception as e:  # a trace that breaks must not cost the timings
                 prog.write(paint(f"trace {run.label} failed: {type(e).__name__}: {str(e)[:300]}", "red"))
         prog.close()
     meta["seconds"]["traces"] = time.perf_counter() - clock["timed"]
+    if args.kernels:
+        for run in runs:
+            print(f"\n{run.label}: its {args.kernels} costliest ln and mixed kernels (launches, ms per step)")
+            for cls, name, n, ms in (run.trace or {}).get("top", []):
+                print(f"  {cls:5} {n:5.1f} {ms:7.3f}  {name[:100]}")
     print(seconds(meta))
     return emit(runs, args, meta, traced=True)
 

@@ -192,16 +192,23 @@ def attribute(name: str, hlo_op: str | None, classes: dict[str, str]) -> str:
     return "other" if LIBRARY.search(name) else "unmapped"
 
 
-def summarize(events, classes: dict[str, str], steps: int) -> dict:
-    """Per-step times in ms (see the module doc) from one trace of `steps` back-to-back steps."""
+def summarize(events, classes: dict[str, str], steps: int, top: int = 0) -> dict:
+    """Per-step times in ms (see the module doc) from one trace of `steps` back-to-back steps;
+    with top > 0 also "top": the `top` costliest kernels of the ln and mixed classes, each as
+    [class, kernel name, launches per step, ms per step], for reading what a variant runs."""
     if not events:
         return {}
     per = defaultdict(float)
     count = defaultdict(int)
+    by_kernel = defaultdict(lambda: [0, 0.0])  # (class, name) -> [launches, ns]
     for name, op, start, dur in events:
         cls = attribute(name, op, classes)
         per[cls] += dur
         count[cls] += 1
+        if cls in ("ln", "mixed"):
+            k = by_kernel[(cls, op or name)]
+            k[0] += 1
+            k[1] += dur
     spans = sorted((start, start + dur) for _, _, start, dur in events)
     union, end = 0.0, spans[0][0]
     for a, b in spans:  # the union of the intervals, merged in start order
@@ -213,4 +220,6 @@ def summarize(events, classes: dict[str, str], steps: int) -> dict:
     return {"steps": steps, "kernels": len(events) / steps, "kernel_ms": sum(per.values()) * ms,
             "busy_ms": union * ms, "idle_ms": (span - union) * ms,
             **{f"{c}_ms": per[c] * ms for c in ("ln", "mixed", "other", "unmapped")},
-            "ln_kernels": count["ln"] / steps, "mixed_kernels": count["mixed"] / steps}
+            "ln_kernels": count["ln"] / steps, "mixed_kernels": count["mixed"] / steps,
+            **({"top": [[c, n, k / steps, ns * ms] for (c, n), (k, ns) in
+                        sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:top]]} if top else {})}

@@ -19,6 +19,10 @@ grep -Eq "^CMAKE_CUDA_ARCHITECTURES:[A-Z]*=80$" "$out/build/CMakeCache.txt"
 cd "$out"
 PYTHONPATH="$out/site" XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda,cpu python3 - "$out/site" <<'PY'
 import sys
+# An editable install of the checkout (pip install -e .) puts an import hook ahead of PYTHONPATH;
+# drop it so that the sm_80 build in the scratch folder is the jax_lnbwd imported here.
+sys.meta_path = [f for f in sys.meta_path if "editable" not in (getattr(f, "__module__", "") or "")
+                 and "editable" not in type(f).__module__]
 import jax
 jax.config.update("jax_enable_x64", True)
 import jax.numpy as jnp

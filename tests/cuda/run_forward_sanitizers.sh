@@ -9,7 +9,8 @@ cd "$(dirname "$0")/../.."
 OUT=${1:-/tmp/forward_sanitizers}
 mkdir -p "$OUT"
 NVCC=(nvcc -O3 -lineinfo -std=c++17 -arch=sm_90 -Iffi/kernels)
-KERNELS=(ffi/kernels/forward/forward_launch.cu ffi/kernels/forward/forward_wide.cu ffi/kernels/common/occupancy.cu)
+KERNELS=(ffi/kernels/forward/forward_launch.cu ffi/kernels/forward/forward_wide.cu ffi/kernels/common/occupancy.cu
+         ffi/kernels/common/device_limits.cu)
 TIMEOUT=${LNBWD_SANITIZER_TIMEOUT:-900}
 
 "${NVCC[@]}" tests/cuda/forward_check.cu ffi/kernels/forward/forward_rows.cu "${KERNELS[@]}" -o "$OUT/forward_check" || exit 2
