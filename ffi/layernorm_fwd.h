@@ -1,8 +1,11 @@
-// The fused forward's handler symbols, for module.cc: the CPU one always, the CUDA one only in
-// a CUDA build (declared in both; defined in layernorm_fwd_cuda.cc when built).
+// The fused forward's handler symbols, for module.cc: the CPU ones always, the CUDA ones only in
+// a CUDA build (declared in both; defined in layernorm_fwd_cuda.cc when built). Add*: the
+// residual variant (target jax_lnbwd_add_layernorm_fwd_v1).
 #pragma once
 
 #include "xla/ffi/api/api.h"
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxLnbwdLayernormFwdCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxLnbwdLayernormFwdCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxLnbwdAddLayernormFwdCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxLnbwdAddLayernormFwdCuda);

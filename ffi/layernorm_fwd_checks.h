@@ -1,7 +1,9 @@
-// Argument checks of the fused forward target (jax_lnbwd_layernorm_fwd_v1), shared by its CPU
-// and CUDA handlers. Python checks the same at trace time; these exist for direct
-// jax.ffi.ffi_call users and exported programs, so no kernel runs on buffers it does not expect.
-// Errors read e.g.  layernorm_fwd: 'y' has shape (4, 9) but expected (4, 8) for x of shape (4, 8)
+// Argument checks of the fused forward targets (jax_lnbwd_layernorm_fwd_v1, and its residual
+// variant jax_lnbwd_add_layernorm_fwd_v1), shared by their CPU and CUDA handlers. Python checks
+// the same at trace time; these exist for direct jax.ffi.ffi_call users and exported programs,
+// so no kernel runs on buffers it does not expect. Errors name the target's function, e.g.
+//   layernorm_fwd: 'y' has shape (4, 9) but expected (4, 8) for x of shape (4, 8)
+//   add_layernorm_fwd: 'residual' has dtype float32 but expected bfloat16 (x's dtype)
 #pragma once
 
 #include <climits>
@@ -13,8 +15,9 @@
 
 namespace lnbwd {
 
-inline ffi::Error FwdArgError(const std::string& message) {
-  return ffi::Error::InvalidArgument("layernorm_fwd: " + message);
+// fn: the function the message names ("layernorm_fwd", or "add_layernorm_fwd").
+inline ffi::Error FwdArgError(const std::string& message, const char* fn = "layernorm_fwd") {
+  return ffi::Error::InvalidArgument(std::string(fn) + ": " + message);
 }
 
 struct LayernormFwdShape {
@@ -28,23 +31,24 @@ struct LayernormFwdShape {
 inline bool Is16Bit(ffi::DataType t) { return t == ffi::DataType::BF16 || t == ffi::DataType::F16; }
 
 // weight or bias: (0, C) absent, (1, C) shared, or (S, C) with S dividing rows.
-inline ffi::Error CheckParam(const char* name, const ffi::AnyBuffer& p, const ffi::AnyBuffer& x, int64_t* prows) {
+inline ffi::Error CheckParam(const char* fn, const char* name, const ffi::AnyBuffer& p, const ffi::AnyBuffer& x,
+                             int64_t* prows) {
   const auto dims = p.dimensions();
   const int64_t rows = x.dimensions()[0], C = x.dimensions()[1];
   if (dims.size() != 2 || dims[1] != C) {
     return FwdArgError(std::string("'") + name + "' has shape " + ShapeStr(dims) + " but expected (0, " +
                        std::to_string(C) + ") (absent), (1, " + std::to_string(C) + ") or (segments, " +
-                       std::to_string(C) + ") for x of shape " + ShapeStr(x.dimensions()));
+                       std::to_string(C) + ") for x of shape " + ShapeStr(x.dimensions()), fn);
   }
   if (dims[0] > 1 && rows % dims[0] != 0) {
     return FwdArgError(std::string("'") + name + "' has shape " + ShapeStr(dims) + " but its " +
                        std::to_string(dims[0]) + " rows must divide the " + std::to_string(rows) +
-                       " rows of x (one parameter row per equal segment of rows)");
+                       " rows of x (one parameter row per equal segment of rows)", fn);
   }
   const ffi::DataType t = x.element_type(), pt = p.element_type();
   if (pt != t && !(pt == ffi::DataType::F32 && Is16Bit(t))) {
     return FwdArgError(std::string("'") + name + "' has dtype " + DtypeName(pt) + " but expected " + DtypeName(t) +
-                       (Is16Bit(t) ? " or float32" : "") + " for x of dtype " + DtypeName(t));
+                       (Is16Bit(t) ? " or float32" : "") + " for x of dtype " + DtypeName(t), fn);
   }
   *prows = dims[0];
   return ffi::Error::Success();
@@ -53,24 +57,25 @@ inline ffi::Error CheckParam(const char* name, const ffi::AnyBuffer& p, const ff
 inline ffi::Error CheckLayernormFwdArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& weight,
                                         const ffi::AnyBuffer& bias, const ffi::AnyBuffer& y,
                                         const ffi::AnyBuffer& mean, const ffi::AnyBuffer& rstd, double eps,
-                                        LayernormFwdShape* shape) {
+                                        LayernormFwdShape* shape, const char* fn = "layernorm_fwd") {
   const auto xd = x.dimensions();
-  if (xd.size() != 2) return FwdArgError("'x' has shape " + ShapeStr(xd) + " but expected (rows, C)");
+  if (xd.size() != 2) return FwdArgError("'x' has shape " + ShapeStr(xd) + " but expected (rows, C)", fn);
   const int64_t rows = xd[0], C = xd[1];
-  if (C < 1) return FwdArgError("'x' has shape " + ShapeStr(xd) + " but C (the last axis) must be at least 1");
-  if (C > INT32_MAX) return FwdArgError("'x' has shape " + ShapeStr(xd) + " but C must be below 2^31");
+  if (C < 1) return FwdArgError("'x' has shape " + ShapeStr(xd) + " but C (the last axis) must be at least 1", fn);
+  if (C > INT32_MAX) return FwdArgError("'x' has shape " + ShapeStr(xd) + " but C must be below 2^31", fn);
   const ffi::DataType t = x.element_type();
   if (t != ffi::DataType::F32 && t != ffi::DataType::BF16 && t != ffi::DataType::F16 && t != ffi::DataType::F64) {
-    return FwdArgError(std::string("'x' has dtype ") + DtypeName(t) + " but expected float32, bfloat16, float16 or float64");
+    return FwdArgError(std::string("'x' has dtype ") + DtypeName(t) + " but expected float32, bfloat16, float16 or float64",
+                       fn);
   }
   if (!std::isfinite(eps) || eps <= 0.0) {
-    return FwdArgError("'eps' is " + std::to_string(eps) + " but expected a positive finite number");
+    return FwdArgError("'eps' is " + std::to_string(eps) + " but expected a positive finite number", fn);
   }
-  if (auto e = CheckParam("weight", weight, x, &shape->weight_rows); e.failure()) return e;
-  if (auto e = CheckParam("bias", bias, x, &shape->bias_rows); e.failure()) return e;
+  if (auto e = CheckParam(fn, "weight", weight, x, &shape->weight_rows); e.failure()) return e;
+  if (auto e = CheckParam(fn, "bias", bias, x, &shape->bias_rows); e.failure()) return e;
   if (shape->weight_rows > 0 && shape->bias_rows > 0 && weight.element_type() != bias.element_type()) {
     return FwdArgError(std::string("'weight' has dtype ") + DtypeName(weight.element_type()) + " but 'bias' has " +
-                       DtypeName(bias.element_type()) + "; pass both in one dtype");
+                       DtypeName(bias.element_type()) + "; pass both in one dtype", fn);
   }
   shape->param_dtype = shape->weight_rows > 0 ? weight.element_type() : shape->bias_rows > 0 ? bias.element_type() : t;
 
@@ -89,15 +94,42 @@ inline ffi::Error CheckLayernormFwdArgs(const ffi::AnyBuffer& x, const ffi::AnyB
       const std::string want = e.rank == 1 ? "(" + std::to_string(rows) + ",)"
                                            : "(" + std::to_string(rows) + ", " + std::to_string(C) + ")";
       return FwdArgError(std::string("'") + e.name + "' has shape " + ShapeStr(d) + " but expected " + want +
-                         " for x of shape " + ShapeStr(xd));
+                         " for x of shape " + ShapeStr(xd), fn);
     }
     if (e.buf.element_type() != e.dtype) {
       return FwdArgError(std::string("'") + e.name + "' has dtype " + DtypeName(e.buf.element_type()) +
-                         " but expected " + DtypeName(e.dtype) + " for x of dtype " + DtypeName(t));
+                         " but expected " + DtypeName(e.dtype) + " for x of dtype " + DtypeName(t), fn);
     }
   }
   shape->rows = rows;
   shape->C = C;
+  return ffi::Error::Success();
+}
+
+// The residual variant (jax_lnbwd_add_layernorm_fwd_v1): the forward's checks, then residual
+// and s, which have x's shape and dtype exactly (s = x + residual is rounded to that dtype).
+inline ffi::Error CheckAddLayernormFwdArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& residual,
+                                           const ffi::AnyBuffer& weight, const ffi::AnyBuffer& bias,
+                                           const ffi::AnyBuffer& y, const ffi::AnyBuffer& s,
+                                           const ffi::AnyBuffer& mean, const ffi::AnyBuffer& rstd, double eps,
+                                           LayernormFwdShape* shape) {
+  const char* fn = "add_layernorm_fwd";
+  if (auto e = CheckLayernormFwdArgs(x, weight, bias, y, mean, rstd, eps, shape, fn); e.failure()) return e;
+  const struct {
+    const char* name;
+    const ffi::AnyBuffer& buf;
+  } same_as_x[] = {{"residual", residual}, {"s", s}};
+  for (const auto& a : same_as_x) {
+    const auto d = a.buf.dimensions();
+    if (d.size() != 2 || d[0] != shape->rows || d[1] != shape->C) {
+      return FwdArgError(std::string("'") + a.name + "' has shape " + ShapeStr(d) + " but expected " +
+                         ShapeStr(x.dimensions()) + " (x's shape)", fn);
+    }
+    if (a.buf.element_type() != x.element_type()) {
+      return FwdArgError(std::string("'") + a.name + "' has dtype " + DtypeName(a.buf.element_type()) +
+                         " but expected " + DtypeName(x.element_type()) + " (x's dtype)", fn);
+    }
+  }
   return ffi::Error::Success();
 }
 

@@ -1,9 +1,11 @@
-// CPU handler of the fused forward target: the same math as the CUDA kernels, written plainly.
+// CPU handlers of the fused forward targets: the same math as the CUDA kernels, written plainly.
 // For each row of C elements, in fp32 (fp64 for float64 x):
 //   mean = (1/C) sum x_i,  var = (1/C) sum (x_i - mean)^2  (centered, two passes),
 //   rstd = 1 / sqrt(var + eps),  y_i = ((x_i - mean) * rstd) * weight_i + bias_i, rounded once.
 // weight/bias may be absent ((0, C)), shared ((1, C)), or one row per segment ((S, C)), and for
 // bf16/fp16 x they may be float32 (used as they are, never rounded to 16 bits).
+// The residual variant (jax_lnbwd_add_layernorm_fwd_v1) first writes s_i = x_i + residual_i,
+// summed in fp32 (fp64) and rounded once to x's dtype, and normalizes that rounded row.
 #include <cmath>
 #include <cstdint>
 
@@ -21,11 +23,15 @@ struct BF16 { using S = uint16_t; static float Load(S v) { return Bf16ToFloat(v)
 struct F16 { using S = uint16_t; static float Load(S v) { return HalfToFloat(v); } static S Store(float v) { return FloatToHalf(v); } };
 
 // D: x's dtype; Q: the parameters' dtype; A: the accumulator (fp32, or fp64 for fp64 x).
+// residual and s: nullptr (the plain forward), or both (the residual variant).
 template <typename D, typename Q, typename A>
-void Impl(const ffi::AnyBuffer& x, const ffi::AnyBuffer& weight, const ffi::AnyBuffer& bias, ffi::AnyBuffer& y,
-          ffi::AnyBuffer& mean_out, ffi::AnyBuffer& rstd_out, double eps_in, const LayernormFwdShape& shape) {
+void Impl(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual, const ffi::AnyBuffer& weight,
+          const ffi::AnyBuffer& bias, ffi::AnyBuffer& y, ffi::AnyBuffer* s, ffi::AnyBuffer& mean_out,
+          ffi::AnyBuffer& rstd_out, double eps_in, const LayernormFwdShape& shape) {
   const int64_t rows = shape.rows, C = shape.C;
   const auto* xs = static_cast<const typename D::S*>(x.untyped_data());
+  const auto* res = residual ? static_cast<const typename D::S*>(residual->untyped_data()) : nullptr;
+  auto* ss = s ? static_cast<typename D::S*>(s->untyped_data()) : nullptr;
   const auto* ws = static_cast<const typename Q::S*>(weight.untyped_data());
   const auto* bs = static_cast<const typename Q::S*>(bias.untyped_data());
   auto* ys = static_cast<typename D::S*>(y.untyped_data());
@@ -37,6 +43,10 @@ void Impl(const ffi::AnyBuffer& x, const ffi::AnyBuffer& weight, const ffi::AnyB
   const int64_t b_div = shape.bias_rows > 0 ? rows / shape.bias_rows : 1;
   for (int64_t r = 0; r < rows; ++r) {
     const auto* xr = xs + r * C;
+    if (res) {   // the row normalized is s = x + residual, rounded to x's dtype
+      for (int64_t i = 0; i < C; ++i) ss[r * C + i] = D::Store(D::Load(xr[i]) + D::Load(res[r * C + i]));
+      xr = ss + r * C;
+    }
     A sum = 0;
     for (int64_t i = 0; i < C; ++i) sum += D::Load(xr[i]);
     const A mean = sum / static_cast<A>(C);
@@ -59,28 +69,46 @@ void Impl(const ffi::AnyBuffer& x, const ffi::AnyBuffer& weight, const ffi::AnyB
   }
 }
 
+// Runs Impl for x's dtype and the parameters' (checked by the caller).
+ffi::Error Dispatch(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual, const ffi::AnyBuffer& weight,
+                    const ffi::AnyBuffer& bias, ffi::AnyBuffer& y, ffi::AnyBuffer* s, ffi::AnyBuffer& mean,
+                    ffi::AnyBuffer& rstd, double eps, const LayernormFwdShape& shape, const char* fn) {
+  using T = ffi::DataType;
+  const bool f32_params = shape.param_dtype == T::F32;
+  switch (x.element_type()) {
+    case T::F32: Impl<F32, F32, float>(x, residual, weight, bias, y, s, mean, rstd, eps, shape); break;
+    case T::F64: Impl<F64, F64, double>(x, residual, weight, bias, y, s, mean, rstd, eps, shape); break;
+    case T::BF16:
+      f32_params ? Impl<BF16, F32, float>(x, residual, weight, bias, y, s, mean, rstd, eps, shape)
+                 : Impl<BF16, BF16, float>(x, residual, weight, bias, y, s, mean, rstd, eps, shape);
+      break;
+    case T::F16:
+      f32_params ? Impl<F16, F32, float>(x, residual, weight, bias, y, s, mean, rstd, eps, shape)
+                 : Impl<F16, F16, float>(x, residual, weight, bias, y, s, mean, rstd, eps, shape);
+      break;
+    default:
+      return FwdArgError(std::string("'x' has dtype ") + DtypeName(x.element_type()) + ", which has no CPU implementation",
+                         fn);
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error LayernormFwdCpu(ffi::AnyBuffer x, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
                            ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> mean,
                            ffi::Result<ffi::AnyBuffer> rstd, double eps) {
   LayernormFwdShape shape;
   if (auto e = CheckLayernormFwdArgs(x, weight, bias, *y, *mean, *rstd, eps, &shape); e.failure()) return e;
-  using T = ffi::DataType;
-  const bool f32_params = shape.param_dtype == T::F32;
-  switch (x.element_type()) {
-    case T::F32: Impl<F32, F32, float>(x, weight, bias, *y, *mean, *rstd, eps, shape); break;
-    case T::F64: Impl<F64, F64, double>(x, weight, bias, *y, *mean, *rstd, eps, shape); break;
-    case T::BF16:
-      f32_params ? Impl<BF16, F32, float>(x, weight, bias, *y, *mean, *rstd, eps, shape)
-                 : Impl<BF16, BF16, float>(x, weight, bias, *y, *mean, *rstd, eps, shape);
-      break;
-    case T::F16:
-      f32_params ? Impl<F16, F32, float>(x, weight, bias, *y, *mean, *rstd, eps, shape)
-                 : Impl<F16, F16, float>(x, weight, bias, *y, *mean, *rstd, eps, shape);
-      break;
-    default:
-      return FwdArgError(std::string("'x' has dtype ") + DtypeName(x.element_type()) + ", which has no CPU implementation");
+  return Dispatch(x, nullptr, weight, bias, *y, nullptr, *mean, *rstd, eps, shape, "layernorm_fwd");
+}
+
+ffi::Error AddLayernormFwdCpu(ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
+                              ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> s,
+                              ffi::Result<ffi::AnyBuffer> mean, ffi::Result<ffi::AnyBuffer> rstd, double eps) {
+  LayernormFwdShape shape;
+  if (auto e = CheckAddLayernormFwdArgs(x, residual, weight, bias, *y, *s, *mean, *rstd, eps, &shape); e.failure()) {
+    return e;
   }
-  return ffi::Error::Success();
+  return Dispatch(x, &residual, weight, bias, *y, &(*s), *mean, *rstd, eps, shape, "add_layernorm_fwd");
 }
 
 }  // namespace
@@ -95,5 +123,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<xla::ffi::AnyBuffer>()   // y [rows, C] dtype
         .Ret<xla::ffi::AnyBuffer>()   // mean [rows] float32 (float64 for float64 x)
         .Ret<xla::ffi::AnyBuffer>()   // rstd [rows] float32 (float64 for float64 x)
+        .Attr<double>("eps")          // added to the variance, in the statistics' dtype
+);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxLnbwdAddLayernormFwdCpu, lnbwd::AddLayernormFwdCpu,
+    xla::ffi::Ffi::Bind()
+        .Arg<xla::ffi::AnyBuffer>()   // x [rows, C] dtype
+        .Arg<xla::ffi::AnyBuffer>()   // residual [rows, C] dtype
+        .Arg<xla::ffi::AnyBuffer>()   // weight [0 (absent), 1 or segments, C] dtype, or float32 for 16-bit x
+        .Arg<xla::ffi::AnyBuffer>()   // bias [0 (absent), 1 or segments, C] weight's dtype
+        .Ret<xla::ffi::AnyBuffer>()   // y [rows, C] dtype: the layernorm of s
+        .Ret<xla::ffi::AnyBuffer>()   // s [rows, C] dtype: x + residual, rounded once to dtype
+        .Ret<xla::ffi::AnyBuffer>()   // mean [rows] float32 (float64 for float64 x), of s
+        .Ret<xla::ffi::AnyBuffer>()   // rstd [rows] float32 (float64 for float64 x), of s
         .Attr<double>("eps")          // added to the variance, in the statistics' dtype
 );

@@ -1,4 +1,5 @@
-// CUDA handler of the fused forward target: checks the buffers, maps dtypes, and hands plain
+// CUDA handlers of the fused forward targets (jax_lnbwd_layernorm_fwd_v1 and its residual
+// variant jax_lnbwd_add_layernorm_fwd_v1): check the buffers, map dtypes, and hand plain
 // pointers to the launcher in ffi/kernels/forward/. No math here.
 #include <cstdint>
 #include <string>
@@ -21,17 +22,14 @@ Dtype ToKernelDtype(ffi::DataType t) {
   }
 }
 
-ffi::Error LayernormFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
-                            ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> mean,
-                            ffi::Result<ffi::AnyBuffer> rstd, double eps) {
-  LayernormFwdShape shape;
-  if (auto e = CheckLayernormFwdArgs(x, weight, bias, *y, *mean, *rstd, eps, &shape); e.failure()) return e;
-  if (shape.rows == 0) return ffi::Error::Success();   // nothing to read or write: no launch
-
+// The launcher's parameters for checked buffers; residual and s nullptr for the plain forward.
+LayernormFwdParams Params(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual, const ffi::AnyBuffer& weight,
+                          const ffi::AnyBuffer& bias, ffi::AnyBuffer& y, ffi::AnyBuffer* s, ffi::AnyBuffer& mean,
+                          ffi::AnyBuffer& rstd, double eps, const LayernormFwdShape& shape) {
   LayernormFwdParams p = {};
-  p.y = y->untyped_data();
-  p.mean = mean->untyped_data();
-  p.rstd = rstd->untyped_data();
+  p.y = y.untyped_data();
+  p.mean = mean.untyped_data();
+  p.rstd = rstd.untyped_data();
   p.x = x.untyped_data();
   p.weight = shape.weight_rows > 0 ? weight.untyped_data() : nullptr;
   p.bias = shape.bias_rows > 0 ? bias.untyped_data() : nullptr;
@@ -44,15 +42,42 @@ ffi::Error LayernormFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
   p.eps = eps;
   p.path = FwdPath::kAuto;
   p.tpr = 0;
-  LNBWD_FFI_RETURN_IF_CUDA_ERROR(layernorm_fwd(p, stream));
+  p.residual = residual ? residual->untyped_data() : nullptr;
+  p.s = s ? s->untyped_data() : nullptr;
+  return p;
+}
+
+ffi::Error LayernormFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
+                            ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> mean,
+                            ffi::Result<ffi::AnyBuffer> rstd, double eps) {
+  LayernormFwdShape shape;
+  if (auto e = CheckLayernormFwdArgs(x, weight, bias, *y, *mean, *rstd, eps, &shape); e.failure()) return e;
+  if (shape.rows == 0) return ffi::Error::Success();   // nothing to read or write: no launch
+  LNBWD_FFI_RETURN_IF_CUDA_ERROR(
+      layernorm_fwd(Params(x, nullptr, weight, bias, *y, nullptr, *mean, *rstd, eps, shape), stream));
+  return ffi::Error::Success();
+}
+
+// The residual variant: the same launcher with residual and s set (one kernel reads x and
+// residual once and writes y, s, mean and rstd).
+ffi::Error AddLayernormFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi::AnyBuffer weight,
+                               ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> s,
+                               ffi::Result<ffi::AnyBuffer> mean, ffi::Result<ffi::AnyBuffer> rstd, double eps) {
+  LayernormFwdShape shape;
+  if (auto e = CheckAddLayernormFwdArgs(x, residual, weight, bias, *y, *s, *mean, *rstd, eps, &shape); e.failure()) {
+    return e;
+  }
+  if (shape.rows == 0) return ffi::Error::Success();
+  LNBWD_FFI_RETURN_IF_CUDA_ERROR(
+      layernorm_fwd(Params(x, &residual, weight, bias, *y, &(*s), *mean, *rstd, eps, shape), stream));
   return ffi::Error::Success();
 }
 
 }  // namespace
 }  // namespace lnbwd
 
-// Command-buffer compatible: the handler only launches kernels on XLA's stream, never
-// synchronizes or allocates, and keeps no state between calls.
+// Command-buffer compatible: the handlers only launch kernels on XLA's stream, never
+// synchronize or allocate, and keep no state between calls.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxLnbwdLayernormFwdCuda, lnbwd::LayernormFwdCuda,
     xla::ffi::Ffi::Bind()
@@ -63,5 +88,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<xla::ffi::AnyBuffer>()   // y [rows, C] dtype
         .Ret<xla::ffi::AnyBuffer>()   // mean [rows] float32 (float64 for float64 x)
         .Ret<xla::ffi::AnyBuffer>()   // rstd [rows] float32 (float64 for float64 x)
+        .Attr<double>("eps"),         // added to the variance, in the statistics' dtype
+    {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxLnbwdAddLayernormFwdCuda, lnbwd::AddLayernormFwdCuda,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()   // XLA's stream
+        .Arg<xla::ffi::AnyBuffer>()   // x [rows, C] dtype
+        .Arg<xla::ffi::AnyBuffer>()   // residual [rows, C] dtype
+        .Arg<xla::ffi::AnyBuffer>()   // weight [0 (absent), 1 or segments, C] dtype, or float32 for 16-bit x
+        .Arg<xla::ffi::AnyBuffer>()   // bias [0 (absent), 1 or segments, C] weight's dtype
+        .Ret<xla::ffi::AnyBuffer>()   // y [rows, C] dtype: the layernorm of s
+        .Ret<xla::ffi::AnyBuffer>()   // s [rows, C] dtype: x + residual, rounded once to dtype
+        .Ret<xla::ffi::AnyBuffer>()   // mean [rows] float32 (float64 for float64 x), of s
+        .Ret<xla::ffi::AnyBuffer>()   // rstd [rows] float32 (float64 for float64 x), of s
         .Attr<double>("eps"),         // added to the variance, in the statistics' dtype
     {xla::ffi::Traits::kCmdBufferCompatible});

@@ -100,10 +100,12 @@ NB_MODULE(_jax_lnbwd, m) {
     out.append(nb::make_tuple("jax_lnbwd_layernorm_bwd_v1", Capsule(JaxLnbwdLayernormBwdCpu), "cpu"));
     out.append(nb::make_tuple("jax_lnbwd_layernorm_bwd_v2", Capsule(JaxLnbwdLayernormBwdV2Cpu), "cpu"));
     out.append(nb::make_tuple("jax_lnbwd_layernorm_fwd_v1", Capsule(JaxLnbwdLayernormFwdCpu), "cpu"));
+    out.append(nb::make_tuple("jax_lnbwd_add_layernorm_fwd_v1", Capsule(JaxLnbwdAddLayernormFwdCpu), "cpu"));
 #if JAX_LNBWD_WITH_CUDA
     out.append(nb::make_tuple("jax_lnbwd_layernorm_bwd_v1", Capsule(JaxLnbwdLayernormBwdCuda), "CUDA"));
     out.append(nb::make_tuple("jax_lnbwd_layernorm_bwd_v2", Capsule(JaxLnbwdLayernormBwdV2Cuda), "CUDA"));
     out.append(nb::make_tuple("jax_lnbwd_layernorm_fwd_v1", Capsule(JaxLnbwdLayernormFwdCuda), "CUDA"));
+    out.append(nb::make_tuple("jax_lnbwd_add_layernorm_fwd_v1", Capsule(JaxLnbwdAddLayernormFwdCuda), "CUDA"));
 #endif
     return out;
   });

@@ -11,9 +11,15 @@ passed to target v2 as `dresidual`, aliased to dx, and the kernel adds it while 
 (llm.c's layernorm backward accumulates into dinp for the same reason). The gradients of x and
 residual are both that ds.
 
-Like layernorm, add_layernorm is a jax.custom_jvp: its JVP rule runs the forward (s, then
-layernorm's forward of s) and the linear primitive add_tangent_p (jax_lnbwd/add_primitive.py),
-whose transpose is the one FFI call. So it works under jit, grad, jvp (forward mode), vmap,
+The forward is fused the same way where layernorm's is (on CUDA; jax_lnbwd.use_ffi_forward,
+JAX_LNBWD_FORWARD): one kernel reads x and residual once and writes y, s, mean and rstd (target
+jax_lnbwd_add_layernorm_fwd_v1), instead of an add that reads two tensors and writes one, then
+the forward reading s again. Either way s is rounded to x's dtype and that s is normalized
+(layernorm._add_forward).
+
+Like layernorm, add_layernorm is a jax.custom_jvp: its JVP rule runs the forward (y, s, mean,
+rstd) and the linear primitive add_tangent_p (jax_lnbwd/add_primitive.py), whose transpose is
+the one FFI call. So it works under jit, grad, jvp (forward mode), vmap,
 shard_map / sharded jit, and jax.export, as layernorm does.
 """
 from __future__ import annotations
@@ -24,13 +30,13 @@ import jax
 
 from . import _ffi, config, reference
 from .add_primitive import add_tangent_map
-from .layernorm import _check_float, _check_inputs, _dtype_name, _forward, _resolve_kernel, fill_params, is_mixed
+from .layernorm import _add_forward, _check_float, _check_inputs, _dtype_name, _resolve_kernel, fill_params, is_mixed
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6))
 def _add_layernorm(x, residual, weight, bias, eps, kernel, block_size):
-    s = x + residual
-    return _forward(s, weight, bias, eps)[0], s
+    y, s, _, _ = _add_forward(x, residual, weight, bias, eps)
+    return y, s
 
 
 @_add_layernorm.defjvp
@@ -38,8 +44,7 @@ def _add_layernorm_jvp(eps, kernel, block_size, primals, tangents):
     """(y, s) and their tangents (dy, ds) = add_tangent_map(...; dx, dresidual, dweight, dbias)."""
     x, residual, weight, bias = primals
     dx, dresidual, dweight, dbias = tangents
-    s = x + residual
-    y, mean, rstd = _forward(s, weight, bias, eps)
+    y, s, mean, rstd = _add_forward(x, residual, weight, bias, eps)
     weight, dweight, dbias = fill_params(s, weight, bias, dweight, dbias)
     dy, ds = add_tangent_map(s, weight, mean, rstd, dx, dresidual, dweight, dbias,
                              seg_dims=0, kernel=kernel, block_size=block_size)
@@ -54,7 +59,8 @@ def add_layernorm(x, residual, weight, bias, *, eps: float = 1e-5, kernel: int |
     (mixed precision included: float32 weight/bias beside 16-bit x) are layernorm's. The
     backward is ONE call of target v2 that computes ds = layernorm's dx + the cotangent of s
     in the kernel; x and residual both get ds. Kernels 11 and 12 run it (kernel=None: the
-    default); 1-10 refuse at trace time. Works under jit, grad, jvp, vmap, shard_map / sharded
+    default); 1-10 refuse at trace time. The forward is one fused kernel where layernorm's is
+    (on CUDA; jax_lnbwd.use_ffi_forward). Works under jit, grad, jvp, vmap, shard_map / sharded
     jit and jax.export. jax_lnbwd.use_xla_backward applies here too (jnp add + layernorm,
     differentiated by JAX).
     """

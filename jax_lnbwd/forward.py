@@ -19,6 +19,16 @@ wrapped, from the inside out, in
   * jax.custom_jvp: derivatives are the JVP of reference.layernorm_fwd (pure jnp), so the op is
     differentiable in both modes, though a training step's custom_vjp never needs it.
 It works under jit, vmap, grad/jvp, shard_map and jax.export (target jax_lnbwd_layernorm_fwd_v1).
+
+The residual variant, add_layernorm's forward, is the same op with one more input and output:
+
+    y, s, mean, rstd = add_layernorm_fwd_op(x, residual, weight, bias, eps=1e-5)
+
+s = x + residual (the sum in fp32, fp64 for fp64, rounded once to x's dtype: bit-equal to jnp's
+`x + residual`), and y, mean, rstd are the layernorm of that rounded s. One kernel reads x and
+residual once and writes y, s, mean and rstd (target jax_lnbwd_add_layernorm_fwd_v1), where jnp
+would run an add (read 2, write 1) and then the forward (read s again). residual has x's shape
+and dtype; the same wrappers apply (residual and s are batched and sharded like x).
 """
 from __future__ import annotations
 
@@ -29,9 +39,9 @@ import jax
 import jax.numpy as jnp
 
 from . import reference
-from .forward_sharding import TARGET, layernorm_fwd_partitioned
+from .forward_sharding import ADD_TARGET, TARGET, layernorm_fwd_partitioned
 
-__all__ = ["layernorm_fwd_op", "TARGET"]
+__all__ = ["layernorm_fwd_op", "add_layernorm_fwd_op", "TARGET", "ADD_TARGET"]
 
 _SUPPORTED = ("float32", "bfloat16", "float16", "float64")
 
@@ -40,36 +50,37 @@ def _name(a) -> str:
     return str(jnp.dtype(a.dtype))
 
 
-def _check(x, weight, bias, eps):
+def _check(x, weight, bias, eps, fn: str = "layernorm_fwd"):
     """Trace-time checks; returns (eps as float, weight, bias) with a 16-bit parameter next to a
-    float32 one upcast to float32 (exact), so both reach the kernel in one dtype."""
+    float32 one upcast to float32 (exact), so both reach the kernel in one dtype. Messages
+    start with `fn`."""
     try:
         eps_f = float(eps)
     except (TypeError, ValueError):
-        raise ValueError(f"layernorm_fwd: eps must be a positive finite float, got {eps!r}") from None
+        raise ValueError(f"{fn}: eps must be a positive finite float, got {eps!r}") from None
     if isinstance(eps, (bool, str, bytes)) or not math.isfinite(eps_f) or eps_f <= 0.0:
-        raise ValueError(f"layernorm_fwd: eps must be a positive finite float, got {eps!r}")
+        raise ValueError(f"{fn}: eps must be a positive finite float, got {eps!r}")
     if not hasattr(x, "dtype") or not hasattr(x, "shape"):
-        raise TypeError(f"layernorm_fwd: 'x' must be an array, got {type(x).__name__}")
+        raise TypeError(f"{fn}: 'x' must be an array, got {type(x).__name__}")
     if _name(x) not in _SUPPORTED:
-        raise TypeError(f"layernorm_fwd: 'x' has dtype {_name(x)} but expected one of {', '.join(_SUPPORTED)}")
+        raise TypeError(f"{fn}: 'x' has dtype {_name(x)} but expected one of {', '.join(_SUPPORTED)}")
     if x.ndim < 1:
-        raise ValueError("layernorm_fwd: 'x' must have rank >= 1 (normalization is over the last axis)")
+        raise ValueError(f"{fn}: 'x' must have rank >= 1 (normalization is over the last axis)")
     C = x.shape[-1]
     if C < 1:
-        raise ValueError(f"layernorm_fwd: 'x' has shape {tuple(x.shape)} but the last axis (C) must be >= 1")
+        raise ValueError(f"{fn}: 'x' has shape {tuple(x.shape)} but the last axis (C) must be >= 1")
     sixteen = _name(x) in ("bfloat16", "float16")
     for name, p in (("weight", weight), ("bias", bias)):
         if p is None:
             continue
         if not hasattr(p, "dtype") or not hasattr(p, "shape"):
-            raise TypeError(f"layernorm_fwd: '{name}' must be an array or None, got {type(p).__name__}")
+            raise TypeError(f"{fn}: '{name}' must be an array or None, got {type(p).__name__}")
         if tuple(p.shape) != (C,):
-            raise ValueError(f"layernorm_fwd: '{name}' has shape {tuple(p.shape)} but expected ({C},) "
+            raise ValueError(f"{fn}: '{name}' has shape {tuple(p.shape)} but expected ({C},) "
                              f"for x of shape {tuple(x.shape)}")
         if p.dtype != x.dtype and not (sixteen and _name(p) == "float32"):
             allowed = f"{_name(x)} or float32" if sixteen else _name(x)
-            raise TypeError(f"layernorm_fwd: '{name}' has dtype {_name(p)} but expected {allowed} "
+            raise TypeError(f"{fn}: '{name}' has dtype {_name(p)} but expected {allowed} "
                             f"for x of dtype {_name(x)}")
     if weight is not None and bias is not None and weight.dtype != bias.dtype:
         weight, bias = weight.astype(jnp.float32), bias.astype(jnp.float32)   # exact: bf16/f16 -> f32
@@ -87,15 +98,38 @@ def layernorm_fwd_op(x, weight, bias, eps: float = 1e-5):
     return _op(0, weight is not None, bias is not None, eps)(x, *params)
 
 
+def add_layernorm_fwd_op(x, residual, weight, bias, eps: float = 1e-5):
+    """(y, s, mean, rstd): s = x + residual rounded to x's dtype, and layernorm's (y, mean, rstd)
+    of s, by the residual-fused FFI forward (see the module docstring). residual must have x's
+    shape and dtype."""
+    fn = "add_layernorm_fwd"
+    eps, weight, bias = _check(x, weight, bias, eps, fn)
+    if not hasattr(residual, "dtype") or not hasattr(residual, "shape"):
+        raise TypeError(f"{fn}: 'residual' must be an array, got {type(residual).__name__}")
+    if tuple(residual.shape) != tuple(x.shape):
+        raise ValueError(f"{fn}: 'residual' has shape {tuple(residual.shape)} but expected {tuple(x.shape)} "
+                         "(x's shape)")
+    if residual.dtype != x.dtype:
+        raise TypeError(f"{fn}: 'residual' has dtype {_name(residual)} but expected {_name(x)} (x's dtype)")
+    params = tuple(p for p in (weight, bias) if p is not None)
+    op = _op(0, weight is not None, bias is not None, eps, True)
+    if x.ndim == 1:  # one row: the op needs a row axis
+        return tuple(o[0] for o in op(x[None], residual[None], *params))
+    return op(x, residual, *params)
+
+
 # --- the op for static settings ------------------------------------------------------------------
 #
 # Layout (forward_sharding.py): x (*segments, *rows, C) with seg_dims segment axes; each present
 # parameter (*segments, C), a segment axis either as in x or 1 (shared). Absent parameters are not
-# operands. Segment axes are the batch axes vmap added where a parameter is batched.
+# operands. Segment axes are the batch axes vmap added where a parameter is batched. With has_res
+# (the residual variant) the operands are (x, residual, *params), residual laid out as x, and
+# the results (y, s, mean, rstd).
 
-def _reference(seg_dims: int, has_w: bool, has_b: bool, eps: float, x, *params):
+def _reference(seg_dims: int, has_w: bool, has_b: bool, eps: float, has_res: bool, x, *operands):
     """What the op computes, in jnp: reference.layernorm_fwd with each parameter broadcast over
-    its segment's rows."""
+    its segment's rows (of s = x + residual, in x's dtype, for has_res)."""
+    s, params = (x + operands[0], operands[1:]) if has_res else (x, operands)
     row_axes = x.ndim - 1 - seg_dims
     it = iter(params)
 
@@ -106,10 +140,11 @@ def _reference(seg_dims: int, has_w: bool, has_b: bool, eps: float, x, *params):
         return p.reshape(*p.shape[:-1], *(1,) * row_axes, p.shape[-1])
 
     w, b = widen(has_w), widen(has_b)
-    return reference.layernorm_fwd(x, w, b, eps)
+    y, mean, rstd = reference.layernorm_fwd(s, w, b, eps)
+    return (y, s, mean, rstd) if has_res else (y, mean, rstd)
 
 
-def _vmap_rule(seg_dims, has_w, has_b, eps, axis_size, in_batched, x, *params):
+def _vmap_rule(seg_dims, has_w, has_b, eps, has_res, axis_size, in_batched, x, *operands):
     """custom_vmap rule: B problems are one problem whose rows are the examples' rows.
 
     custom_vmap has moved every batched argument's batch axis to the front. x becomes
@@ -118,14 +153,17 @@ def _vmap_rule(seg_dims, has_w, has_b, eps, axis_size, in_batched, x, *params):
     The call goes through _op again (one more segment axis), so nested vmaps make one FFI call.
     """
     B = axis_size
-    x_b, *p_b = in_batched
-    example = x.shape[1:] if x_b else x.shape
+    n_rows = 2 if has_res else 1   # x, and residual: batched alike
+    rows_b, p_b = in_batched[:n_rows], in_batched[n_rows:]
+    rows_in, params = (x, *operands[:n_rows - 1]), operands[n_rows - 1:]
+    example = x.shape[1:] if rows_b[0] else x.shape
     segs, C = example[:seg_dims], example[-1]
     stat = reference.acc_dtype(x.dtype)
+    n_out = n_rows + 2
     if B == 0:  # an empty batch: nothing to compute
-        return (jnp.zeros((0, *example), x.dtype), jnp.zeros((0, *example[:-1]), stat),
-                jnp.zeros((0, *example[:-1]), stat)), (True, True, True)
-    x = x if x_b else jnp.broadcast_to(x, (B, *x.shape))
+        return ((jnp.zeros((0, *example), x.dtype),) * n_rows + (jnp.zeros((0, *example[:-1]), stat),) * 2,
+                (True,) * n_out)
+    rows_in = tuple(a if b else jnp.broadcast_to(a, (B, *a.shape)) for a, b in zip(rows_in, rows_b))
 
     def batch(p, batched):
         ex = p.shape[1:] if batched else p.shape
@@ -134,24 +172,27 @@ def _vmap_rule(seg_dims, has_w, has_b, eps, axis_size, in_batched, x, *params):
         return p.reshape((1,) * (seg_dims + 1) + (C,))
 
     params = tuple(batch(p, b) for p, b in zip(params, p_b))
-    out = _op(seg_dims + 1, has_w, has_b, eps)(x, *params)
-    return out, (True, True, True)
+    out = _op(seg_dims + 1, has_w, has_b, eps, has_res)(*rows_in, *params)
+    return out, (True,) * n_out
 
 
 @functools.cache
-def _op(seg_dims: int, has_w: bool, has_b: bool, eps: float):
-    """op(x, *params) -> (y, mean, rstd) for these static settings (cached: equal settings give
-    the same function, so jit caches hit)."""
+def _op(seg_dims: int, has_w: bool, has_b: bool, eps: float, has_res: bool = False):
+    """op(x, *params) -> (y, mean, rstd), or with has_res op(x, residual, *params) -> (y, s, mean,
+    rstd), for these static settings (cached: equal settings give the same function, so jit
+    caches hit)."""
     @jax.custom_batching.custom_vmap
-    def run(x, *params):
-        return layernorm_fwd_partitioned(x, params, seg_dims, has_w, has_b, eps)
+    def run(x, *operands):
+        residual, params = (operands[0], operands[1:]) if has_res else (None, operands)
+        return layernorm_fwd_partitioned(x, params, seg_dims, has_w, has_b, eps, residual)
 
-    run.def_vmap(functools.partial(_vmap_rule, seg_dims, has_w, has_b, eps))
+    run.def_vmap(functools.partial(_vmap_rule, seg_dims, has_w, has_b, eps, has_res))
     op = jax.custom_jvp(run)
 
     @op.defjvp
     def op_jvp(primals, tangents):
-        _, tangents_out = jax.jvp(functools.partial(_reference, seg_dims, has_w, has_b, eps), primals, tangents)
+        _, tangents_out = jax.jvp(functools.partial(_reference, seg_dims, has_w, has_b, eps, has_res),
+                                  primals, tangents)
         return op(*primals), tangents_out
 
     return op

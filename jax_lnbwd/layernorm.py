@@ -149,6 +149,30 @@ def _forward(x, weight, bias, eps: float):
         default=lambda x, w, b: reference.layernorm_fwd(x, w, b, eps))
 
 
+def _add_forward(x, residual, weight, bias, eps: float):
+    """add_layernorm's forward, (y, s, mean, rstd) with s = x + residual in x's dtype, for checked
+    inputs. Where `_forward` would run the fused forward (same switch, same platforms), the
+    residual-fused FFI forward (forward.add_layernorm_fwd_op) computes all four in one kernel
+    that reads x and residual once; elsewhere, and in the same fallbacks (no CUDA handler,
+    Explicit mesh axes), jnp's add followed by `_forward`'s path. Both normalize the rounded s."""
+    mode = config.ffi_forward_mode()
+    if mode == "ffi":
+        return forward.add_layernorm_fwd_op(x, residual, weight, bias, eps)
+    platforms = [p for p in FFI_FORWARD_PLATFORMS if p != "cuda" or _ffi.WITH_CUDA]
+    if mode == "xla" or not platforms or _explicitly_sharded(x, residual, weight, bias):
+        s = x + residual
+        y, mean, rstd = _forward(s, weight, bias, eps)
+        return y, s, mean, rstd
+
+    def unfused(x, r, w, b):
+        s = x + r
+        y, mean, rstd = reference.layernorm_fwd(s, w, b, eps)
+        return y, s, mean, rstd
+
+    fused = lambda x, r, w, b: forward.add_layernorm_fwd_op(x, r, w, b, eps)  # noqa: E731
+    return jax.lax.platform_dependent(x, residual, weight, bias, **{p: fused for p in platforms}, default=unfused)
+
+
 def _explicitly_sharded(*arrays) -> bool:
     """Whether any array's type names mesh axes (jax.sharding.AxisType.Explicit)."""
     for a in arrays:

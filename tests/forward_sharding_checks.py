@@ -1,11 +1,13 @@
-"""Checks of the fused forward on several devices; run by test_forward_sharding.py in a subprocess.
+"""Checks of the fused forward (and its residual variant) on several devices; run by
+test_forward_sharding.py in a subprocess.
 
     python tests/forward_sharding_checks.py --platform cpu     # 8 host CPU devices (XLA flag below)
     python tests/forward_sharding_checks.py --platform gpu     # every visible GPU (at least 2)
 
 Every check prints one JSON line {"check": name, "ok": bool, "detail": str}. "Sharded correctly"
 for the forward: the results equal one device's, y, mean and rstd keep x's row sharding, and the
-compiled program has no collective at all (each row is normalized by itself).
+compiled program has no collective at all (each row is normalized by itself). The residual
+variant's checks (add_*) also shard residual like x and check that s keeps that sharding.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jax_lnbwd.forward import layernorm_fwd_op  # noqa: E402
+from jax_lnbwd.forward import add_layernorm_fwd_op, layernorm_fwd_op  # noqa: E402
 from jax_lnbwd.sharding import ShardingFallbackWarning  # noqa: E402
 
 COLLECTIVE = re.compile(r"\b(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(-start)?\(")
@@ -50,7 +52,8 @@ def inputs(shape, dtype="float32", seed=0):
 
 def assert_equal_outputs(got, want):
     """The FFI op computes each row alone: sharded and one-device results are bit-identical."""
-    for name, g, w in zip(("y", "mean", "rstd"), got, want):
+    names = ("y", "s", "mean", "rstd") if len(got) == 4 else ("y", "mean", "rstd")
+    for name, g, w in zip(names, got, want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
 
 
@@ -132,6 +135,69 @@ def shard_map_local_rows():
     spec = P("data")
     f = jax.jit(jax.shard_map(fwd, mesh=ENV.mesh1, in_specs=(spec, P(), P()), out_specs=(spec, spec, spec)))
     assert_equal_outputs(f(x, w, b), ENV.one_device(fwd, x, w, b))
+
+
+def add_fwd(x, r, w, b):
+    return add_layernorm_fwd_op(x, r, w, b, 1e-5)
+
+
+@check
+def add_rows_sharded():
+    """The residual variant with x and residual sharded over batch (1-D mesh) and over batch and
+    seq (2-D mesh), bf16 with float32 parameters: equal to one device's, y and s keep x's
+    sharding, no collective."""
+    for mesh, spec in ((ENV.mesh1, P("data")), (ENV.mesh2, P("a", "b"))):
+        x, w, b = inputs((2 * ENV.n, 2 * ENV.n, 256), "bfloat16")
+        r = inputs((2 * ENV.n, 2 * ENV.n, 256), "bfloat16", seed=1)[0]
+        rows, rep = NamedSharding(mesh, spec), NamedSharding(mesh, P())
+        jitted = jax.jit(add_fwd, in_shardings=(rows, rows, rep, rep))
+        got = jitted(x, r, w, b)
+        assert_equal_outputs(got, ENV.one_device(add_fwd, x, r, w, b))
+        for out, rank in zip(got, (3, 3, 2, 2)):
+            assert out.sharding.is_equivalent_to(NamedSharding(mesh, spec), rank), out.sharding
+        ops = collectives(jitted, x, r, w, b)
+        assert not ops, "the forward should not communicate:\n" + "\n".join(ops)
+
+
+@check
+def add_vmap_per_example_weights_sharded():
+    """The residual variant under vmap with per-example weights, examples sharded; no collective."""
+    x, _, b = inputs((2 * ENV.n, 16, 128))
+    r = inputs((2 * ENV.n, 16, 128), seed=1)[0]
+    ws = np.random.default_rng(1).standard_normal((2 * ENV.n, 128)).astype(np.float32)
+    f = jax.vmap(add_fwd, in_axes=(0, 0, 0, None))
+    rows = NamedSharding(ENV.mesh1, P("data"))
+    jitted = jax.jit(f, in_shardings=(rows, rows, rows, NamedSharding(ENV.mesh1, P())))
+    got = jitted(x, r, ws, b)
+    assert_equal_outputs(got, ENV.one_device(f, x, r, ws, b))
+    ops = collectives(jitted, x, r, ws, b)
+    assert not ops, "the forward should not communicate:\n" + "\n".join(ops)
+
+
+@check
+def add_c_sharded_falls_back():
+    """The residual variant with x and residual sharded along C: gathered, with the warning."""
+    x, w, b = inputs((2 * ENV.n, 8, 128))
+    r = inputs((2 * ENV.n, 8, 128), seed=1)[0]
+    cols, rep = NamedSharding(ENV.mesh1, P(None, None, "data")), NamedSharding(ENV.mesh1, P())
+    jitted = jax.jit(add_fwd, in_shardings=(cols, cols, rep, rep))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = jitted(x, r, w, b)
+    assert any(issubclass(c.category, ShardingFallbackWarning) and "last axis (C=128)" in str(c.message)
+               for c in caught), [str(c.message) for c in caught]
+    assert_equal_outputs(got, ENV.one_device(add_fwd, x, r, w, b))
+
+
+@check
+def add_shard_map_local_rows():
+    """The residual variant inside shard_map over all axes: the plain FFI call per device."""
+    x, w, b = inputs((2 * ENV.n, 8, 64))
+    r = inputs((2 * ENV.n, 8, 64), seed=1)[0]
+    spec = P("data")
+    f = jax.jit(jax.shard_map(add_fwd, mesh=ENV.mesh1, in_specs=(spec, spec, P(), P()),
+                              out_specs=(spec, spec, spec, spec)))
+    assert_equal_outputs(f(x, r, w, b), ENV.one_device(add_fwd, x, r, w, b))
 
 
 def main() -> int:

@@ -8,8 +8,10 @@
 //
 //   forward_check check                  every path (registers at each feasible row-group size,
 //                                        shared memory, global memory) x dtypes x parameter
-//                                        kinds x shapes, against a CPU reference in double
-//   forward_check sweep ROWS C DTYPE [f32params]
+//                                        kinds x shapes, plain and with a residual (add_layernorm's
+//                                        variant: s = x + residual must match the CPU's rounded
+//                                        sum bit for bit), against a CPU reference in double
+//   forward_check sweep ROWS C DTYPE [f32params] [residual]
 //                                        time each configuration of one shape and a same-bytes
 //                                        device copy (CUDA events, median of 7 runs of 20)
 //
@@ -88,9 +90,10 @@ struct Case {
   int64_t rows, C;
   Dtype dtype, param_dtype;
   int64_t weight_rows, bias_rows;   // 0 absent, 1 shared, S per segment
-  bool misaligned;                  // x and y one element into their allocations: scalar path
+  bool misaligned;                  // x, y (and residual, s) one element into their allocations: scalar path
   FwdPath path;
   int tpr;
+  bool residual;                    // the residual variant: y is the layernorm of s = x + residual
 };
 
 // Norm-wise relative error sqrt(sum (a-b)^2 / sum b^2) (absolute when b is all zero).
@@ -121,8 +124,11 @@ static int run_case(const Case& c, std::mt19937_64& rng) {
   const size_t lead = c.misaligned ? item : 0;
   DeviceBuffer x(n * item, lead), y(n * item, lead), mean(c.rows * stat_bytes(c.dtype)), rstd(c.rows * stat_bytes(c.dtype));
   DeviceBuffer w(c.weight_rows * c.C * pitem), b(c.bias_rows * c.C * pitem);
+  DeviceBuffer res(c.residual ? n * item : 0, lead), sum(c.residual ? n * item : 0, lead);
   p.x = x.ptr;
   p.y = y.ptr;
+  p.residual = c.residual ? res.ptr : nullptr;
+  p.s = c.residual ? sum.ptr : nullptr;
   p.mean = mean.ptr;
   p.rstd = rstd.ptr;
   p.weight = c.weight_rows > 0 ? w.ptr : nullptr;
@@ -134,6 +140,16 @@ static int run_case(const Case& c, std::mt19937_64& rng) {
   std::normal_distribution<double> normal;
   std::vector<unsigned char> hx(n * item), hw(c.weight_rows * c.C * pitem), hb(c.bias_rows * c.C * pitem);
   for (size_t i = 0; i < n; ++i) store(c.dtype, hx.data(), i, 3.0 + normal(rng));
+  // The residual variant: a residual of x's size, so the sums round; the expected s is the exact
+  // sum rounded once to the dtype (via float for 16-bit: rounding twice changes nothing there),
+  // and the reference below normalizes it.
+  std::vector<unsigned char> hr_in(c.residual ? n * item : 0), hs_want(c.residual ? n * item : 0);
+  for (size_t i = 0; c.residual && i < n; ++i) {
+    store(c.dtype, hr_in.data(), i, normal(rng));
+    store(c.dtype, hs_want.data(), i, load(c.dtype, hx.data(), i) + load(c.dtype, hr_in.data(), i));
+  }
+  if (c.residual) CHECK_CUDA(cudaMemcpy(res.ptr, hr_in.data(), hr_in.size(), cudaMemcpyHostToDevice));
+  const std::vector<unsigned char>& hrow = c.residual ? hs_want : hx;   // the rows normalized
   for (size_t i = 0; i < static_cast<size_t>(c.weight_rows * c.C); ++i) store(c.param_dtype, hw.data(), i, 1 + 0.1 * normal(rng));
   for (size_t i = 0; i < static_cast<size_t>(c.bias_rows * c.C); ++i) store(c.param_dtype, hb.data(), i, normal(rng));
   CHECK_CUDA(cudaMemcpy(x.ptr, hx.data(), hx.size(), cudaMemcpyHostToDevice));
@@ -142,9 +158,10 @@ static int run_case(const Case& c, std::mt19937_64& rng) {
   cudaError_t err = layernorm_fwd(p, 0);
   if (err == cudaSuccess) err = cudaDeviceSynchronize();
   char label[256];
-  std::snprintf(label, sizeof(label), "%lldx%lld %s params %s w%lld b%lld %s%s tpr %d", (long long)c.rows,
+  std::snprintf(label, sizeof(label), "%lldx%lld %s params %s w%lld b%lld %s%s%s tpr %d", (long long)c.rows,
                 (long long)c.C, dtype_name(c.dtype), dtype_name(c.param_dtype), (long long)c.weight_rows,
-                (long long)c.bias_rows, path_name(c.path), c.misaligned ? " misaligned" : "", c.rows > 0 ? cfg.tpr : 0);
+                (long long)c.bias_rows, path_name(c.path), c.misaligned ? " misaligned" : "",
+                c.residual ? " residual" : "", c.rows > 0 ? cfg.tpr : 0);
   if (err != cudaSuccess) {
     std::printf("FAIL %s: %s\n", label, cudaGetErrorString(err));
     return 1;
@@ -153,23 +170,34 @@ static int run_case(const Case& c, std::mt19937_64& rng) {
   CHECK_CUDA(cudaMemcpy(hy.data(), y.ptr, hy.size(), cudaMemcpyDeviceToHost));
   CHECK_CUDA(cudaMemcpy(hm.data(), mean.ptr, hm.size(), cudaMemcpyDeviceToHost));
   CHECK_CUDA(cudaMemcpy(hr.data(), rstd.ptr, hr.size(), cudaMemcpyDeviceToHost));
+  if (c.residual) {
+    std::vector<unsigned char> hs(n * item);
+    CHECK_CUDA(cudaMemcpy(hs.data(), sum.ptr, hs.size(), cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < n; ++i) {
+      if (std::memcmp(hs.data() + i * item, hs_want.data() + i * item, item) != 0) {
+        std::printf("FAIL %s: s[%zu] = %.9g but x + residual rounded is %.9g\n", label, i, load(c.dtype, hs.data(), i),
+                    load(c.dtype, hs_want.data(), i));
+        return 1;
+      }
+    }
+  }
 
-  // The reference in double from the exact inputs.
+  // The reference in double from the exact inputs (the rounded s for the residual variant).
   const Dtype stat = c.dtype == Dtype::kF64 ? Dtype::kF64 : Dtype::kF32;
   std::vector<double> gy(n), ry(n), gm(c.rows), rm(c.rows), gr(c.rows), rr(c.rows);
   for (int64_t r = 0; r < c.rows; ++r) {
     double s = 0, q = 0;
-    for (int64_t i = 0; i < c.C; ++i) s += load(c.dtype, hx.data(), r * c.C + i);
+    for (int64_t i = 0; i < c.C; ++i) s += load(c.dtype, hrow.data(), r * c.C + i);
     const double m = s / c.C;
     for (int64_t i = 0; i < c.C; ++i) {
-      const double d = load(c.dtype, hx.data(), r * c.C + i) - m;
+      const double d = load(c.dtype, hrow.data(), r * c.C + i) - m;
       q += d * d;
     }
     const double rs = 1.0 / std::sqrt(q / c.C + 1e-5);
     const int64_t wr = c.weight_rows > 0 ? r / (c.rows / c.weight_rows) : 0;
     const int64_t br = c.bias_rows > 0 ? r / (c.rows / c.bias_rows) : 0;
     for (int64_t i = 0; i < c.C; ++i) {
-      double v = (load(c.dtype, hx.data(), r * c.C + i) - m) * rs;
+      double v = (load(c.dtype, hrow.data(), r * c.C + i) - m) * rs;
       if (c.weight_rows > 0) v *= load(c.param_dtype, hw.data(), wr * c.C + i);
       if (c.bias_rows > 0) v += load(c.param_dtype, hb.data(), br * c.C + i);
       ry[r * c.C + i] = v;
@@ -214,11 +242,16 @@ static int check() {
             for (int tpr = 32; tpr <= 512; tpr *= 2) {
               if (!quick || tpr == 32 || tpr == 128) paths.push_back({FwdPath::kRegisters, tpr});
             }
-            for (auto [path, tpr] : paths) {
-              const int r = run_case({rows, C, d, pd, wr, br, mis, path, tpr}, rng);
-              if (r < 0) continue;
-              ++cases;
-              failures += r;
+            // The residual variant with shared parameters and with none (the parameter kinds
+            // do not meet the residual's code).
+            for (bool res : {false, true}) {
+              if (res && wr != br) continue;
+              for (auto [path, tpr] : paths) {
+                const int r = run_case({rows, C, d, pd, wr, br, mis, path, tpr, res}, rng);
+                if (r < 0) continue;
+                ++cases;
+                failures += r;
+              }
             }
           }
         }
@@ -250,28 +283,37 @@ static double time_us(F&& launch) {
   return t[t.size() / 2];
 }
 
-static int sweep(int64_t rows, int64_t C, const std::string& dtype, bool f32params) {
+// residual: the residual variant, which reads x and residual and writes y and s; its copy moves
+// the same bytes (two copies of rows x C).
+static int sweep(int64_t rows, int64_t C, const std::string& dtype, bool f32params, bool residual) {
   const Dtype d = dtype == "float32" ? Dtype::kF32 : dtype == "bfloat16" ? Dtype::kBF16 : dtype == "float16" ? Dtype::kF16 : Dtype::kF64;
   const Dtype pd = f32params ? Dtype::kF32 : d;
   const size_t n = static_cast<size_t>(rows * C), bytes = n * item_bytes(d);
   DeviceBuffer x(bytes), y(bytes), mean(rows * stat_bytes(d)), rstd(rows * stat_bytes(d));
   DeviceBuffer w(C * item_bytes(pd)), b(C * item_bytes(pd));
+  DeviceBuffer res(residual ? bytes : 0), sum(residual ? bytes : 0);
   CHECK_CUDA(cudaMemset(x.ptr, 0x3c, bytes));   // finite values in every dtype
+  if (residual) CHECK_CUDA(cudaMemset(res.ptr, 0x3c, bytes));
   CHECK_CUDA(cudaMemset(w.ptr, 0, C * item_bytes(pd)));
   CHECK_CUDA(cudaMemset(b.ptr, 0, C * item_bytes(pd)));
-  const double copy = time_us([&] { CHECK_CUDA(cudaMemcpyAsync(y.ptr, x.ptr, bytes, cudaMemcpyDeviceToDevice)); });
-  std::printf("%lldx%lld %s (params %s): copy %.2f us (%.0f GB/s)\n", (long long)rows, (long long)C, dtype.c_str(),
-              dtype_name(pd), copy, 2.0 * bytes / copy / 1e3);
+  const int tensors = residual ? 4 : 2;   // read and written, rows x C each
+  const double copy = time_us([&] {
+    CHECK_CUDA(cudaMemcpyAsync(y.ptr, x.ptr, bytes, cudaMemcpyDeviceToDevice));
+    if (residual) CHECK_CUDA(cudaMemcpyAsync(sum.ptr, res.ptr, bytes, cudaMemcpyDeviceToDevice));
+  });
+  std::printf("%lldx%lld %s (params %s)%s: copy %.2f us (%.0f GB/s)\n", (long long)rows, (long long)C, dtype.c_str(),
+              dtype_name(pd), residual ? " residual" : "", copy, tensors * bytes / copy / 1e3);
   std::vector<std::pair<FwdPath, int>> paths = {{FwdPath::kAuto, 0}, {FwdPath::kSharedMemory, 0}, {FwdPath::kGlobal, 0}};
   for (int tpr = 32; tpr <= 512; tpr *= 2) paths.push_back({FwdPath::kRegisters, tpr});
   for (auto [path, tpr] : paths) {
-    LayernormFwdParams p = {y.ptr, mean.ptr, rstd.ptr, x.ptr, w.ptr, b.ptr, rows, C, 1, 1, d, pd, 1e-5, path, tpr};
+    LayernormFwdParams p = {y.ptr, mean.ptr, rstd.ptr, x.ptr, w.ptr, b.ptr, rows, C, 1, 1, d, pd, 1e-5, path, tpr,
+                            residual ? res.ptr : nullptr, residual ? sum.ptr : nullptr};
     LayernormFwdConfig cfg;
     if (layernorm_fwd_pick(p, &cfg) != cudaSuccess) continue;
     const double us = time_us([&] { CHECK_CUDA(layernorm_fwd(p, 0)); });
     std::printf("  %-9s tpr %3d nv %d vec %d rows/block %d threads %4d smem %7zu: %9.2f us %6.0f GB/s %5.1f%% of copy\n",
                 path_name(path), cfg.tpr, cfg.nv, cfg.vec, cfg.rows_per_block, cfg.threads, cfg.smem_bytes, us,
-                2.0 * bytes / us / 1e3, 100.0 * copy / us);
+                tensors * bytes / us / 1e3, 100.0 * copy / us);
   }
   return 0;
 }
@@ -279,7 +321,14 @@ static int sweep(int64_t rows, int64_t C, const std::string& dtype, bool f32para
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "check";
   if (mode == "check") return check();
-  if (mode == "sweep" && argc >= 5) return sweep(std::atoll(argv[2]), std::atoll(argv[3]), argv[4], argc > 5 && std::string(argv[5]) == "f32params");
-  std::fprintf(stderr, "usage: %s check | sweep ROWS C DTYPE [f32params]\n", argv[0]);
+  if (mode == "sweep" && argc >= 5) {
+    bool f32params = false, residual = false;
+    for (int i = 5; i < argc; ++i) {
+      f32params |= std::string(argv[i]) == "f32params";
+      residual |= std::string(argv[i]) == "residual";
+    }
+    return sweep(std::atoll(argv[2]), std::atoll(argv[3]), argv[4], f32params, residual);
+  }
+  std::fprintf(stderr, "usage: %s check | sweep ROWS C DTYPE [f32params] [residual]\n", argv[0]);
   return 2;
 }

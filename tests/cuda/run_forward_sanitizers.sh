@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs the fused forward's standalone check (tests/cuda/forward_check.cu: exact-size cudaMalloc
-# buffers, every path) plainly and under compute-sanitizer's four tools, and proves the tools
-# would notice: scratch copies of forward_rows.cu with one planted out-of-bounds store and one
-# missing barrier must be reported. Needs a GPU (sm_90), nvcc and compute-sanitizer.
+# buffers, every path, plain and residual variant) plainly and under compute-sanitizer's four
+# tools, and proves the tools would notice: scratch copies of forward_rows.cu with one planted
+# out-of-bounds store (of y; of the residual variant's s) and one missing barrier must be reported. Needs a GPU (sm_90), nvcc and compute-sanitizer.
 #   [LNBWD_SANITIZER_TIMEOUT=900] tests/cuda/run_forward_sanitizers.sh [OUT_DIR]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -41,12 +41,14 @@ sed 's|\*reinterpret_cast<V\*>(a.y + row \* C + col) = y;|*reinterpret_cast<V*>(
   ffi/kernels/forward/forward_rows.cu > "$ctl/forward_rows_oob.cu"
 sed 's|auto sync = \[&\] { group_sync(1 + g, tpr); };|auto sync = [] {};|' \
   ffi/kernels/forward/forward_rows.cu > "$ctl/forward_rows_race.cu"
-for planted in oob race; do
+sed 's|\*reinterpret_cast<V\*>(a.s + row \* C + col) = xv\[j\];|*reinterpret_cast<V*>(a.s + row * C + col + (row + 1 == a.rows ? C : 0)) = xv[j];|' \
+  ffi/kernels/forward/forward_rows.cu > "$ctl/forward_rows_oob_s.cu"
+for planted in oob race oob_s; do
   if cmp -s "$ctl/forward_rows_$planted.cu" ffi/kernels/forward/forward_rows.cu; then
     echo "control $planted: the planted change did not apply"; status=1; continue
   fi
   "${NVCC[@]}" tests/cuda/forward_check.cu "$ctl/forward_rows_$planted.cu" "${KERNELS[@]}" -o "$ctl/check_$planted" || { status=1; continue; }
-  tool=$([ $planted = oob ] && echo memcheck || echo racecheck)
+  tool=$([ $planted = race ] && echo racecheck || echo memcheck)
   # The planted bug also makes values wrong (the check fails either way): what counts is that
   # the tool itself reports errors.
   timeout "$TIMEOUT" compute-sanitizer --tool "$tool" "$ctl/check_$planted" check > "$ctl/$planted.log" 2>&1

@@ -10,6 +10,14 @@
 // mean and rstd are saved (fp32, fp64 for fp64) for the backward. The row is read from DRAM
 // once: it stays on chip (registers, or shared memory for wide rows) for the three passes.
 //
+// The residual variant (add_layernorm: residual and s set) reads x and residual once and
+// normalizes their sum, rounded to x's dtype first:
+//   s_i = round(x_i + residual_i)            the sum in fp32 (fp64), rounded once to dtype
+//   y   = the layernorm above of the row s   (not of the unrounded sum)
+// and writes s as well: it is what jnp's `x + residual` gives for equal dtypes (a 16-bit pair's
+// fp32 sum rounded to 16 bits is the correctly rounded sum: fp32 has at least 2p + 2 bits), so
+// y, mean and rstd are the layernorm of exactly the s the caller gets back.
+//
 // Mixed precision: for bf16/fp16 x, weight and bias may be float32 (params kept in fp32, as
 // Flax keeps them); they are used in fp32 as they are, never rounded to 16 bits.
 #pragma once
@@ -51,6 +59,9 @@ struct LayernormFwdParams {
   FwdPath path;           // kAuto, or a path to force (the standalone check exercises each)
   int tpr;                // 0: the launcher's choice; else the register path's threads per row
                           // (a power of two, 32 to 512: the standalone check's sweep)
+  // The residual variant: both set, or both nullptr (the plain forward). Never aliased to x or y.
+  const void* residual;   // [rows, C] dtype
+  void* s;                // [rows, C] dtype: x + residual, rounded to dtype; the rows normalized
 };
 
 // What the launcher runs for a shape: the path, the vector width (elements per access: 16 bytes,

@@ -1,6 +1,7 @@
 // The fused forward's launcher: picks where a row lives (registers, shared memory or global
 // memory) and the register path's row group from C, the dtype and the device's limits, then
-// launches forward_rows.cu's or forward_wide.cu's kernel.
+// launches forward_rows.cu's or forward_wide.cu's kernel (the residual variant: the same pick,
+// the kernels' RES instantiation).
 #include <algorithm>
 #include <climits>
 
@@ -20,13 +21,14 @@ cudaError_t device_attribute(cudaDeviceAttr attr, int* out) {
   return cudaDeviceGetAttribute(out, attr, dev);
 }
 
-// 16-byte accesses need every row (of x, y and the parameters) to start on a 16-byte boundary:
-// C * sizeof(T) % 16 == 0 and 16-byte aligned base pointers. An fp32 parameter row next to
-// 16-bit x is then aligned too (C * 4 is a multiple of 32).
+// 16-byte accesses need every row (of x, y, the parameters, and residual and s when present) to
+// start on a 16-byte boundary: C * sizeof(T) % 16 == 0 and 16-byte aligned base pointers. An
+// fp32 parameter row next to 16-bit x is then aligned too (C * 4 is a multiple of 32).
 bool can_vectorize(const LayernormFwdParams& p) {
   const int vec = 16 / item_bytes(p.dtype);
   return p.C % vec == 0 && aligned16(p.x) && aligned16(p.y) && (p.weight == nullptr || aligned16(p.weight)) &&
-         (p.bias == nullptr || aligned16(p.bias));
+         (p.bias == nullptr || aligned16(p.bias)) && (p.residual == nullptr || aligned16(p.residual)) &&
+         (p.s == nullptr || aligned16(p.s));
 }
 
 // The register path's row group: the fewest threads per row (a power of two from 32 to
@@ -96,6 +98,7 @@ cudaError_t layernorm_fwd_pick(const LayernormFwdParams& p, LayernormFwdConfig* 
 cudaError_t layernorm_fwd(const LayernormFwdParams& p, cudaStream_t stream) {
   if (p.rows == 0) return cudaSuccess;   // nothing to read or write
   if (p.x == nullptr || p.y == nullptr || p.mean == nullptr || p.rstd == nullptr) return cudaErrorInvalidValue;
+  if ((p.residual == nullptr) != (p.s == nullptr)) return cudaErrorInvalidValue;   // the variant needs both
   for (int64_t prows : {p.weight_rows, p.bias_rows}) {
     if (prows < 0 || (prows > 0 && p.rows % prows != 0)) return cudaErrorInvalidValue;
   }

@@ -48,6 +48,8 @@ FwdArgs<T, P> fwd_args(const LayernormFwdParams& p) {
   a.weight_div = p.rows / (p.weight_rows > 0 ? p.weight_rows : 1);
   a.bias_div = p.rows / (p.bias_rows > 0 ? p.bias_rows : 1);
   a.eps = static_cast<acc_t<T>>(p.eps);
+  a.residual = static_cast<const T*>(p.residual);
+  a.s = static_cast<T*>(p.s);
   return a;
 }
 

@@ -24,6 +24,9 @@ struct FwdArgs {
   int64_t weight_div;   // rows per weight row: row r uses weight row r / weight_div
   int64_t bias_div;
   acc_t<T> eps;
+  // The residual variant only (the kernels' RES flag; unread otherwise): s = x + residual.
+  const T* residual;
+  T* s;
 };
 
 // The parameter row of `row`, or nullptr when the parameter is absent.
@@ -46,6 +49,18 @@ __device__ __forceinline__ Packed<A, VEC> load_params(const P* p) {
 #pragma unroll
     for (int k = 0; k < kPiece; ++k) out[c * kPiece + k] = static_cast<A>(to_acc(v[k]));
   }
+  return out;
+}
+
+// s = x + r for one vector: each sum in the accumulator type, rounded once to T. For 16-bit T
+// this is the correctly rounded 16-bit sum (fp32 has at least 2p + 2 bits for p-bit bf16 and
+// fp16, so rounding twice changes nothing): what jnp's `x + r` gives for x and r of one dtype.
+template <typename T, int VEC>
+__device__ __forceinline__ Packed<T, VEC> add_round(const Packed<T, VEC>& x, const Packed<T, VEC>& r) {
+  const Packed<acc_t<T>, VEC> xf = to_acc(x), rf = to_acc(r);
+  Packed<T, VEC> out;
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) out[k] = from_acc<T>(xf[k] + rf[k]);
   return out;
 }
 

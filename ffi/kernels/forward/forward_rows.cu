@@ -23,6 +23,9 @@
 //   pass 1: mean = (1/C) sum x_i                  (registers, then the group's sum)
 //   pass 2: var  = (1/C) sum (x_i - mean)^2       (the same registers: centered, exact two-pass)
 //   pass 3: y_i  = ((x_i - mean) rstd) w_i + b_i, rstd = 1/sqrt(var + eps), stored as T.
+// RES (the residual variant, add_layernorm): the residual row is loaded next to x, the row
+// becomes s = x + residual rounded to T (add_round) in the same registers, s is stored, and the
+// three passes run on s. The RES = false instantiations are the plain forward, unchanged.
 #include <algorithm>
 
 #include "forward/forward_launch.cuh"
@@ -30,7 +33,7 @@
 namespace lnbwd {
 namespace {
 
-template <typename T, typename P, int VEC, int NV>
+template <typename T, typename P, int VEC, int NV, bool RES>
 __global__ void __launch_bounds__(kFwdMaxRowThreads)
 forward_rows(FwdArgs<T, P> a, int tpr, int groups) {
   using A = acc_t<T>;
@@ -59,6 +62,24 @@ forward_rows(FwdArgs<T, P> a, int tpr, int groups) {
     for (int j = 0; j < NV; ++j) {
       const int col = (j * tpr + t) * VEC;
       if (col < C) xv[j] = load_cs(reinterpret_cast<const V*>(x + col));
+    }
+    if constexpr (RES) {
+      // The residual's loads go out before any use of x's; then the row is s, stored once.
+      const T* r = a.residual + row * C;
+      V rv[NV];
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        const int col = (j * tpr + t) * VEC;
+        if (col < C) rv[j] = load_cs(reinterpret_cast<const V*>(r + col));
+      }
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        const int col = (j * tpr + t) * VEC;
+        if (col < C) {
+          xv[j] = add_round(xv[j], rv[j]);
+          *reinterpret_cast<V*>(a.s + row * C + col) = xv[j];
+        }
+      }
     }
 
     // Pass 1: the mean.
@@ -95,32 +116,32 @@ forward_rows(FwdArgs<T, P> a, int tpr, int groups) {
   }
 }
 
-template <typename T, typename P, int VEC, int NV>
+template <typename T, typename P, int VEC, int NV, bool RES>
 cudaError_t launch(const FwdArgs<T, P>& a, const LayernormFwdConfig& cfg, cudaStream_t stream) {
   unsigned int blocks = 0;
   LNBWD_FWD_RETURN_IF_ERROR(fwd_grid(ceil_div<int64_t>(a.rows, cfg.rows_per_block), &blocks));
-  forward_rows<T, P, VEC, NV><<<blocks, cfg.threads, 0, stream>>>(a, cfg.tpr, cfg.rows_per_block);
+  forward_rows<T, P, VEC, NV, RES><<<blocks, cfg.threads, 0, stream>>>(a, cfg.tpr, cfg.rows_per_block);
   return cudaGetLastError();
 }
 
 // The NV variants compiled: every NV up to kFwdMaxNv for 16-byte vectors (the pick uses the
 // smallest NV that holds the row, so no thread holds dead registers), and powers of two for
 // one element per access (unaligned rows, kept to fewer variants).
-template <typename T, typename P, int VEC>
+template <typename T, typename P, int VEC, bool RES>
 cudaError_t launch_nv(const FwdArgs<T, P>& a, const LayernormFwdConfig& cfg, cudaStream_t stream) {
   static_assert(kFwdMaxNv == 8, "the variant list below covers NV = 1..8");
   switch (cfg.nv) {
-    case 1: return launch<T, P, VEC, 1>(a, cfg, stream);
-    case 2: return launch<T, P, VEC, 2>(a, cfg, stream);
-    case 4: return launch<T, P, VEC, 4>(a, cfg, stream);
-    case 8: return launch<T, P, VEC, 8>(a, cfg, stream);
+    case 1: return launch<T, P, VEC, 1, RES>(a, cfg, stream);
+    case 2: return launch<T, P, VEC, 2, RES>(a, cfg, stream);
+    case 4: return launch<T, P, VEC, 4, RES>(a, cfg, stream);
+    case 8: return launch<T, P, VEC, 8, RES>(a, cfg, stream);
   }
   if constexpr (VEC > 1) {
     switch (cfg.nv) {
-      case 3: return launch<T, P, VEC, 3>(a, cfg, stream);
-      case 5: return launch<T, P, VEC, 5>(a, cfg, stream);
-      case 6: return launch<T, P, VEC, 6>(a, cfg, stream);
-      case 7: return launch<T, P, VEC, 7>(a, cfg, stream);
+      case 3: return launch<T, P, VEC, 3, RES>(a, cfg, stream);
+      case 5: return launch<T, P, VEC, 5, RES>(a, cfg, stream);
+      case 6: return launch<T, P, VEC, 6, RES>(a, cfg, stream);
+      case 7: return launch<T, P, VEC, 7, RES>(a, cfg, stream);
     }
   }
   return cudaErrorInvalidValue;
@@ -135,8 +156,13 @@ cudaError_t layernorm_fwd_rows(const LayernormFwdParams& p, const LayernormFwdCo
     using P = decltype(pt);
     constexpr int kVec = 16 / sizeof(T);
     const FwdArgs<T, P> a = fwd_args<T, P>(p);
-    if (cfg.vec == kVec) return launch_nv<T, P, kVec>(a, cfg, stream);
-    if (cfg.vec == 1) return launch_nv<T, P, 1>(a, cfg, stream);
+    if (p.residual != nullptr) {
+      if (cfg.vec == kVec) return launch_nv<T, P, kVec, true>(a, cfg, stream);
+      if (cfg.vec == 1) return launch_nv<T, P, 1, true>(a, cfg, stream);
+      return cudaErrorInvalidValue;
+    }
+    if (cfg.vec == kVec) return launch_nv<T, P, kVec, false>(a, cfg, stream);
+    if (cfg.vec == 1) return launch_nv<T, P, 1, false>(a, cfg, stream);
     return cudaErrorInvalidValue;
   });
 }

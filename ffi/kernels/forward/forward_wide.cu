@@ -12,6 +12,13 @@
 //                  3 a streaming load, as nothing reads the row after it.
 // The math is the register path's (forward_rows.cu): mean, centered variance, then
 // y_i = ((x_i - mean) rstd) w_i + b_i, in fp32 (fp64 for fp64).
+//
+// RES (the residual variant): pass 1 reads x and residual once (streaming: neither is read
+// again), forms s = x + residual rounded to T (add_round) and stores it; the row the passes
+// work on is s. kSharedMemory keeps s in shared memory as it keeps x; kGlobal re-reads s from
+// the output just written. Each thread re-reads only the vectors it stored itself, so that
+// needs no barrier (a thread sees its own stores). The RES = false instantiations are the
+// plain forward, unchanged.
 #include <algorithm>
 
 #include "common/occupancy.h"
@@ -20,7 +27,7 @@
 namespace lnbwd {
 namespace {
 
-template <typename T, typename P, int VEC, bool IN_SMEM>
+template <typename T, typename P, int VEC, bool IN_SMEM, bool RES>
 __global__ void __launch_bounds__(kFwdWideThreads)
 forward_wide(FwdArgs<T, P> a) {
   using A = acc_t<T>;
@@ -37,11 +44,24 @@ forward_wide(FwdArgs<T, P> a) {
 
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
     const V* x = reinterpret_cast<const V*>(a.x + row * C);
+    V* sum_row = nullptr;   // RES: s's row, written in pass 1 (and re-read by kGlobal)
+    if constexpr (RES) {
+      sum_row = reinterpret_cast<V*>(a.s + row * C);
+      x = sum_row;          // passes 2 and 3 read the row from here (kGlobal)
+    }
 
     // Pass 1: the mean; the row goes to shared memory on the way.
     A s = A(0);
     for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
-      const V v = IN_SMEM ? load_cs(x + i) : load(x + i);
+      V v;
+      if constexpr (RES) {
+        const V* xr = reinterpret_cast<const V*>(a.x + row * C);
+        const V* rr = reinterpret_cast<const V*>(a.residual + row * C);
+        v = add_round(load_cs(xr + i), load_cs(rr + i));
+        sum_row[i] = v;
+      } else {
+        v = IN_SMEM ? load_cs(x + i) : load(x + i);
+      }
       if (IN_SMEM) held[i] = v;
       s += sum_of(to_acc(v));
     }
@@ -69,17 +89,17 @@ forward_wide(FwdArgs<T, P> a) {
   }
 }
 
-template <typename T, typename P, int VEC>
+template <typename T, typename P, int VEC, bool RES>
 cudaError_t launch(const FwdArgs<T, P>& a, const LayernormFwdConfig& cfg, cudaStream_t stream) {
   unsigned int blocks = 0;
   LNBWD_FWD_RETURN_IF_ERROR(fwd_grid(a.rows, &blocks));
   if (cfg.path == FwdPath::kGlobal) {
-    forward_wide<T, P, VEC, false><<<blocks, cfg.threads, 0, stream>>>(a);
+    forward_wide<T, P, VEC, false, RES><<<blocks, cfg.threads, 0, stream>>>(a);
     return cudaGetLastError();
   }
   // Opts the kernel in to the row's shared memory (remembered per device and kernel, so the
   // driver is asked once) and checks that a block of it fits at all.
-  auto kernel = forward_wide<T, P, VEC, true>;
+  auto kernel = forward_wide<T, P, VEC, true, RES>;
   int fit = 0;
   LNBWD_FWD_RETURN_IF_ERROR(resident_units(-1, reinterpret_cast<const void*>(kernel), cfg.threads, cfg.smem_bytes, 1, &fit));
   if (fit < 1) return cudaErrorInvalidConfiguration;
@@ -96,8 +116,13 @@ cudaError_t layernorm_fwd_wide(const LayernormFwdParams& p, const LayernormFwdCo
     using P = decltype(pt);
     constexpr int kVec = 16 / sizeof(T);
     const FwdArgs<T, P> a = fwd_args<T, P>(p);
-    if (cfg.vec == kVec) return launch<T, P, kVec>(a, cfg, stream);
-    if (cfg.vec == 1) return launch<T, P, 1>(a, cfg, stream);
+    if (p.residual != nullptr) {
+      if (cfg.vec == kVec) return launch<T, P, kVec, true>(a, cfg, stream);
+      if (cfg.vec == 1) return launch<T, P, 1, true>(a, cfg, stream);
+      return cudaErrorInvalidValue;
+    }
+    if (cfg.vec == kVec) return launch<T, P, kVec, false>(a, cfg, stream);
+    if (cfg.vec == 1) return launch<T, P, 1, false>(a, cfg, stream);
     return cudaErrorInvalidValue;
   });
 }
