@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import PLATFORMS, RTOL, assert_close, direct_ffi_call, make_inputs, put, reference_bwd, reference_stats
+from conftest import (IMPRECISE_MANY_BLOCKS_RTOL, PLATFORMS, RTOL, assert_close, direct_ffi_call, kernel_rtol,
+                      make_inputs, put, reference_bwd, reference_stats)
 from jax_lnbwd import KERNELS, layernorm, layernorm_bwd
 from jax_lnbwd import kernels as kernels_mod
 
@@ -211,9 +212,8 @@ def test_block_size_zero_is_the_default(platform, kernel):
     mean, rstd = reference_stats(x)
     got = direct_ffi_call(platform, dy, x, w[None], mean, rstd, kernel=kernel, block_size=0)
     want = reference_bwd(dy, x, w, mean, rstd)
-    tol = 5e-2 if not KERNELS[kernel].precise else RTOL[dtype]
     for name, g, ref in zip(("dx", "dweight", "dbias"), got, want):
-        assert_close(f"kernel {kernel} {name}", g.reshape(ref.shape), ref, dtype, tol)
+        assert_close(f"kernel {kernel} {name}", g.reshape(ref.shape), ref, dtype, kernel_rtol(KERNELS[kernel], dtype))
 
 
 @functools.cache
@@ -238,9 +238,10 @@ def test_every_block_size_with_more_rows_than_warps(platform, kernel, block_size
     args, want = _many_rows_case(dtype)
     f = jax.jit(functools.partial(layernorm_bwd, kernel=kernel, block_size=block_size))
     got = f(*put(platform, *args))
-    tol = RTOL[dtype] if info.precise else {"float32": 1e-4, "bfloat16": 2e-1}[dtype]
+    # dx is computed row by row in fp32 by every kernel: RTOL. Only the sums may be imprecise.
+    sums_tol = RTOL[dtype] if info.precise else IMPRECISE_MANY_BLOCKS_RTOL[dtype]
     for name, g, ref in zip(("dx", "dweight", "dbias"), got, want):
-        assert_close(f"kernel {kernel} {name}", g, ref, dtype, RTOL[dtype] if name == "dx" else tol)
+        assert_close(f"kernel {kernel} {name}", g, ref, dtype, RTOL[dtype] if name == "dx" else sums_tol)
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
@@ -261,7 +262,7 @@ def test_outputs_are_written_not_accumulated(platform, kernel):
         return first, second
 
     first, second = twice(*put(platform, dy, x, w, mean, rstd))
-    tol = RTOL[dtype] if info.precise else 5e-2
+    tol = kernel_rtol(info, dtype)
     for scale, got in ((1, first), (2, second)):
         want = reference_bwd((scale * dy.astype(np.float64)).astype(dy.dtype), x, w, mean, rstd)
         for name, g, ref in zip(("dx", "dweight", "dbias"), got, want):
