@@ -25,13 +25,13 @@ KERNEL_IDS = sorted(KERNELS)
 
 
 def rows_above_grid() -> int:
-    """One row more than the 32 * SMs warps of the seed kernels' persistent grids (kernels 3-10
+    """One row more than the 32 * SMs warps of the llm.c kernels' persistent grids (kernels 3-10
     at their defaults): one warp gets a second row while every other warp has none, the case that
-    broke the barriers of seed kernels 9 and 10 (on the CPU: an H200's 132 SMs)."""
+    broke the barriers of llm.c's kernels 9 and 10 (on the CPU: an H200's 132 SMs)."""
     return 32 * kernels_mod.sm_count() + 1
 
 
-# Every kernel x dtype runs these: C from 1 to 8192 (odd and misaligned ones, the seed's 1600
+# Every kernel x dtype runs these: C from 1 to 8192 (odd and misaligned ones, llm.c's 1600
 # that kernels 8 and 9 could not do, and wider than a 48 KB shared-memory block holds) with 1
 # and 7 rows, and more rows than the persistent grids have warps.
 SHAPES = [(rows, C) for C in (1, 3, 768, 1600, 1601, 4096, 8192) for rows in (1, 7)] + [(rows_above_grid(), 768)]
@@ -341,7 +341,7 @@ def test_deterministic_kernels_are_bitwise_reproducible(platform, kernel, dtype)
         pytest.skip(f"kernel {kernel} is not declared deterministic")
     if dtype not in info.dtypes:
         pytest.skip(f"kernel {kernel} does not take {dtype}")
-    # The seed's C=1600, or 1536 for a kernel that needs whole warp steps of 16-byte vectors.
+    # llm.c's C=1600, or 1536 for a kernel that needs whole warp steps of 16-byte vectors.
     shape = (333, 1600 if info.refuse(1600, dtype, info.default_block_size) is None else 1536)
     x, dy, w, _ = make_inputs(shape, dtype, seed=23)
     mean, rstd = reference_stats(x)
