@@ -167,7 +167,7 @@ def workspace_bytes(kernel: int, rows: int, C: int, dtype: str, block_size: int,
 
     Kernels 11 and 12 on a GPU: exactly what their launcher uses, asked of the C++ that plans the
     launch (layernorm_bwd_workspace_bytes, ffi/kernels/api.h) for JAX's first GPU. Without one (a
-    CPU-only build or machine, where the workspace goes unused), and for the seed kernels, by the
+    CPU-only build or machine, where the workspace goes unused), and for llm.c's kernels, by the
     rules of KernelInfo.partial_slots. With segments (per-example sums under vmap) every segment
     gets its own slots; a launcher never uses more slots than it finds.
     """

@@ -1,5 +1,6 @@
 """Shared helpers for the jax_lnbwd tests: x64, 8 CPU devices, platforms, inputs, error measure,
-tolerances (RTOL: the one table of per-dtype tolerances, used by every test).
+tolerances (RTOL: the one table of per-dtype tolerances, and below it every other tolerance the
+tests use, each derived from it or named with its reason; no test module keeps its own).
 
 Every test that runs the op takes a `platform` ("cpu" or "gpu") from PLATFORMS, places its
 inputs on that platform's first device and jits, so one test body covers the C++ reference on
@@ -55,6 +56,51 @@ RTOL = {
     "bfloat16": 1e-2,
     "float16": 2e-3,
 }
+
+# --- Every other tolerance of the tests: derived from RTOL, or a named special case ---------------
+
+# mean and rstd are stored in fp32 for every x but float64 (fp64 there) and are computed from
+# exact inputs: their tolerance is their own dtype's, not x's.
+STAT_RTOL = {d: RTOL["float64" if d == "float64" else "float32"] for d in DTYPES}
+
+# Second derivatives (hessian, grad of grad, jvp of grad) compose two first-order results, each
+# within RTOL: the tangent map's or the forward's, then the backward's. Float64 measured <= 4e-16
+# on the CPU; a wrong term is still off by O(1).
+RTOL2 = {d: 2 * RTOL[d] for d in DTYPES}
+
+# A kernel with precise=False may accumulate dweight/dbias in lower precision than fp32: llm.c
+# kernels 3 and 4 add every block's sums into the bf16/f16 outputs with atomics, rounding at each
+# addition, in an order the scheduler picks. Simulated for 4225 x 768: about 2e-2 in bf16 and
+# 2.4e-3 in f16 with the 264 blocks of an H200's default grid. This is their tolerance at their
+# default block size (no such kernel takes float64; that entry keeps the table total).
+IMPRECISE_RTOL = {"float64": 1e-10, "float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}
+
+# The same kernels at every block size on 32 * SMs + 1 rows: block_size 32 makes 4224 blocks,
+# each rounding its sums into dweight/dbias once more. Simulated for 4225 x 768: 8e-2 in bf16
+# (1e-2 in f16, which that test does not run). float32 atomics round in fp32: IMPRECISE_RTOL's.
+IMPRECISE_MANY_BLOCKS_RTOL = {"float32": IMPRECISE_RTOL["float32"], "bfloat16": 2e-1}
+
+
+def kernel_rtol(info, dtype: str) -> float:
+    """The tolerance of a kernel's outputs at its default block size: RTOL, or IMPRECISE_RTOL
+    for a kernel whose KERNELS entry says precise=False."""
+    return RTOL[dtype] if info.precise else IMPRECISE_RTOL[dtype]
+
+
+# One float32 mean or rstd of a row, element by element, against float64 math on the same
+# inputs: its own rounding and a few ulps of the row's fp32 sum, within 4 ulps (2^-21 relative).
+# Measured: rstd of a constant row 5.4e-8; XLA's CPU mean of 1e4 + noise 2.05e-7 (jaxlib 0.10.0).
+F32_STAT_ELEMENT_RTOL = 2.0**-21
+
+# rstd of rows far from zero (|mean| >> std), norm-wise: the fp32 mean is off by d (the rounding
+# of a row sum near C * mean), the centered values carry that offset, and d^2 adds to the
+# variance: rstd is off by about (d / std)^2 / 2, far above float32 rounding. Rows of
+# 1e4 + N(0, 1), C = 2048, through the op's forward: measured 4.2e-5.
+OFFSET_RSTD_RTOL = 1e-4
+# The same through XLA's jnp forward (layernorm_fwd), element by element, on rows of
+# 1e4 + N(0, 0.1^2) (d / std is 10x larger): XLA's fp32 sum order differs between jaxlib
+# versions, and jaxlib 0.10.0's rstd is 2.0e-4 off (0.10.2's < 1e-4).
+XLA_OFFSET_RSTD_RTOL = 5e-4
 
 
 @functools.cache

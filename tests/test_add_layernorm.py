@@ -160,8 +160,8 @@ def test_xla_backward_switch():
         assert f"@{TARGET_V2}(" not in fn.lower(x, r, w, b).as_text()
         got = fn(x, r, w, b)
     want = jax.grad(lambda *a: _loss(_reference, *a, gy, gs), argnums=ARGNUMS)(x, r, w, b)
-    for g, h in zip(got, want):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=1e-6, atol=1e-6)
+    for name, g, h in zip(("dx", "dresidual", "dweight", "dbias"), got, want):
+        assert_close(name, g, h, "float32")
 
 
 def test_errors():

@@ -53,7 +53,7 @@ def test_values_and_dtypes(platform, dtype, ffi_forward):
     assert [g.dtype for g in grads] == [x.dtype, jnp.float32, jnp.float32]
     assert_close("dx", grads[0], g_want[0], dtype)
     for name, g, h in zip(("dweight", "dbias"), grads[1:], g_want[1:]):
-        assert_close(name, g, h, "float32", rtol=1e-4)
+        assert_close(name, g, h, "float32")
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -73,12 +73,12 @@ def test_one_param_float32():
     g = jax.grad(lambda x, w: _loss(lambda x, w, b: layernorm(x, w, None), x, w, None, dy), argnums=(0, 1))(x, w)
     assert g[1].dtype == jnp.float32
     _, g_want = _want(x, w, jnp.zeros_like(w), dy)
-    assert_close("dweight", g[1], g_want[1], "float32", rtol=1e-4)
+    assert_close("dweight", g[1], g_want[1], "float32")
     wb = w.astype(jnp.bfloat16)
     g = jax.grad(lambda w, b: _loss(layernorm, x, w, b, dy), argnums=(0, 1))(wb, b)
     assert (g[0].dtype, g[1].dtype) == (jnp.bfloat16, jnp.float32)
     _, g_want = _want(x, wb, b, dy)
-    assert_close("dbias", g[1], g_want[2], "float32", rtol=1e-4)
+    assert_close("dbias", g[1], g_want[2], "float32")
 
 
 def test_vmap_per_example():
@@ -88,8 +88,8 @@ def test_vmap_per_example():
                               in_axes=(0, 0, None, 0)))(x, W, b, dy)
     for i in range(4):
         _, g_want = _want(x[i], W[i], b, dy[i])
-        assert_close(f"dweight[{i}]", per_ex[0][i], g_want[1], "float32", rtol=1e-4)
-        assert_close(f"dbias[{i}]", per_ex[1][i], g_want[2], "float32", rtol=1e-4)
+        assert_close(f"dweight[{i}]", per_ex[0][i], g_want[1], "float32")
+        assert_close(f"dbias[{i}]", per_ex[1][i], g_want[2], "float32")
         assert per_ex[0].dtype == jnp.float32
 
 
@@ -120,7 +120,7 @@ def test_sharded_jit():
     assert_close("dx", grads[0], g_want[0], "bfloat16")
     for name, g, h in zip(("dweight", "dbias"), grads[1:], g_want[1:]):
         assert g.dtype == jnp.float32
-        assert_close(name, g, h, "float32", rtol=1e-4)
+        assert_close(name, g, h, "float32")
 
 
 def test_export_round_trip():

@@ -89,7 +89,7 @@ struct LayernormBwdParams {
   int device = -1;      // CUDA ordinal of the device `stream` belongs to; -1: the current device
   LaunchPlan* plan = nullptr;  // kernels 11 and 12: where to report the launch they choose
   bool plan_only = false;      // with `plan`: choose and report, launch nothing
-  // Kernels 11 and 12 only: the seed kernels 1-10 ignore these two, so the FFI glue refuses them there.
+  // Kernels 11 and 12 only: llm.c's kernels 1-10 ignore these two, so the FFI glue refuses them there.
   const void* dresidual = nullptr;  // [rows, C] dtype, added to dx; null: nothing added
   bool weight_f32 = false;  // weight, dweight, dbias are float32 while dtype is kBF16 or kF16
 };

@@ -92,7 +92,7 @@ acc_t<T>* partials_of(const LayernormBwdParams& p) {
 inline unsigned int* flag_of(const LayernormBwdParams& p) { return static_cast<unsigned int*>(p.workspace); }
 
 // The current device's SM count and shared-memory opt-in, as device_limits reports them (the
-// seed kernels' launchers; kernels 11 and 12 ask device_limits for p.device).
+// llm.c kernels' launchers; kernels 11 and 12 ask device_limits for p.device).
 inline cudaError_t sm_count(int* out) {
   DeviceLimits l;
   LNBWD_RETURN_IF_CUDA_ERROR(device_limits(-1, &l));
