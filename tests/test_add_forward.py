@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from jax import export
 
-from conftest import DTYPES, PLATFORMS, assert_close, device, make_inputs, np_dtype, put, shape_id
+from conftest import DTYPES, PLATFORMS, STAT_RTOL, assert_close, device, make_inputs, np_dtype, put, shape_id
 from jax_lnbwd import reference
 from jax_lnbwd.forward import ADD_TARGET, TARGET, add_layernorm_fwd_op, layernorm_fwd_op
-from test_forward import STAT_RTOL, assert_forward
+from test_forward import assert_forward
 
 EPS = 1e-5
 # test_forward.py's shapes (C = 1, odd C: scalar accesses, C not a multiple of a warp's vectors,
@@ -279,12 +279,12 @@ def test_derivatives(platform):
     op = lambda x, r, w, b: add_layernorm_fwd_op(x, r, w, b, EPS)  # noqa: E731
     got = jax.jit(jax.grad(loss(op), argnums=(0, 1, 2, 3)))(x, r, w, b)
     wanted = jax.grad(loss(_ref), argnums=(0, 1, 2, 3))(x, r, w, b)
-    for g, h in zip(got, wanted):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=1e-10, atol=1e-12)
+    for i, (g, h) in enumerate(zip(got, wanted)):
+        assert_close(f"grad {i}", g, h, "float64")
     _, t = jax.jvp(op, (x, r, w, b), (g_out, 2 * g_out, w, b))
     _, t_want = jax.jvp(_ref, (x, r, w, b), (g_out, 2 * g_out, w, b))
-    for g, h in zip(t, t_want):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=1e-10, atol=1e-12)
+    for i, (g, h) in enumerate(zip(t, t_want)):
+        assert_close(f"jvp {i}", g, h, "float64")
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
