@@ -31,26 +31,34 @@
 // by finalize_partials, or, opted in, by the grid itself after a grid-wide barrier).
 // Deterministic.
 //
+// The kernel below takes its steps in order: setup (thread roles, shared-memory layout, the
+// weight, the ring's first copies); per row: residual load, wait, pass 1, the group's reduction,
+// refill, the other half's sums (split rows), pass 2; then the block's sums. The steps live in
+// ring_steps.cuh (setup and per row) and ring_block_sums.cuh (the end); the kernel keeps the
+// shared-memory layout, its accessor lambdas, the warps' exchange and pass 2, for the reason
+// given at the top of ring_steps.cuh.
+//
 // Split rows (SPLIT = 2, kernel12_pick says where): the blocks come in clusters of two, and both
 // blocks of a cluster walk the same rows, block h taking the columns [h C/2, (h + 1) C/2) of
 // each; everything above applies to a block's half row. The row's sums need both halves: after
 // pass 1 each group sends its half's (s1, s2) to the same group of the other block
 // (cluster_exchange.cuh) and adds the pair it receives, so both halves use the same s1 and s2.
 // The two blocks fill the two halves of one partial slot.
-#include "kernel12/bulk_copy.cuh"
-#include "kernel12/cluster_exchange.cuh"
 #include "common/launch.cuh"
-#include "kernel12/kernel12.h"
 #include "common/partials_finalize.h"
 #include "common/row_math.cuh"
 #include "common/row_reduce.cuh"
+#include "kernel12/bulk_copy.cuh"
+#include "kernel12/cluster_exchange.cuh"
+#include "kernel12/kernel12.h"
+#include "kernel12/ring_block_sums.cuh"
+#include "kernel12/ring_steps.cuh"
 
 #include <algorithm>
 #include <type_traits>
 
 namespace lnbwd {
 namespace {
-
 
 // O: the type of weight, dweight and dbias (T, or float beside 16-bit T: mixed precision);
 // RESID: dresidual is added to dx (dispatch_types, launch.cuh).
@@ -92,7 +100,7 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   // Shared memory: [weight row as W (shared-memory mode only) | ring buffers: groups x NB x
   // (dy row, x row) | their mbarriers | their (mean, rstd) pairs | reduction exchange | split rows
   // only: groups x 2 peer mbarriers | groups x 2 peer pairs]. Each piece starts on a 16-byte
-  // boundary.
+  // boundary. buf_dy(q, b) and buf_x(q, b) are the rows of ring buffer b of group q.
   extern __shared__ __align__(128) unsigned char smem[];
   constexpr bool kWeightAcc = std::is_same_v<W, A>;
   static_assert(kWeightAcc || std::is_same_v<O, T>, "a float32 weight is staged as float, never rounded");
@@ -124,28 +132,14 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   const int64_t stride = static_cast<int64_t>(units) * groups;
   const int64_t first = segment * rows_per_segment + unit + static_cast<int64_t>(g) * units;
 
-  // The weight loads go out first. Issued after the ring's first copies, they would queue behind
-  // every SM's first rows (tens of MB) and hold the whole block at the barrier that publishes the
-  // weight for microseconds. Register mode loads the thread's own columns; shared-memory mode
-  // stages the row with the whole block (at most NV loads a thread, since tpr * NV * VEC >= Cb).
+  // The weight loads go out first, then the ring's first NB rows.
   Packed<O, VEC> w_raw[NV];
-#pragma unroll
-  for (int j = 0; j < NV; ++j) {
-    const int col = (REGS ? j * tpr + t : j * static_cast<int>(blockDim.x) + static_cast<int>(threadIdx.x)) * VEC;
-    if (col < Cb) w_raw[j] = load_vec<VEC>(weight + col);
-  }
+  load_weight<VEC, NV, REGS>(w_raw, weight, tpr, t, Cb);
   const A inv_c = A(1) / A(C);
 
-  if (leader) {
-    for (int b = 0; b < NB; ++b) mbar_init(&full[g * NB + b], kRowCopyArrivals);
-    if (SPLIT > 1) {
-      mbar_init(&peer_bar[0], 1);   // the leader's mbar_expect_pair
-      mbar_init(&peer_bar[1], 1);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
   // Barriers initialized before anyone uses them: the other block of the cluster too, which
   // sends into this block's peer barriers.
+  if (leader) init_ring_barriers<NB, SPLIT>(full, g, peer_bar);
   sync_row_sharers<SPLIT>();
   // The leader starts row r's copies into buffer b of its group.
   auto issue = [&](int b, int64_t r) {
@@ -158,28 +152,11 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
       if (r < rows) issue(b, r);
     }
   }
-  // The thread's dbias/dweight sums live in registers; in register mode its weight columns too,
-  // converted to acc_t once here rather than in every pass of every row. Shared-memory mode
-  // stores the converted row, while the first rows are in flight; the barrier publishes it. (Its
-  // stores come after the mbarriers' initialization, a barrier apart: staged before it, they
-  // drew racecheck warnings against mbarrier.init.)
+  // The thread's dbias/dweight sums live in registers; in register mode its weight columns too.
+  // Shared-memory mode stages the weight row, and the barrier publishes it.
   AV wv[NV];
   AV db[NV], dw[NV];
-#pragma unroll
-  for (int j = 0; j < NV; ++j) {
-    const int col = (REGS ? j * tpr + t : j * static_cast<int>(blockDim.x) + static_cast<int>(threadIdx.x)) * VEC;
-    if (col < Cb) {
-      if (REGS) {
-        wv[j] = to_acc(w_raw[j]);
-      } else if constexpr (kWeightAcc) {
-        *reinterpret_cast<AV*>(w_sh + col) = to_acc(w_raw[j]);
-      } else if constexpr (std::is_same_v<O, T>) {
-        *reinterpret_cast<V*>(w_sh + col) = w_raw[j];
-      }
-    }
-#pragma unroll
-    for (int q = 0; q < VEC; ++q) { db[j][q] = A(0); dw[j][q] = A(0); }
-  }
+  stage_weight_and_clear_sums<T, VEC, NV, REGS>(w_raw, wv, w_sh, db, dw, tpr, t, Cb);
   if (!REGS) __syncthreads();
 
   int parity = 0;           // which exchange buffer this row uses
@@ -190,31 +167,15 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   bool first_row = true;
   int64_t row = first;
   for (; row < rows; row += stride) {
-    // The residual gradient of this row's columns goes out before the wait, so that its DRAM
-    // round trip overlaps the wait and pass 1. Each element is read by the thread that then
-    // writes it as dx (dresidual may be dx's own buffer, aliased).
     V rv[NV];
-    if constexpr (RESID) {
-#pragma unroll
-      for (int j = 0; j < NV; ++j) {
-        const int col = (j * tpr + t) * VEC;
-        if (col < Cb) rv[j] = load_cs(reinterpret_cast<const V*>(dresidual + row * C + col0 + col));
-      }
-    }
+    if constexpr (RESID) load_residual(rv, dresidual + row * C + col0, tpr, t, Cb);
+    // The row is in its buffer once the barrier's phase completes (all its bytes have landed).
     mbar_wait(&full[g * NB + b], phase);
     // Register mode copies the row out of shared memory once, and both passes use registers;
-    // shared-memory mode reads it in each pass (fewer registers, more shared-memory loads).
+    // shared-memory mode reads it in each pass (fewer registers, more shared-memory loads). The
+    // passes read vector j (first column col) of the row and of the weight through these.
     V dyv[NV], xv[NV];
-    if (REGS) {
-#pragma unroll
-      for (int j = 0; j < NV; ++j) {
-        const int col = (j * tpr + t) * VEC;
-        if (col < Cb) {
-          dyv[j] = *reinterpret_cast<const V*>(buf_dy(g, b) + col);
-          xv[j] = *reinterpret_cast<const V*>(buf_x(g, b) + col);
-        }
-      }
-    }
+    if (REGS) copy_row_to_registers(dyv, xv, buf_dy, buf_x, g, b, tpr, t, Cb);
     auto dy_at = [&](int j, int col) { return REGS ? dyv[j] : *reinterpret_cast<const V*>(buf_dy(g, b) + col); };
     auto x_at = [&](int j, int col) { return REGS ? xv[j] : *reinterpret_cast<const V*>(buf_x(g, b) + col); };
     auto w_at = [&](int j, int col) -> AV {
@@ -225,22 +186,18 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
     const A m = A(stats[(g * NB + b) * 2]);
     const A s = A(stats[(g * NB + b) * 2 + 1]);
 
+    // Pass 1: the row's sums, over the thread's columns, its warp, then its group.
     A s1 = A(0), s2 = A(0);
-#pragma unroll
-    for (int j = 0; j < NV; ++j) {
-      const int col = (j * tpr + t) * VEC;
-      if (col < Cb) {
-        add_row_sums<T, VEC>(dy_at(j, col), x_at(j, col), w_at(j, col), m, s1, s2);
-      }
-    }
+    add_thread_row_sums<T, VEC, NV>(dy_at, x_at, w_at, m, tpr, t, Cb, s1, s2);
     s1 = warp_sum(s1);
     s2 = warp_sum(s2);
     if (warps_per_row > 1) {
       // Across the group's warps: lane 0 posts the warp's (s1, s2) pair, every thread adds the
       // pairs in warp order, one 8-byte load each. Two exchange buffers alternate between
       // rows: one is overwritten only after the next row's barrier, when all have read it.
-      // (Written out here rather than through exchange_row_sums, row_reduce.cuh: the call cost
-      // the fp64, two-buffer variant a 4-byte spill with nvcc 13.)
+      // (Written out here rather than through exchange_row_sums, row_reduce.cuh: with this loop
+      // in a function, nvcc 13 compiles the kernel differently, and the fp64 two-buffer variant
+      // spills.)
       Pair* ex = exchange + parity * warps_per_row;
       if (lane == 0) {
         Pair mine;
@@ -270,23 +227,14 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
     }
     first_row = false;
     if constexpr (SPLIT > 1) {
-      // The row's sums are this block's half plus the other block's: the leader sends ours and
-      // announces theirs, everyone waits for theirs. a + b == b + a in floating point, so both
-      // blocks get the same bits. A slot is reused two rows later, when the other block has
-      // this block's sums of the row in between, so it is past reading the slot's last pair.
-      if (leader) {
-        send_pair(reinterpret_cast<float*>(&peer_sum[peer]), &peer_bar[peer], rank ^ 1, s1, s2);
-        mbar_expect_pair(&peer_bar[peer]);
-      }
-      mbar_wait(&peer_bar[peer], peer_phase);
-      const Pair other = peer_sum[peer];
-      s1 += other[0];
-      s2 += other[1];
-      peer_phase ^= peer;
+      if (leader) send_half_sums(peer_sum, peer_bar, peer, rank, s1, s2);
+      add_other_half_sums(peer_sum, peer_bar, peer, peer_phase, s1, s2);
+      peer_phase ^= peer;   // the two slots alternate, so each one's phase flips every other row
       peer ^= 1;
     }
-    const RowCoefficients<A> coef(s1, s2, s, inv_c);
 
+    // Pass 2: dx out (row_math.cuh), and the thread's column sums.
+    const RowCoefficients<A> coef(s1, s2, s, inv_c);
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
       const int col = (j * tpr + t) * VEC;
@@ -304,25 +252,18 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
 
   // A block's last groups can have one row fewer than its first group. They pass the missing
   // row's named barrier (`balance`), so that every warp has passed as many barriers as every
-  // other when all meet at __syncthreads below. The hardware does not need this (each group's
-  // barrier is its own), but without it compute-sanitizer's racecheck reported the sums exchanged
-  // below as racing (52 reports on the H200; none with it). Group 0's rows are this group's minus
-  // g*B, so group 0 had one row more if its next row, row - g*B, is still below `rows`.
+  // other when all meet at the block's barrier below. The hardware does not need this (each
+  // group's barrier is its own), but compute-sanitizer's racecheck does: without it, it reports
+  // the sums exchanged below as racing. Group 0's rows are this group's minus g*B, so group 0
+  // had one row more if its next row, row - g*B, is still below `rows`.
   const bool balance = row - static_cast<int64_t>(g) * units < rows;
   if constexpr (SPLIT > 1) {
     if (balance) group_sync(1 + g, tpr);
   }
 
-  // The block's sums: each column's over the groups, in group order, into this block's partial
-  // slot (split rows: the two blocks of a cluster fill the two halves of one). First the groups'
-  // sums meet in shared memory, in one of two ways:
-  //  * Whole rows: each group stores its sums into its own ring buffers (2 * Cb accumulators fit
-  //    in NB >= 2 rows of dy and x), which are idle once every thread of the group is past its
-  //    last row, so a group that finishes early stores them while the others still compute; the
-  //    block then adds 16 bytes of each sum per thread and step.
-  //  * Split rows keep a block-wide layout (below): with the per-group one, nvcc scheduled their
-  //    row loop worse.
-  // Past sync_row_sharers nobody waits on the ring's mbarriers any more: their leaders retire
+  // The block's sums, each column's over the groups in group order, into this block's partial
+  // slot; the two layouts in which the groups' sums meet are in ring_block_sums.cuh. Past
+  // sync_row_sharers nobody waits on the ring's mbarriers any more: their leaders retire
   // them. Split rows: every pair this block sent has landed too (the other block waited for
   // each), so no send is in flight into a block that has moved on.
   if constexpr (SPLIT == 1) {
@@ -331,67 +272,14 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
     // constant bank inside the 16-bit row loop.
     group_sync(1 + g, tpr);
     if (balance) group_sync(1 + g, tpr);
-    A* own = reinterpret_cast<A*>(buf_dy(g, 0));   // [2][Cb]: dbias sums, then dweight sums
-#pragma unroll
-    for (int j = 0; j < NV; ++j) {
-      const int col = (j * tpr + t) * VEC;
-      if (col < Cb) {
-        *reinterpret_cast<AV*>(own + col) = db[j];
-        *reinterpret_cast<AV*>(own + Cb + col) = dw[j];
-      }
-    }
+    store_group_sums(reinterpret_cast<A*>(buf_dy(g, 0)), db, dw, tpr, t, Cb);
   }
   sync_row_sharers<SPLIT>();
-  if (leader) {
-    for (int b = 0; b < NB; ++b) mbar_inval(&full[g * NB + b]);
-    if (SPLIT > 1) {
-      mbar_inval(&peer_bar[0]);
-      mbar_inval(&peer_bar[1]);
-    }
-  }
+  if (leader) retire_ring_barriers<NB, SPLIT>(full, g, peer_bar);
   if constexpr (SPLIT == 1) {
-    // Cb is a multiple of VEC, so of the 16-byte chunk too. The group loop is unrolled so that
-    // several groups' loads are in flight at once; the additions still run in group order.
-    using Chunk = Packed<A, 16 / sizeof(A)>;
-    constexpr int kChunk = Chunk::size;
-    const size_t group_stride = static_cast<size_t>(NB) * 2 * row_bytes / sizeof(A);   // one group's ring
-    A* slot = partials + static_cast<size_t>(blockIdx.x) * 2 * C;
-    for (int c = threadIdx.x * kChunk; c < Cb; c += blockDim.x * kChunk) {
-      Chunk sb, sw;
-#pragma unroll
-      for (int v = 0; v < kChunk; ++v) { sb[v] = A(0); sw[v] = A(0); }
-      const A* sums = reinterpret_cast<const A*>(buf_dy(0, 0)) + c;
-#pragma unroll 4
-      for (int q = 0; q < groups; ++q) {
-        const Chunk b = *reinterpret_cast<const Chunk*>(sums + q * group_stride);
-        const Chunk w = *reinterpret_cast<const Chunk*>(sums + q * group_stride + Cb);
-#pragma unroll
-        for (int v = 0; v < kChunk; ++v) { sb[v] += b[v]; sw[v] += w[v]; }
-      }
-      store_cg(reinterpret_cast<Chunk*>(slot + c), sb);
-      store_cg(reinterpret_cast<Chunk*>(slot + C + c), sw);
-    }
+    write_block_sums_from_rings<A, NB>(buf_dy, row_bytes, partials, C, Cb, groups);
   } else {
-    A* sums = reinterpret_cast<A*>(smem);   // [groups][2][Cb], over the weight row and the ring
-#pragma unroll
-    for (int j = 0; j < NV; ++j) {
-      const int col = (j * tpr + t) * VEC;
-      if (col < Cb) {
-        *reinterpret_cast<AV*>(sums + (static_cast<size_t>(g) * 2) * Cb + col) = db[j];
-        *reinterpret_cast<AV*>(sums + (static_cast<size_t>(g) * 2 + 1) * Cb + col) = dw[j];
-      }
-    }
-    __syncthreads();
-    A* slot = partials + static_cast<size_t>(blockIdx.x / SPLIT) * 2 * C + col0;
-    for (int c = threadIdx.x; c < Cb; c += blockDim.x) {
-      A sb = A(0), sw = A(0);
-      for (int q = 0; q < groups; ++q) {
-        sb += sums[(static_cast<size_t>(q) * 2) * Cb + c];
-        sw += sums[(static_cast<size_t>(q) * 2 + 1) * Cb + c];
-      }
-      __stcg(slot + c, sb);
-      __stcg(slot + C + c, sw);
-    }
+    write_block_sums_split<SPLIT>(reinterpret_cast<A*>(smem), db, dw, partials, C, Cb, col0, g, groups, tpr, t);
   }
   if (finish.dweight) finish_partials_in_grid(finish, partials, units, C, blockDim.x / 32, reinterpret_cast<A*>(smem));
 #endif
