@@ -49,7 +49,9 @@ bool pick_registers(int64_t nvec, int vec, int only_tpr, LayernormFwdConfig* cfg
     cfg->path = FwdPath::kRegisters;
     cfg->nv = nv;
     cfg->tpr = tpr;
-    cfg->rows_per_block = std::max(1, kFwdBlockThreads / tpr);
+    // Warp-per-row groups share a block; a multi-warp group is a block of its own, so that its
+    // barrier is __syncthreads (forward_rows.cu says why).
+    cfg->rows_per_block = tpr == 32 ? kFwdBlockThreads / 32 : 1;
     cfg->threads = tpr * cfg->rows_per_block;
     cfg->smem_bytes = 0;
     return true;

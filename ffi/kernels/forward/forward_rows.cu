@@ -2,8 +2,11 @@
 // for the three passes (mean, variance, output); y is written once.
 //
 // Work split. A block holds `groups` row groups of `tpr` threads, tpr a multiple of 32: small
-// rows get a warp each (the row's sums are warp shuffles only, no barrier), wide rows a few
-// warps (the warps' sums meet in shared memory, behind the group's own named barrier). Thread t
+// rows get a warp each (the row's sums are warp shuffles only, no barrier; a block holds
+// several), wide rows a few warps that make up the whole block (the warps' sums meet in shared
+// memory behind __syncthreads). Only barrier 0 is ever used: a block that names more hardware
+// barriers (one per row group) is charged for all of them, and the SM's barriers would then
+// cap the blocks resident below what the registers allow. Thread t
 // of a group holds NV vectors of VEC elements, at columns
 //   col(j) = (j * tpr + t) * VEC,  j = 0..NV-1,
 // so for every j the group's loads are one contiguous, coalesced span of the row. tpr and NV
@@ -50,8 +53,9 @@ forward_rows(FwdArgs<T, P> a, int tpr, int groups) {
                                                                           : kFwdBlockThreads / 32];
   A* ex_mean = exchange[0] + g * warps;
   A* ex_var = exchange[1] + g * warps;
-  // The group's barrier: named barrier 1 + g of exactly its tpr threads (the other groups go on).
-  auto sync = [&] { group_sync(1 + g, tpr); };
+  // The group's barrier, needed only when several warps share a row: the group is then the
+  // whole block (groups == 1, layernorm_fwd_pick), so it is __syncthreads.
+  auto sync = [] { __syncthreads(); };
 
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * groups + g; row < a.rows;
        row += static_cast<int64_t>(gridDim.x) * groups) {
