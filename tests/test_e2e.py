@@ -71,7 +71,7 @@ def run_e2e(tmp_path, *extra, platform="cpu"):
 
 
 def test_the_command_runs_end_to_end_in_a_pipe(tmp_path):
-    printed, rows = run_e2e(tmp_path)
+    printed, rows = run_e2e(tmp_path, "--kernels", "3")
     assert "\033[" not in printed  # a pipe: no colour codes
     assert {(r["api"], r["variant"]) for r in rows} == {(a, v) for a in cli.APIS
                                                         for v in ("flax", "jax_lnbwd", "add_layernorm")}
@@ -79,6 +79,10 @@ def test_the_command_runs_end_to_end_in_a_pipe(tmp_path):
     assert all(r["speedup"] == 1.0 for r in rows if r["variant"] == "flax")
     for r in rows:  # on CPU: jax.profiler's per-instruction tasks
         assert r["trace"]["ln_ms"] > 0 and r["trace"]["other_ms"] > 0 and r["trace"]["idle_ms"] >= 0
+        top = r["trace"]["top"]  # --kernels 3: the costliest ln and mixed kernels, costliest first
+        assert 0 < len(top) <= 3 and all(cls in ("ln", "mixed") and n > 0 and ms >= 0 for cls, _, n, ms in top)
+        assert [t[3] for t in top] == sorted((t[3] for t in top), reverse=True)
+    assert "costliest ln and mixed kernels" in printed
     text = (tmp_path / "e2e.txt").read_text()
     assert "jax_lnbwd" in text and "ms/step" in text
     if _has("matplotlib"):
