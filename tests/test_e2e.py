@@ -55,6 +55,29 @@ def test_linen_and_nnx_build_the_same_model_and_every_step_traces(name):
     assert len(set(counts.values())) == 1, counts  # 13 LayerNorms' scale and bias in every one
 
 
+def test_no_dense_bias_drops_the_blocks_biases_only():
+    full = cli.parse_args(["--small", "--models", "gpt"]).configs[0]
+    bare = cli.parse_args(["--small", "--models", "gpt", "--no-dense-bias"]).configs[0]
+    assert full.dense_bias and not bare.dense_bias
+    batch = config.make_batch(bare, jnp.float32)
+    for api in cli.APIS:
+        count = {}
+        for cfg in (full, bare):
+            made = {}
+
+            def make():
+                made["apply"], params = train.init(cfg, api, variants.VARIANTS["add_layernorm"], jnp.float32,
+                                                   batch[0], 0)
+                return params
+            params = jax.eval_shape(make)
+            count[cfg.dense_bias] = n_params(params)
+            logits = jax.eval_shape(made["apply"], params, batch[0])
+            assert logits.shape == batch[1].shape + (cfg.vocab,)
+        d, layers = full.d_model, full.layers
+        # qkv (3d), proj (d), up (4d), down (d) biases per block
+        assert count[True] - count[False] == layers * (3 * d + d + full.mlp_ratio * d + d), (api, count)
+
+
 def run_e2e(tmp_path, *extra, platform="cpu"):
     """`python -m benchmarks.e2e --small ...` in a subprocess, as a user runs it (stdout a pipe);
     returns (stdout + stderr, the rows of e2e.json). Tiny models, one block, unoptimized code

@@ -56,6 +56,9 @@ def parse_args(argv):
                         "(also in e2e.json under trace.top; default 0: none)")
     p.add_argument("--attention", default="xla", choices=("xla", "cudnn"),
                    help="jax.nn.dot_product_attention's implementation (default xla; cudnn: bf16 only)")
+    p.add_argument("--no-dense-bias", action="store_true",
+                   help="the blocks' Dense layers without biases (PaLM-style; default: with, as GPT-2, "
+                        "BERT and ViT): the residual add then stands alone, see config.py")
     p.add_argument("--matmul-precision", default="default", choices=("default", "high", "highest"),
                    help="jax.default_matmul_precision for the run (default: JAX's, TF32 for fp32 on GPU)")
     p.add_argument("--seed", type=int, default=0)
@@ -74,8 +77,8 @@ def parse_args(argv):
     if min(a.steps, a.rounds, a.trace_steps) < 1 or a.warmup < 0:
         p.error("--steps, --rounds and --trace-steps must be >= 1, --warmup >= 0")
     sizes = {f: getattr(a, f) for f in SIZE_FIELDS if getattr(a, f) is not None}
-    a.configs = [dataclasses.replace((SMALL if a.small else FULL)[m], attention=a.attention, **sizes)
-                 for m in a.models]
+    a.configs = [dataclasses.replace((SMALL if a.small else FULL)[m], attention=a.attention,
+                                     dense_bias=not a.no_dense_bias, **sizes) for m in a.models]
     for cfg in a.configs:
         if cfg.d_model % cfg.heads:
             p.error(f"{cfg.name}: d_model {cfg.d_model} is not a multiple of heads {cfg.heads}")
@@ -139,7 +142,8 @@ def main(argv=None):
     for cfg in args.configs:
         print(f"  {cfg.name}: d {cfg.d_model}, {cfg.heads} heads, {cfg.layers} layers, seq {cfg.seq}, "
               f"batch {cfg.batch}" + (f", vocab {cfg.vocab}" if cfg.vocab else "") +
-              f", {'pre' if cfg.pre_ln else 'post'}-LN, attention {cfg.attention}")
+              f", {'pre' if cfg.pre_ln else 'post'}-LN, attention {cfg.attention}" +
+              ("" if cfg.dense_bias else ", no Dense biases in the blocks"))
     if jax.default_backend() != "gpu":
         print("note: not on a GPU: a smoke test of the tool, not a measurement")
     elif not meta["kernels_built_for_cuda"]:

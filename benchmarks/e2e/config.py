@@ -37,6 +37,11 @@ class ModelConfig:
     epsilon: float = 1e-5
     mlp_ratio: int = 4
     attention: str = "xla"  # jax.nn.dot_product_attention's implementation: "xla" or "cudnn"
+    # Whether the blocks' Dense layers (qkv, proj, up, down) add a bias, as GPT-2, BERT and ViT
+    # do. A bias add in front of the residual add is fused by XLA into that add; without biases
+    # (PaLM-style blocks) the residual add stands alone, which is where add_layernorm's fused
+    # add has the most to take over.
+    dense_bias: bool = True
 
     @property
     def tokens(self) -> int:

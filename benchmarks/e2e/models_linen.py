@@ -26,11 +26,11 @@ class Attention(nn.Module):
     def __call__(self, x):
         b, t, d = x.shape
         h = self.cfg.heads
-        qkv = nn.Dense(3 * d, dtype=self.dtype, kernel_init=INIT, name="qkv")(x)
+        qkv = nn.Dense(3 * d, dtype=self.dtype, kernel_init=INIT, use_bias=self.cfg.dense_bias, name="qkv")(x)
         q, k, v = jnp.split(qkv.reshape(b, t, 3 * h, d // h), 3, axis=2)
         o = jax.nn.dot_product_attention(q, k, v, is_causal=self.cfg.causal,
                                          implementation=self.cfg.attention)
-        return nn.Dense(d, dtype=self.dtype, kernel_init=INIT, name="proj")(o.reshape(b, t, d))
+        return nn.Dense(d, dtype=self.dtype, kernel_init=INIT, use_bias=self.cfg.dense_bias, name="proj")(o.reshape(b, t, d))
 
 
 class Mlp(nn.Module):
@@ -40,8 +40,8 @@ class Mlp(nn.Module):
     @nn.compact
     def __call__(self, x):
         d = x.shape[-1]
-        m = nn.Dense(self.cfg.mlp_ratio * d, dtype=self.dtype, kernel_init=INIT, name="up")(x)
-        return nn.Dense(d, dtype=self.dtype, kernel_init=INIT, name="down")(nn.gelu(m))
+        m = nn.Dense(self.cfg.mlp_ratio * d, dtype=self.dtype, kernel_init=INIT, use_bias=self.cfg.dense_bias, name="up")(x)
+        return nn.Dense(d, dtype=self.dtype, kernel_init=INIT, use_bias=self.cfg.dense_bias, name="down")(nn.gelu(m))
 
 
 class Transformer(nn.Module):

@@ -17,8 +17,8 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
         d = cfg.d_model
         self.cfg = cfg
-        self.qkv = nnx.Linear(d, 3 * d, dtype=dtype, kernel_init=INIT, rngs=rngs)
-        self.proj = nnx.Linear(d, d, dtype=dtype, kernel_init=INIT, rngs=rngs)
+        self.qkv = nnx.Linear(d, 3 * d, dtype=dtype, kernel_init=INIT, use_bias=cfg.dense_bias, rngs=rngs)
+        self.proj = nnx.Linear(d, d, dtype=dtype, kernel_init=INIT, use_bias=cfg.dense_bias, rngs=rngs)
 
     def __call__(self, x):
         b, t, d = x.shape
@@ -32,8 +32,8 @@ class Attention(nnx.Module):
 class Mlp(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
         d, f = cfg.d_model, cfg.mlp_ratio * cfg.d_model
-        self.up = nnx.Linear(d, f, dtype=dtype, kernel_init=INIT, rngs=rngs)
-        self.down = nnx.Linear(f, d, dtype=dtype, kernel_init=INIT, rngs=rngs)
+        self.up = nnx.Linear(d, f, dtype=dtype, kernel_init=INIT, use_bias=cfg.dense_bias, rngs=rngs)
+        self.down = nnx.Linear(f, d, dtype=dtype, kernel_init=INIT, use_bias=cfg.dense_bias, rngs=rngs)
 
     def __call__(self, x):
         return self.down(jax.nn.gelu(self.up(x)))  # linen's nn.gelu
