@@ -6,12 +6,19 @@ traces, that the command runs end to end in a pipe and writes its outputs (on th
 jax.profiler's trace), and the trace attribution rule on a hand-written HLO module. On a GPU
 it checks that each collector (CUPTI through torch.profiler, jax.profiler) sees the step's
 kernels and finds layernorm's among them.
+
+Data parallel (--devices N): on the CPU's host devices, the step over 2 devices equals the
+one-device step on the same global batch, our ops run on each device's rows with no
+activation moving between devices, the command runs with its communication columns, and the
+overlap arithmetic is checked on hand-made events.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 
@@ -22,6 +29,9 @@ pytest.importorskip("optax")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from conftest import RTOL  # noqa: E402
+
+import jax_lnbwd  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 sys.path.insert(0, ROOT)  # the checkout: benchmarks/
@@ -78,12 +88,14 @@ def test_no_dense_bias_drops_the_blocks_biases_only():
         assert count[True] - count[False] == layers * (3 * d + d + full.mlp_ratio * d + d), (api, count)
 
 
-def run_e2e(tmp_path, *extra, platform="cpu"):
+def run_e2e(tmp_path, *extra, platform="cpu", cpu_devices=1):
     """`python -m benchmarks.e2e --small ...` in a subprocess, as a user runs it (stdout a pipe);
     returns (stdout + stderr, the rows of e2e.json). Tiny models, one block, unoptimized code
-    generation: compiling dominates, so it is kept short."""
+    generation: compiling dominates, so it is kept short. cpu_devices: host devices to make."""
     # On a GPU this process may hold most of its memory already: the child allocates on demand.
-    env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0", NO_COLOR="",
+    flags = "--xla_backend_optimization_level=0" + (
+        f" --xla_force_host_platform_device_count={cpu_devices}" if cpu_devices > 1 else "")
+    env = dict(os.environ, XLA_FLAGS=flags, NO_COLOR="",
                JAX_PLATFORMS="cuda" if platform == "gpu" else "cpu", XLA_PYTHON_CLIENT_PREALLOCATE="false")
     cmd = [sys.executable, "-m", "benchmarks.e2e", "--small", "--layers", "1", "--models", "vit",
            "--rounds", "2", "--steps", "1", "--warmup", "1", "--trace-steps", "1", "--out", str(tmp_path),
@@ -102,14 +114,77 @@ def test_the_command_runs_end_to_end_in_a_pipe(tmp_path):
     assert all(r["speedup"] == 1.0 for r in rows if r["variant"] == "flax")
     for r in rows:  # on CPU: jax.profiler's per-instruction tasks
         assert r["trace"]["ln_ms"] > 0 and r["trace"]["other_ms"] > 0 and r["trace"]["idle_ms"] >= 0
+        assert r["devices"] == r["trace"]["devices"] == 1 and r["trace"]["comm_ms"] == 0
+        assert r["trace"]["overlap_ms"] == r["trace"]["comm_exposed_ms"] == 0
         top = r["trace"]["top"]  # --kernels 3: the costliest ln and mixed kernels, costliest first
         assert 0 < len(top) <= 3 and all(cls in ("ln", "mixed") and n > 0 and ms >= 0 for cls, _, n, ms in top)
         assert [t[3] for t in top] == sorted((t[3] for t in top), reverse=True)
     assert "costliest ln and mixed kernels" in printed
     text = (tmp_path / "e2e.txt").read_text()
-    assert "jax_lnbwd" in text and "ms/step" in text
+    assert "jax_lnbwd" in text and "ms/step" in text and "overlap" not in text  # one device: no comm columns
     if _has("matplotlib"):
         assert (tmp_path / "e2e.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_data_parallel_command_runs_end_to_end(tmp_path):
+    """--devices 2 on two host CPU devices: every variant runs data parallel, its trace sees
+    both devices and their all-reduce, and the table gains the communication columns."""
+    printed, rows = run_e2e(tmp_path, "--devices", "2", "--apis", "linen", cpu_devices=2)
+    assert "data parallel over 2 devices" in printed
+    assert [r["variant"] for r in rows] == ["flax", "jax_lnbwd", "add_layernorm"]
+    for r in rows:
+        t = r["trace"]
+        assert r["devices"] == t["devices"] == 2 and t["ln_ms"] > 0 and t["other_ms"] > 0, t
+        assert t["comm_ms"] > 0, t  # the gradients' all-reduce, a thunk on each device
+        assert 0 <= t["overlap_ms"] <= t["comm_ms"] + 1e-9 and 0 <= t["comm_exposed_ms"] <= t["comm_ms"] + 1e-9, t
+        assert math.isfinite(r["loss_last"])
+    # Every variant takes the same steps on the same global batch: the losses agree to bf16's rounding.
+    losses = [r["loss_last"] for r in rows]
+    assert max(losses) - min(losses) <= RTOL["bfloat16"] * abs(losses[0]), losses
+    text = (tmp_path / "e2e.txt").read_text()
+    assert "x2, data parallel" in text.splitlines()[0]
+    assert all(c in text.splitlines()[3] for c in ("comm", "overlap", "exposed"))
+    json_meta = json.loads((tmp_path / "e2e.json").read_text())["meta"]
+    assert json_meta["devices"] == 2 and len(json_meta["device_list"]) == 2
+
+
+COLLECTIVE = re.compile(r"\b(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(-start)?\(")
+OUR_CALL = re.compile(r'= \(?(\w+)\[([\d,]*)\].*custom_call_target="(jax_lnbwd_\w+)"')
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu" or len(jax.devices()) < 2,
+                    reason="runs on the CPU's host devices (conftest); a GPU runs the command")
+@pytest.mark.parametrize("variant", ["jax_lnbwd", "add_layernorm"])
+def test_data_parallel_step_equals_one_device_and_moves_no_activations(variant):
+    """2 devices with 2 examples each against 1 device with the same 4: the same losses, step
+    after step (float32: only the order of the sums differs). The compiled data-parallel step
+    runs every one of our ops (forward and backward, the FFI forward forced on as on CUDA) on
+    its device's rows only, and its only collectives are all-reduces (the gradients, with our
+    dweight/dbias psum): no all-gather, all-to-all or collective-permute of activations."""
+    cfg = dataclasses.replace(config.SMALL["vit"], layers=1)
+    with jax_lnbwd.use_ffi_forward(True):
+        one = train.build(dataclasses.replace(cfg, batch=2 * cfg.batch), "linen",
+                          variants.VARIANTS[variant], "float32")
+        dp = train.build(cfg, "linen", variants.VARIANTS[variant], "float32", devices=2)
+    for run in (one, dp):
+        for _ in range(3):
+            train.run_steps(run, 1)
+    assert dp.losses == pytest.approx(one.losses, rel=RTOL["float32"]), (dp.losses, one.losses)
+    ops = [line.strip() for line in dp.hlo.splitlines() if COLLECTIVE.search(line)]
+    assert ops and all("all-reduce" in op for op in ops), "\n".join(op[:200] for op in ops)
+    calls = [m.groups() for line in dp.hlo.splitlines() if (m := OUR_CALL.search(line))]
+    targets = {t for _, _, t in calls}
+    assert any("fwd" in t for t in targets) and any("bwd" in t for t in targets), targets
+    for dtype, dims, target in calls:  # the first result: y or dx, laid out (rows..., C)
+        rows = math.prod(int(d) for d in dims.split(",")[:-1])
+        assert rows == cfg.batch * cfg.seq, (target, dtype, dims)  # a device's rows, not the global 2x
+
+
+def test_data_parallel_needs_the_devices():
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--small", "--devices", str(len(jax.devices()) + 1)])
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--small", "--devices", "0"])
 
 
 @pytest.mark.gpu
@@ -204,6 +279,50 @@ def test_summary_counts_overlaps_once_and_gaps_as_idle():
     assert s["kernel_ms"] == pytest.approx(3.0) and s["busy_ms"] == pytest.approx(2.75)
     assert s["idle_ms"] == pytest.approx(0.25)
     assert (s["ln_ms"], s["mixed_ms"], s["other_ms"], s["unmapped_ms"]) == pytest.approx((0.5, 0.5, 1.0, 1.0))
+    assert s["devices"] == 1 and s["comm_ms"] == s["overlap_ms"] == s["comm_exposed_ms"] == 0
+
+
+def test_summary_of_two_devices_splits_collective_time_into_overlapped_and_exposed():
+    """Per device: a collective's time overlapping our kernels, and not overlapping any kernel;
+    a kernel on the other device never hides a collective. All figures per step per device."""
+    classes = {"mm": "other", "fusion_1": "ln"}
+    ns = 1e6  # 1 ms
+    ours = "void lnbwd::kernel12<bf16>(Params)"
+    events = [
+        # device 0: an all-reduce 0..4 on stream 2; ours 1..2 and a matmul 2.5..3 on stream 1
+        ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", None, 0, 4 * ns, 0, 2),
+        (ours, None, 1 * ns, 1 * ns, 0, 1), ("mm", None, 2.5 * ns, 0.5 * ns, 0, 1),
+        # device 1: an all-reduce 0..2 (by its HLO op), ours 1.5..3 (by its instruction), a fusion 3.5..4
+        ("some_thunk", "all-reduce-start.3", 0, 2 * ns, 1, 7),
+        ("ffi_call.5", "ffi_call.5", 1.5 * ns, 1.5 * ns, 1, 6), ("fusion_1", None, 3.5 * ns, 0.5 * ns, 1, 6),
+    ]
+    s = trace.summarize(events, classes, steps=1, ours=frozenset({"ffi_call_5"}))
+    assert s["devices"] == 2 and s["kernels"] == 3
+    assert s["comm_ms"] == pytest.approx((4 + 2) / 2)
+    assert s["overlap_ms"] == pytest.approx((1 + 0.5) / 2)          # device 0: 1..2; device 1: 1.5..2
+    assert s["comm_exposed_ms"] == pytest.approx((2.5 + 1.5) / 2)   # 4 - (1 + 0.5); 2 - 0.5
+    assert s["busy_ms"] == pytest.approx((4 + 3.5) / 2) and s["idle_ms"] == pytest.approx((0 + 0.5) / 2)
+    assert s["kernel_ms"] == pytest.approx((4 + 1 + 0.5 + 2 + 1.5 + 0.5) / 2)
+    assert s["other_ms"] == pytest.approx(0.25)  # the matmul; ffi_call.5 is unmapped in this module
+    # Device 0 alone, with a second collective (0..3) and a second kernel of ours (1.5..2.5) that
+    # overlap the first ones: comm sums durations, overlap and exposed count each instant once.
+    twice = events[:3] + [("all-gather.1", "all-gather.1", 0, 3 * ns, 0, 3), (ours, None, 1.5 * ns, 1 * ns, 0, 4)]
+    s = trace.summarize(twice, classes, steps=1)
+    assert s["devices"] == 1 and s["comm_ms"] == pytest.approx(4 + 3)
+    assert s["overlap_ms"] == pytest.approx(1.5)        # ours 1..2.5 inside the collectives 0..4
+    assert s["comm_exposed_ms"] == pytest.approx(2.0)   # 0..4 less the other kernels' 1..3
+
+
+def test_collectives_and_our_calls_are_found():
+    for name, op in [("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", None),
+                     ("ncclKernel_ReduceScatter_RING_LL_Sum_float", None), ("thunk", "all-reduce.29"),
+                     ("thunk", "all-gather-start.1"), ("thunk", "collective-permute.2"), ("t", "all-to-all.4")]:
+        assert trace.attribute(name, op, {"all_reduce_29": "ln"}) == "comm", (name, op)
+    assert trace.attribute("loop_broadcast_fusion", None, {"loop_broadcast_fusion": "other"}) == "other"
+    hlo = ('  %ffi_call.5 = (bf16[34,64]{1,0}, f32[1,64]{1,0}) custom-call(%a, %b), '
+           'custom_call_target="jax_lnbwd_layernorm_bwd_v2"\n'
+           '  %custom-call.3 = f32[4,8]{1,0} custom-call(%x), custom_call_target="__cublas$gemm"\n')
+    assert trace.our_calls(hlo) == {"ffi_call_5"}
 
 
 def test_a_registered_variant_is_accepted_and_the_first_listed_is_the_baseline():

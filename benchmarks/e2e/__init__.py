@@ -17,6 +17,15 @@ that clock and thermal drift fall on all variants alike. A run's time is the med
 rounds; the spread is (slowest - fastest round) / median; the ratio against the baseline (the
 first variant) is given with the range of the per-round ratios.
 
+Data parallel (``--devices N``): each run trains over the first N devices, the batch (the
+configured one is per device: the global batch is N times it) split over a 1-D mesh axis
+"data", parameters and optimizer state replicated, so XLA all-reduces the gradients (our
+LayerNorm's own dweight/dbias sums are all-reduced by its partitioning rule). A step's time is
+then the whole data-parallel step, and the trace columns are per device, with three more:
+comm (collective kernels), overlap (collectives running while our kernels run on the same
+GPU) and exposed (collectives running while nothing else does). The 2-GPU run and how to
+read it: docs/e2e.md.
+
 Then, if a collector is available, each run takes ``--trace-steps`` more steps under a
 kernel-level trace, attributed to layernorm as trace.py describes: the GPU time per step in
 layernorm's kernels (forward, backward, and the elementwise kernels XLA fused with them), all

@@ -45,6 +45,10 @@ def parse_args(argv):
     for field in SIZE_FIELDS:
         p.add_argument("--" + field.replace("_", "-"), type=int, default=None,
                        help=f"override every model's {field}")
+    p.add_argument("--devices", type=int, default=1, metavar="N",
+                   help="data parallel over the first N devices: the batch (per device) is split "
+                        "over a mesh axis, parameters replicated, gradients all-reduced; adds the "
+                        "comm, overlap and exposed columns (default 1: one device)")
     p.add_argument("--steps", type=int, default=10, help="steps per round per run (default 10)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per run after compiling (default 2)")
@@ -76,6 +80,13 @@ def parse_args(argv):
         p.error("--attention cudnn: cuDNN's flash attention takes bf16/fp16 only; drop float32")
     if min(a.steps, a.rounds, a.trace_steps) < 1 or a.warmup < 0:
         p.error("--steps, --rounds and --trace-steps must be >= 1, --warmup >= 0")
+    if a.devices < 1:
+        p.error(f"--devices: expected >= 1, got {a.devices}")
+    if a.devices > 1 and len(jax.devices()) < a.devices:
+        found = jax.devices()
+        p.error(f"--devices {a.devices}: only {len(found)} {jax.default_backend()} device"
+                f"{'s are' if len(found) > 1 else ' is'} visible ({', '.join(map(str, found))}); "
+                f"on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count={a.devices} makes more")
     sizes = {f: getattr(a, f) for f in SIZE_FIELDS if getattr(a, f) is not None}
     a.configs = [dataclasses.replace((SMALL if a.small else FULL)[m], attention=a.attention,
                                      dense_bias=not a.no_dense_bias, **sizes) for m in a.models]
@@ -95,26 +106,27 @@ def emit(runs, args, meta, traced: bool):
     """Prints the table and writes --out's files; called after the rounds (the timings are
     safe even if a trace then fails or takes the process down) and again after the traces."""
     table = report.rows(runs, args.variants[0])
-    text = report.format_table(table)
+    text = report.format_table(table, comm=args.devices > 1)
     print()
     if not traced:
         print("step times (the trace columns say n/a until the traces, which come next):")
     print(text)
     if traced:
         print()
-        print(report.COLUMNS)
+        print(report.columns(args.devices > 1))
     if meta["failures"]:
         print(paint(f"{len(meta['failures'])} runs failed and are missing (above)", "red"))
     if not args.out:
         return table
     meta = {**meta, "complete": traced, "torch": getattr(sys.modules.get("torch"), "__version__", None)}
+    devices = meta["device"] + (f" x{args.devices}, data parallel" if args.devices > 1 else "")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "e2e.json"), "w") as fh:
         json.dump({"meta": meta, "rows": table}, fh, indent=1, default=str)
     with open(os.path.join(args.out, "e2e.txt"), "w") as fh:
-        fh.write(f"{meta['date']}  {meta['device']}  jax {meta['jax']}  jax_lnbwd {meta['jax_lnbwd']}\n"
-                 f"argv: {' '.join(meta['argv'])}\n\n{text}\n\n{report.COLUMNS}\n")
-    title = f"training step, {meta['device']}" + ("" if jax.default_backend() == "gpu" else " (CPU smoke test)")
+        fh.write(f"{meta['date']}  {devices}  jax {meta['jax']}  jax_lnbwd {meta['jax_lnbwd']}\n"
+                 f"argv: {' '.join(meta['argv'])}\n\n{text}\n\n{report.columns(args.devices > 1)}\n")
+    title = f"training step, {devices}" + ("" if jax.default_backend() == "gpu" else " (CPU smoke test)")
     try:
         made = report.plot(table, os.path.join(args.out, "e2e.png"), title)
     except Exception as e:  # a broken plot must not cost the run's numbers
@@ -131,7 +143,8 @@ def main(argv=None):
     precision = (contextlib.nullcontext() if args.matmul_precision == "default"
                  else jax.default_matmul_precision(args.matmul_precision))
     how, why = trace.available(args.trace)
-    meta.update({"argv": sys.argv[1:] if argv is None else list(argv), "steps": args.steps,
+    meta.update({"argv": sys.argv[1:] if argv is None else list(argv), "devices": args.devices,
+                 "device_list": [str(d) for d in jax.devices()[:args.devices]], "steps": args.steps,
                  "rounds": args.rounds, "warmup": args.warmup, "trace": how, "trace_steps": args.trace_steps,
                  "matmul_precision": args.matmul_precision, "baseline": args.variants[0],
                  "models": [dataclasses.asdict(c) for c in args.configs], "failures": []})
@@ -139,9 +152,13 @@ def main(argv=None):
           f"jax {meta['jax']}")
     print(f"timing: {args.rounds} interleaved rounds of {args.steps} back-to-back steps per run, "
           f"after {args.warmup} warm-up steps; trace: {why if how else 'none (' + why + ')'}")
+    if args.devices > 1:
+        print(f"data parallel over {args.devices} devices ({', '.join(meta['device_list'])}): "
+              f"batch per device, global batch = batch x {args.devices}")
     for cfg in args.configs:
         print(f"  {cfg.name}: d {cfg.d_model}, {cfg.heads} heads, {cfg.layers} layers, seq {cfg.seq}, "
-              f"batch {cfg.batch}" + (f", vocab {cfg.vocab}" if cfg.vocab else "") +
+              f"batch {cfg.batch}" + (" per device" if args.devices > 1 else "") +
+              (f", vocab {cfg.vocab}" if cfg.vocab else "") +
               f", {'pre' if cfg.pre_ln else 'post'}-LN, attention {cfg.attention}" +
               ("" if cfg.dense_bias else ", no Dense biases in the blocks"))
     if jax.default_backend() != "gpu":
@@ -159,7 +176,7 @@ def main(argv=None):
             label = f"{cfg.name} {api} {dtype} {variant.name}"
             prog.step(f"compile {label}")
             try:
-                run = build(cfg, api, variant, dtype, args.seed)
+                run = build(cfg, api, variant, dtype, args.seed, devices=args.devices)
                 prog.step(f"warm up {label}")
                 if args.warmup:
                     run_steps(run, args.warmup)
@@ -191,7 +208,7 @@ def main(argv=None):
             try:
                 events = trace.collect(lambda: run_steps(run, args.trace_steps), how)
                 run.trace = trace.summarize(events, trace.classify_hlo(run.hlo), args.trace_steps,
-                                            args.kernels) or None
+                                            args.kernels, trace.our_calls(run.hlo)) or None
             except Exception as e:  # a trace that breaks must not cost the timings
                 prog.write(paint(f"trace {run.label} failed: {type(e).__name__}: {str(e)[:300]}", "red"))
         prog.close()

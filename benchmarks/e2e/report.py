@@ -17,6 +17,21 @@ COLUMNS = """\
             same initial parameters, so the variants' losses agree to the compute dtype's rounding
   n/a       no trace (--trace none, or no collector on this machine)"""
 
+# With --devices N > 1 (data parallel): what the columns above then mean, and three more.
+COMM_COLUMNS = """\
+  data parallel: ms/step is the step of all GPUs together; ln to idle and the three below are
+            per GPU (the mean over the GPUs); loss is the mean over the global batch
+  comm      GPU ms per step in collective kernels (NCCL's all-reduce of the gradients, ...)
+  overlap   ms per step a collective runs while one of our kernels (lnbwd) runs on the same
+            GPU: communication hidden behind our op (0 for variants without our kernels)
+  exposed   ms per step a collective runs while no other kernel runs on its GPU: what the
+            step waits for communication (the smaller, the better the overlap)"""
+
+
+def columns(comm: bool) -> str:
+    """The columns' legend; comm: with the data-parallel columns."""
+    return COLUMNS + ("\n" + COMM_COLUMNS if comm else "")
+
 
 SHORT = {"bfloat16": "bf16", "float32": "fp32"}
 
@@ -31,7 +46,7 @@ def rows(runs, baseline: str) -> list[dict]:
                "baseline": r.variant == baseline,
                "ms": med * 1e3, "round_ms": [t * 1e3 for t in r.times],
                "spread_pct": 100 * (max(r.times) - min(r.times)) / med,
-               "compile_s": r.compile_s, "loss_first": r.losses[0], "loss_last": r.losses[-1],
+               "devices": r.devices, "compile_s": r.compile_s, "loss_first": r.losses[0], "loss_last": r.losses[-1],
                "trace": r.trace}
         b = base.get((r.model, r.api, r.dtype))
         if b is not None:
@@ -42,12 +57,13 @@ def rows(runs, baseline: str) -> list[dict]:
     return out
 
 
-def format_table(table: list[dict]) -> str:
+def format_table(table: list[dict], comm: bool = False) -> str:
+    """The text table; comm: with the columns comm, overlap and exposed (data parallel)."""
     def f(v, fmt):
         return "n/a" if v is None else format(v, fmt)
 
     head = ("model", "api", "dtype", "variant", "ms/step", "spread", "×base", "ln", "+mix",
-            "kernel", "idle", "unmap", "loss")
+            "kernel", "idle", "unmap", "loss") + (("comm", "overlap", "exposed") if comm else ())
     cells, groups = [], []
     for r in table:
         t = r["trace"] or {}
@@ -58,7 +74,9 @@ def format_table(table: list[dict]) -> str:
         cells.append((r["model"], r["api"], r["dtype"], r["variant"], f(r["ms"], ".3f"),
                       f"{r['spread_pct']:.1f}%", ratio, f(t.get("ln_ms"), ".3f"), f(mixed, ".3f"),
                       f(t.get("kernel_ms"), ".2f"), f(t.get("idle_ms"), ".3f"),
-                      "n/a" if unmap is None else f"{unmap:.0f}%", f"{r['loss_last']:.4g}"))
+                      "n/a" if unmap is None else f"{unmap:.0f}%", f"{r['loss_last']:.4g}") +
+                     (tuple(f(t.get(k), ".3f") for k in ("comm_ms", "overlap_ms", "comm_exposed_ms"))
+                      if comm else ()))
         groups.append((r["model"], r["api"], r["dtype"]))
     width = [max(len(c[i]) for c in cells + [head]) for i in range(len(head))]
 
@@ -106,13 +124,16 @@ def plot(table: list[dict], path: str, title: str) -> bool:
         ax = axes[1, 0]
         parts = [("ln", lambda t: t["ln_ms"], "C3"), ("ln + mixed", lambda t: t["ln_ms"] + t["mixed_ms"], "C1"),
                  ("idle", lambda t: t["idle_ms"], "0.6")]
+        if any(r["trace"].get("devices", 1) > 1 for r in traced):  # data parallel: per device
+            parts += [("comm overlapping ours", lambda t: t["overlap_ms"], "C2"),
+                      ("comm exposed", lambda t: t["comm_exposed_ms"], "C4")]
         w = 0.8 / len(parts)
         for j, (name, get, c) in enumerate(parts):
-            ax.bar([i + (j - 1) * w for i in range(len(traced))], [get(r["trace"]) for r in traced], w,
-                   label=name, color=c)
+            ax.bar([i + (j - (len(parts) - 1) / 2) * w for i in range(len(traced))],
+                   [get(r["trace"]) for r in traced], w, label=name, color=c)
         ax.set_xticks(range(len(traced)))
         ax.set_xticklabels([label(r) for r in traced], fontsize="x-small")
-        ax.set_ylabel("GPU ms per step (traced)")
+        ax.set_ylabel("GPU ms per step" + (" per device" if len(parts) > 3 else "") + " (traced)")
         ax.legend(fontsize="small", ncol=3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

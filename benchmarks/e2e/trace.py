@@ -38,10 +38,25 @@ Limits
   parameters is adam's (other), as is the loss. Tracing adds a little to every launch, so idle
   times compare between variants under the same collector, not with an untraced step.
 
-Per step (n traced steps, back to back):
-  kernel   the sum of kernel, memcpy and memset durations / n
-  busy     the union of their intervals / n (overlapping kernels counted once)
-  idle     (last end - first start - union) / n: time the GPU ran nothing inside the steps
+Per step and per device (n traced steps, back to back, on D devices; every activity carries
+its device: torch's "device" arg, jax's GPU plane, or a CPU thunk's device_ordinal):
+  kernel   the sum of kernel, memcpy and memset durations / n / D
+  busy     the union of each device's intervals, summed over the devices / n / D (overlapping
+           kernels counted once)
+  idle     (last end - first start - union), per device, summed / n / D: time a GPU ran
+           nothing inside the steps
+With one device these are the whole GPU's figures. Collective kernels (NCCL's, or XLA's own
+all-reduce, reduce-scatter, all-gather, all-to-all, collective-permute; matched by kernel
+name or HLO op, before any other rule) form a class of their own, comm, and give:
+  comm          their summed durations / n / D
+  overlap       the time a collective runs while one of OUR kernels (lnbwd in the name, or a
+                custom call to a jax_lnbwd target in the jax trace) runs on the same device,
+                on another stream: the all-reduce hidden behind our backward / n / D
+  comm_exposed  the time a collective runs while no other kernel runs on its device: what
+                the step waits for communication / n / D
+All three are 0 on one device. A collective kernel starts when its own GPU reaches it and
+ends when every GPU has sent its share: its time includes the wait for the slowest GPU, so
+comm and comm_exposed also hold the GPUs' skew, not only the transfer.
 """
 from __future__ import annotations
 
@@ -61,6 +76,10 @@ OURS = re.compile(r"lnbwd")  # our CUDA kernels live in C++ namespace lnbwd
 # Kernels of the matmul and attention libraries (cuBLAS, cuBLASLt's nvjet, CUTLASS, cuDNN), and
 # copies: named by their library, not after an instruction. They never do layernorm's work.
 LIBRARY = re.compile(r"gemm|nvjet|xmma|cutlass|cublas|cudnn|flash|^sm\d+_|memcpy|memset", re.IGNORECASE)
+# Collectives: NCCL's kernels (ncclDevKernel_AllReduce_Sum_f32_RING_LL, ...), XLA's own collective
+# kernels and the HLO ops (all-reduce-start.3; a CPU thunk is named after its op: all-reduce.29).
+COMM = re.compile(r"nccl|all[-_]?reduce|reduce[-_]?scatter|all[-_]?gather|all[-_]?to[-_]?all|"
+                  r"collective[-_]?permute", re.IGNORECASE)
 
 
 def available(how: str) -> tuple[str | None, str]:
@@ -84,8 +103,9 @@ def available(how: str) -> tuple[str | None, str]:
     return "jax", "jax.profiler" + ("" if on_gpu else " (CPU thunks, not GPU kernels)")
 
 
-def collect(fn, how: str) -> list[tuple[str, str | None, float, float]]:
-    """Runs fn() under the collector; returns its GPU activities (name, hlo_op, start_ns, dur_ns)."""
+def collect(fn, how: str) -> list[tuple]:
+    """Runs fn() under the collector; returns its GPU activities, each as
+    (name, hlo_op, start_ns, dur_ns, device, stream), from every device."""
     return _collect_torch(fn) if how == "torch" else _collect_jax(fn)
 
 
@@ -100,7 +120,8 @@ def _collect_torch(fn):
         prof.export_chrome_trace(path)
         with open(path) as fh:
             events = json.load(fh)["traceEvents"]
-    return [(e["name"], None, float(e["ts"]) * 1e3, float(e["dur"]) * 1e3) for e in events
+    return [(e["name"], None, float(e["ts"]) * 1e3, float(e["dur"]) * 1e3,
+             e.get("args", {}).get("device", 0), e.get("args", {}).get("stream", 0)) for e in events
             if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES]
 
 
@@ -116,19 +137,23 @@ def _collect_jax(fn):
             return []
         data = jax.profiler.ProfileData.from_file(files[0])
     planes = [p for p in data.planes if p.name.startswith("/device:GPU:")]
-    if planes:
-        plane = sorted(planes, key=lambda p: p.name)[0]
-        lines = [ln for ln in plane.lines if ln.name.startswith("Stream")] or list(plane.lines)
-        return [(e.name, dict(e.stats).get("hlo_op"), e.start_ns, e.duration_ns)
-                for ln in lines for e in ln.events]
-    out = []  # CPU: XLA's thunks, the events that carry an hlo_op
+    if planes:  # one plane per GPU ("/device:GPU:1"), one line per stream
+        out = []
+        for plane in planes:
+            device = int(plane.name.rsplit(":", 1)[1])
+            lines = [ln for ln in plane.lines if ln.name.startswith("Stream")] or list(plane.lines)
+            out += [(e.name, dict(e.stats).get("hlo_op"), e.start_ns, e.duration_ns, device, ln.name)
+                    for ln in lines for e in ln.events]
+        return out
+    out = []  # CPU: XLA's thunks, the events that carry an hlo_op (and their device's ordinal)
     for plane in data.planes:
         if plane.name.startswith("/host:CPU"):
             for ln in plane.lines:
                 for e in ln.events:
-                    op = dict(e.stats).get("hlo_op")
-                    if op:
-                        out.append((e.name, op, e.start_ns, e.duration_ns))
+                    stats = dict(e.stats)
+                    if stats.get("hlo_op"):
+                        out.append((e.name, stats["hlo_op"], e.start_ns, e.duration_ns,
+                                    stats.get("device_ordinal", 0), ln.name))
     return out
 
 
@@ -179,8 +204,20 @@ def classify_hlo(hlo_text: str) -> dict[str, str]:
     return out
 
 
+_OUR_CALL = re.compile(r'custom_call_target="jax_lnbwd_')
+
+
+def our_calls(hlo_text: str) -> frozenset[str]:
+    """The sanitized names of the module's custom calls to our FFI targets: how the jax trace
+    (whose CPU thunks are named after the instruction, not the kernel) finds our op's events."""
+    return frozenset(sanitize(m.group(1)) for line in hlo_text.splitlines()
+                     if _OUR_CALL.search(line) and (m := _INSTRUCTION.match(line)))
+
+
 def attribute(name: str, hlo_op: str | None, classes: dict[str, str]) -> str:
-    """The class of one traced activity: ln, mixed, other or unmapped (see the module doc)."""
+    """The class of one traced activity: comm, ln, mixed, other or unmapped (see the module doc)."""
+    if COMM.search(name) or hlo_op and COMM.search(hlo_op):
+        return "comm"
     if hlo_op and sanitize(hlo_op) in classes:
         return classes[sanitize(hlo_op)]
     if OURS.search(name):
@@ -192,16 +229,48 @@ def attribute(name: str, hlo_op: str | None, classes: dict[str, str]) -> str:
     return "other" if LIBRARY.search(name) else "unmapped"
 
 
-def summarize(events, classes: dict[str, str], steps: int, top: int = 0) -> dict:
-    """Per-step times in ms (see the module doc) from one trace of `steps` back-to-back steps;
-    with top > 0 also "top": the `top` costliest kernels of the ln and mixed classes, each as
-    [class, kernel name, launches per step, ms per step], for reading what a variant runs."""
+def merge(intervals) -> list[tuple[float, float]]:
+    """The union of (start, end) intervals as disjoint intervals in start order."""
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def length(merged) -> float:
+    return sum(b - a for a, b in merged)
+
+
+def overlap(p, q) -> float:
+    """The length of the intersection of two merged interval lists (both from merge())."""
+    total, i, j = 0.0, 0, 0
+    while i < len(p) and j < len(q):
+        total += max(0.0, min(p[i][1], q[j][1]) - max(p[i][0], q[j][0]))
+        if p[i][1] < q[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def summarize(events, classes: dict[str, str], steps: int, top: int = 0,
+              ours: frozenset[str] = frozenset()) -> dict:
+    """Per-step, per-device times in ms (see the module doc) from one trace of `steps`
+    back-to-back steps. events: (name, hlo_op, start_ns, dur_ns[, device, stream]) (device 0
+    when absent); ours: our_calls() of the module. With top > 0 also "top": the `top` costliest
+    kernels of the ln and mixed classes, each as [class, kernel name, launches per step, ms
+    per step], for reading what a variant runs."""
     if not events:
         return {}
     per = defaultdict(float)
     count = defaultdict(int)
     by_kernel = defaultdict(lambda: [0, 0.0])  # (class, name) -> [launches, ns]
-    for name, op, start, dur in events:
+    # Each device's intervals: all, collectives, ours, and everything but collectives.
+    spans = defaultdict(lambda: {"all": [], "comm": [], "ours": [], "busy": []})
+    for name, op, start, dur, *where in events:
         cls = attribute(name, op, classes)
         per[cls] += dur
         count[cls] += 1
@@ -209,17 +278,26 @@ def summarize(events, classes: dict[str, str], steps: int, top: int = 0) -> dict
             k = by_kernel[(cls, op or name)]
             k[0] += 1
             k[1] += dur
-    spans = sorted((start, start + dur) for _, _, start, dur in events)
-    union, end = 0.0, spans[0][0]
-    for a, b in spans:  # the union of the intervals, merged in start order
-        if b > end:
-            union += b - max(a, end)
-            end = b
-    span = max(b for _, b in spans) - spans[0][0]
-    ms = 1e-6 / steps
-    return {"steps": steps, "kernels": len(events) / steps, "kernel_ms": sum(per.values()) * ms,
-            "busy_ms": union * ms, "idle_ms": (span - union) * ms,
-            **{f"{c}_ms": per[c] * ms for c in ("ln", "mixed", "other", "unmapped")},
-            "ln_kernels": count["ln"] / steps, "mixed_kernels": count["mixed"] / steps,
-            **({"top": [[c, n, k / steps, ns * ms] for (c, n), (k, ns) in
+        dev = spans[where[0] if where else 0]
+        iv = (start, start + dur)
+        dev["all"].append(iv)
+        dev["comm" if cls == "comm" else "busy"].append(iv)
+        if OURS.search(name) or op and sanitize(op) in ours:
+            dev["ours"].append(iv)
+    union = idle = overlapped = exposed = 0.0
+    for dev in spans.values():
+        merged = merge(dev["all"])
+        union += length(merged)
+        idle += merged[-1][1] - merged[0][0] - length(merged)
+        comm = merge(dev["comm"])
+        overlapped += overlap(comm, merge(dev["ours"]))
+        exposed += length(comm) - overlap(comm, merge(dev["busy"]))
+    n = len(spans)
+    ms = 1e-6 / steps / n
+    return {"steps": steps, "devices": n, "kernels": len(events) / steps / n,
+            "kernel_ms": sum(per.values()) * ms, "busy_ms": union * ms, "idle_ms": idle * ms,
+            **{f"{c}_ms": per[c] * ms for c in ("ln", "mixed", "other", "unmapped", "comm")},
+            "overlap_ms": overlapped * ms, "comm_exposed_ms": exposed * ms,
+            "ln_kernels": count["ln"] / steps / n, "mixed_kernels": count["mixed"] / steps / n,
+            **({"top": [[c, n_, k / steps / n, ns * ms] for (c, n_), (k, ns) in
                         sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:top]]} if top else {})}

@@ -3,6 +3,14 @@
 A step is optax's adam on float32 parameters, the model computing in `dtype`, the loss
 (softmax cross-entropy in float32) averaged over the batch. jit donates the parameters and the
 optimizer state, as a training loop does, so a step updates them in place.
+
+Data parallel (devices > 1): a 1-D mesh over the first `devices` devices, axis "data". The
+batch is sharded along it and the parameters and optimizer state are replicated; jit is given
+those shardings for its inputs and outputs, so each device runs the model on its share of the
+batch and XLA's SPMD partitioner inserts the all-reduce of the gradients (our LayerNorm's own
+dweight/dbias psum comes from its partitioning rule, jax_lnbwd/sharding.py). The configured
+batch is per device: the global batch is batch * devices, so each device does the work of a
+one-device step and the step times compare directly. The loss is the mean over the global batch.
 """
 from __future__ import annotations
 
@@ -12,8 +20,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from . import models_linen, models_nnx
 from .config import ModelConfig, make_batch
@@ -35,6 +45,7 @@ class Run:
     times: list = dataclasses.field(default_factory=list)  # seconds per step, one per round
     losses: list = dataclasses.field(default_factory=list)  # the last loss of each run_steps
     trace: dict | None = None
+    devices: int = 1     # data parallel over this many devices (the batch above is global)
 
     @property
     def label(self) -> str:
@@ -54,10 +65,22 @@ def init(cfg: ModelConfig, api: str, variant: Variant, dtype, inputs, seed: int)
     return (lambda p, x: nnx.merge(graphdef, p)(x)), params
 
 
+def mesh(devices: int) -> Mesh:
+    """The data-parallel mesh: the first `devices` devices of the default backend, axis "data"."""
+    found = jax.devices()
+    if len(found) < devices:
+        raise ValueError(f"e2e: {devices} devices asked for, {len(found)} visible "
+                         f"({jax.default_backend()}: {', '.join(str(d) for d in found)})")
+    # Auto axis: shardings propagate through the step as a user's jit with in/out shardings does
+    # (under Explicit axes, shardings in the types, jax_lnbwd would take its jnp forward).
+    return Mesh(np.array(found[:devices]), ("data",), axis_types=(AxisType.Auto,))
+
+
 def build(cfg: ModelConfig, api: str, variant: Variant, dtype: str, seed: int = 0,
-          learning_rate: float = 1e-4) -> Run:
-    """Initializes the variant's model and compiles its training step (not yet run)."""
-    batch = make_batch(cfg, dtype, seed)
+          learning_rate: float = 1e-4, devices: int = 1) -> Run:
+    """Initializes the variant's model and compiles its training step (not yet run); with
+    devices > 1, data parallel over that many devices with cfg.batch examples on each."""
+    batch = make_batch(dataclasses.replace(cfg, batch=cfg.batch * devices), dtype, seed)
     apply, params = init(cfg, api, variant, jnp.dtype(dtype), batch[0], seed)
     tx = optax.adam(learning_rate)
 
@@ -72,9 +95,18 @@ def build(cfg: ModelConfig, api: str, variant: Variant, dtype: str, seed: int = 
 
     opt_state = tx.init(params)
     t0 = time.perf_counter()
-    step = jax.jit(train_step, donate_argnums=(0, 1)).lower(params, opt_state, batch).compile()
+    if devices == 1:
+        jitted = jax.jit(train_step, donate_argnums=(0, 1))
+    else:  # parameters, optimizer state and loss replicated; the batch split along its first axis
+        m = mesh(devices)
+        rep, split = NamedSharding(m, P()), NamedSharding(m, P("data"))
+        params, opt_state, batch = (jax.device_put(params, rep), jax.device_put(opt_state, rep),
+                                    jax.device_put(batch, split))
+        jitted = jax.jit(train_step, in_shardings=(rep, rep, split), out_shardings=(rep, rep, rep),
+                         donate_argnums=(0, 1))
+    step = jitted.lower(params, opt_state, batch).compile()
     return Run(cfg.name, api, dtype, variant.name, step, (params, opt_state), batch, step.as_text(),
-               time.perf_counter() - t0)
+               time.perf_counter() - t0, devices=devices)
 
 
 def run_steps(run: Run, n: int) -> float:
