@@ -136,9 +136,7 @@ def _forward(x, weight, bias, eps: float):
         return reference.layernorm_fwd(x, weight, bias, eps)
     if mode == "ffi":
         return forward.layernorm_fwd_op(x, weight, bias, eps)
-    # A build without the CUDA handler has no fused forward for CUDA; the jnp forward needs no
-    # handler, so inference still runs there (only the backward raises, _ffi.py).
-    platforms = [p for p in FFI_FORWARD_PLATFORMS if p != "cuda" or _ffi.WITH_CUDA]
+    platforms = _fused_platforms()
     if not platforms or _explicitly_sharded(x, weight, bias):
         # Explicit mesh axes (sharding in types): the FFI forward's results are typed without
         # a sharding, which platform_dependent's branches must agree on; the jnp forward is.
@@ -158,7 +156,7 @@ def _add_forward(x, residual, weight, bias, eps: float):
     mode = config.ffi_forward_mode()
     if mode == "ffi":
         return forward.add_layernorm_fwd_op(x, residual, weight, bias, eps)
-    platforms = [p for p in FFI_FORWARD_PLATFORMS if p != "cuda" or _ffi.WITH_CUDA]
+    platforms = _fused_platforms()
     if mode == "xla" or not platforms or _explicitly_sharded(x, residual, weight, bias):
         s = x + residual
         y, mean, rstd = _forward(s, weight, bias, eps)
@@ -171,6 +169,13 @@ def _add_forward(x, residual, weight, bias, eps: float):
 
     fused = lambda x, r, w, b: forward.add_layernorm_fwd_op(x, r, w, b, eps)  # noqa: E731
     return jax.lax.platform_dependent(x, residual, weight, bias, **{p: fused for p in platforms}, default=unfused)
+
+
+def _fused_platforms() -> list[str]:
+    """The platforms of FFI_FORWARD_PLATFORMS where this build has the fused forward. A build
+    without the CUDA handler has none for CUDA; the jnp forward needs no handler, so inference
+    still runs there (only the backward raises, _ffi.py)."""
+    return [p for p in FFI_FORWARD_PLATFORMS if p != "cuda" or _ffi.WITH_CUDA]
 
 
 def _explicitly_sharded(*arrays) -> bool:

@@ -17,7 +17,7 @@ from jax import export
 from conftest import DTYPES, PLATFORMS, STAT_RTOL, assert_close, device, make_inputs, np_dtype, put, shape_id
 from jax_lnbwd import reference
 from jax_lnbwd.forward import ADD_TARGET, TARGET, add_layernorm_fwd_op, layernorm_fwd_op
-from test_forward import assert_forward
+from test_forward import assert_forward, float32_params
 
 EPS = 1e-5
 # test_forward.py's shapes (C = 1, odd C: scalar accesses, C not a multiple of a warp's vectors,
@@ -93,14 +93,7 @@ def test_float32_parameters(platform, dtype, params):
     """16-bit x and residual with float32 weight/bias (used as they are, y rounded once); a
     16-bit parameter next to a float32 one is upcast (exact)."""
     x, r, _, _ = inputs((33, 1024), dtype, seed=4)
-    _, _, w, b = make_inputs((33, 1024), "float32", seed=5)
-    w = w * np.float32(1 + 2 ** -12)   # not representable in 16 bits: rounding it would show
-    if params == "weight":
-        b = None
-    elif params == "bias":
-        w = None
-    elif params == "mixed":
-        b = b.astype(np_dtype(dtype))
+    w, b = float32_params(1024, dtype, params)
     got = run(platform, x, r, w, b)
     assert got[0].dtype == np_dtype(dtype) and got[2].dtype == np.float32
     assert_add_forward(got, x, r, w, b, dtype)

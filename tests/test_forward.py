@@ -85,6 +85,21 @@ def test_absent_parameters(platform, dtype, which):
     assert_forward(run(platform, x, w, b), x, w, b, dtype)
 
 
+def float32_params(C: int, dtype: str, params: str):
+    """(weight, bias) of shape (C,) in float32 beside 16-bit `dtype` x: "both", only the weight,
+    only the bias, or "mixed" (bias in `dtype`). The weight is not representable in 16 bits, so
+    a kernel that rounded it would show."""
+    _, _, w, b = make_inputs((33, C), "float32", seed=5)
+    w = w * np.float32(1 + 2 ** -12)
+    if params == "weight":
+        b = None
+    elif params == "bias":
+        w = None
+    elif params == "mixed":
+        b = b.astype(np_dtype(dtype))
+    return w, b
+
+
 @pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("params", ["both", "weight", "bias", "mixed"])
@@ -92,14 +107,7 @@ def test_float32_parameters(platform, dtype, params):
     """16-bit x with float32 weight/bias: used in fp32 as they are (never rounded to 16 bits),
     the output rounded once. A bf16 weight or bias next to a float32 one is upcast (exact)."""
     x, _, _, _ = make_inputs((33, 1024), dtype, seed=4)
-    _, _, w, b = make_inputs((33, 1024), "float32", seed=5)
-    w = w * np.float32(1 + 2 ** -12)   # not representable in 16 bits: rounding it would show
-    if params == "weight":
-        b = None
-    elif params == "bias":
-        w = None
-    elif params == "mixed":
-        b = b.astype(np_dtype(dtype))
+    w, b = float32_params(1024, dtype, params)
     y, mean, rstd = run(platform, x, w, b)
     assert y.dtype == np_dtype(dtype)
     assert_forward((y, mean, rstd), x, w, b, dtype)
