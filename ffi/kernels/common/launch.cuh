@@ -63,6 +63,17 @@ bool can_vectorize(const LayernormBwdParams& p) {
          aligned(p.dweight) && aligned(p.dbias) && (!p.dresidual || aligned(p.dresidual));
 }
 
+// The same for p.dtype's C++ type: whether a launcher that picks its kernel before dispatching
+// on the type may take the 16-byte path.
+inline bool can_vectorize(const LayernormBwdParams& p) {
+  bool vectorized = false;
+  dispatch_dtype(p.dtype, [&](auto t) {
+    vectorized = can_vectorize<decltype(t)>(p);
+    return cudaSuccess;
+  });
+  return vectorized;
+}
+
 // How many per-block partial slots (2 * C accumulators each) fit in the workspace XLA gave us.
 template <typename T>
 int64_t partial_slots(const LayernormBwdParams& p) {

@@ -341,11 +341,7 @@ cudaError_t layernorm_bwd_kernel11_config(const LayernormBwdParams& p, const Ker
 cudaError_t layernorm_bwd_kernel11(const LayernormBwdParams& p, cudaStream_t stream) {
   DeviceLimits lim;
   LNBWD_RETURN_IF_CUDA_ERROR(device_limits(p.device, &lim));
-  bool vectorized = false;
-  dispatch_dtype(p.dtype, [&](auto t) {
-    vectorized = can_vectorize<decltype(t)>(p);
-    return cudaSuccess;
-  });
+  const bool vectorized = can_vectorize(p);
   Kernel11Config cfg;
   if (kernel11_pick(p.dtype, p.C, vectorized, lim, &cfg)) return layernorm_bwd_kernel11_config(p, cfg, stream);
   return layernorm_bwd_kernel11_wide(p, stream);

@@ -16,6 +16,8 @@ namespace lnbwd {
 // allows, more needs the 128 of a 512-thread block (else the compiler reports spills).
 constexpr int kernel12_max_threads(size_t sum_bytes) { return sum_bytes <= 32 ? 1024 : 512; }
 constexpr int kKernel12MaxGroups = 15;   // row groups per block: named barriers 1..15
+// Rows a group takes at least where rows are few (kernel12_bulk_copy_ring.cu's launch says why).
+constexpr int kKernel12MinRowsPerGroup = 2;
 
 // Split rows exist for the types whose sums are fp32 (the pair a group sends is two floats).
 template <typename T>

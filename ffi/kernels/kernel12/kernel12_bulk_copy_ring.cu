@@ -291,17 +291,23 @@ cudaError_t launch(const LayernormBwdParams& p, Kernel12Config cfg, cudaStream_t
     p.plan->kernel = 12;
     p.plan->path = SPLIT > 1 ? "ring, rows split over a cluster" : "ring";
   }
-  // Fewer rows than the SMs have groups: fewer groups per block, so that the rows spread over
-  // more SMs and each block's end (its groups' sums added column by column in shared memory, a
-  // chain of 2 * groups loads per column) is shorter. (A cluster of SPLIT blocks takes a row
-  // per group; a GPU, or a partition of one, can have fewer SMs than SPLIT.)
+  // Few rows: every group should take at least kKernel12MinRowsPerGroup rows, so that its ring loads the
+  // next row while the group computes one. (A group with a single row loads it, computes,
+  // stores, with nothing to overlap: the whole backward is then one chain of latencies.) Within
+  // that, as many blocks as the GPU has units, each with fewer groups, so that the rows spread
+  // over more SMs and each block's end (its groups' sums added column by column in shared
+  // memory, a chain of 2 * groups loads per column) is shorter. The grid is then capped at
+  // ceil(rows / (groups * kKernel12MinRowsPerGroup)) units. (A cluster of SPLIT blocks takes a row per
+  // group; a GPU, or a partition of one, can have fewer SMs than SPLIT.) Many rows: nothing
+  // changes, every group already takes many.
   DeviceLimits lim;
   LNBWD_RETURN_IF_CUDA_ERROR(device_limits(p.device, &lim));
   const int64_t units_on_gpu = std::max(1, lim.sms / SPLIT);
-  cfg.groups = static_cast<int>(std::clamp<int64_t>(ceil_div<int64_t>(p.rows, units_on_gpu), 1, cfg.groups));
+  cfg.groups = static_cast<int>(
+      std::clamp<int64_t>(ceil_div<int64_t>(p.rows, units_on_gpu * kKernel12MinRowsPerGroup), 1, cfg.groups));
   return launch_with_partials<T, O>(p, kernel12_ring<T, O, RESID, VEC, NV, NB, REGS, W, SPLIT>, cfg.tpr * cfg.groups,
                                  kernel12_smem_bytes(cfg, p.C / SPLIT, sizeof(T), sizeof(acc_t<T>)), BlocksPerSm::kOccupancy,
-                                 cfg.groups, SPLIT, stream, cfg.tpr, cfg.groups);
+                                 cfg.groups * kKernel12MinRowsPerGroup, SPLIT, stream, cfg.tpr, cfg.groups);
 }
 
 // The compiled variants (measured fastest, docs/kernel12.md): 16-bit types re-read shared

@@ -117,11 +117,7 @@ bool kernel12_pick(Dtype dtype, int64_t C, const DeviceLimits& lim, Kernel12Conf
 cudaError_t layernorm_bwd_kernel12(const LayernormBwdParams& p, cudaStream_t stream) {
   DeviceLimits lim;
   LNBWD_RETURN_IF_CUDA_ERROR(device_limits(p.device, &lim));
-  bool vectorized = false;
-  dispatch_dtype(p.dtype, [&](auto t) {
-    vectorized = can_vectorize<decltype(t)>(p);
-    return cudaSuccess;
-  });
+  const bool vectorized = can_vectorize(p);
   // The bulk copy engine needs sm_90 and 16-byte aligned rows, and the build must have sm_90
   // code (else the body, guarded by __CUDA_ARCH__ >= 900, is empty). Otherwise kernel 11 does
   // the job, as it does for rows wider than the ring and the wide path take in this device's
