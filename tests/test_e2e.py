@@ -3,9 +3,10 @@
 A smoke test of the tool, not a measurement: no timing is asserted. It checks that the three
 model families are the same model in linen and nnx, that every (model, API, variant) step
 traces, that the command runs end to end in a pipe and writes its outputs (on the CPU, with
-jax.profiler's trace), and the trace attribution rule on a hand-written HLO module. On a GPU
-it checks that each collector (CUPTI through torch.profiler, jax.profiler) sees the step's
-kernels and finds layernorm's among them.
+jax.profiler's trace), the trace attribution rule on a hand-written HLO module, the kernel
+kinds on hand-written kernel names, the --kernels report on hand-made summaries, and the
+round sizing and paired ratio on hand-made rounds. On a GPU it checks that each collector
+(CUPTI through torch.profiler, jax.profiler) sees the step's kernels and finds layernorm's.
 
 Data parallel (--devices N): on the CPU's host devices, the step over 2 devices equals the
 one-device step on the same global batch, our ops run on each device's rows with no
@@ -35,7 +36,7 @@ import jax_lnbwd  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 sys.path.insert(0, ROOT)  # the checkout: benchmarks/
-from benchmarks.e2e import cli, config, trace, train, variants  # noqa: E402
+from benchmarks.e2e import breakdown, cli, config, report, trace, train, variants  # noqa: E402
 
 
 def n_params(tree) -> int:
@@ -98,20 +99,26 @@ def run_e2e(tmp_path, *extra, platform="cpu", cpu_devices=1):
     env = dict(os.environ, XLA_FLAGS=flags, NO_COLOR="",
                JAX_PLATFORMS="cuda" if platform == "gpu" else "cpu", XLA_PYTHON_CLIENT_PREALLOCATE="false")
     cmd = [sys.executable, "-m", "benchmarks.e2e", "--small", "--layers", "1", "--models", "vit",
-           "--rounds", "2", "--steps", "1", "--warmup", "1", "--trace-steps", "1", "--out", str(tmp_path),
-           *extra]
+           "--rounds", "2", "--steps", "1", "--warmup", "1", "--trace-steps", "1", "--round-seconds", "0",
+           "--out", str(tmp_path), *extra]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout + done.stderr, json.loads((tmp_path / "e2e.json").read_text())["rows"]
 
 
 def test_the_command_runs_end_to_end_in_a_pipe(tmp_path):
-    printed, rows = run_e2e(tmp_path, "--kernels", "3")
+    # --round-seconds: the rounds are sized from a probe after the warm-up (a short round here)
+    printed, rows = run_e2e(tmp_path, "--kernels", "3", "--round-seconds", "0.01")
     assert "\033[" not in printed  # a pipe: no colour codes
     assert {(r["api"], r["variant"]) for r in rows} == {(a, v) for a in cli.APIS
                                                         for v in ("flax", "jax_lnbwd", "add_layernorm")}
     assert all(len(r["round_ms"]) == 2 and r["ms"] > 0 for r in rows)
-    assert all(r["speedup"] == 1.0 for r in rows if r["variant"] == "flax")
+    assert all(r["speedup"] == r["speedup_of_medians"] == 1.0 for r in rows if r["variant"] == "flax")
+    for api in cli.APIS:  # every variant of a model, API and dtype takes the same steps per round
+        steps = {r["round_steps"] for r in rows if r["api"] == api}
+        assert len(steps) == 1 and 1 <= steps.pop() <= train.ROUND_STEPS_CAP, rows
+    assert all(r["step_estimate_ms"] > 0 for r in rows)
+    assert "steps per round" in printed
     for r in rows:  # on CPU: jax.profiler's per-instruction tasks
         assert r["trace"]["ln_ms"] > 0 and r["trace"]["other_ms"] > 0 and r["trace"]["idle_ms"] >= 0
         assert r["devices"] == r["trace"]["devices"] == 1 and r["trace"]["comm_ms"] == 0
@@ -119,7 +126,13 @@ def test_the_command_runs_end_to_end_in_a_pipe(tmp_path):
         top = r["trace"]["top"]  # --kernels 3: the costliest ln and mixed kernels, costliest first
         assert 0 < len(top) <= 3 and all(cls in ("ln", "mixed") and n > 0 and ms >= 0 for cls, _, n, ms in top)
         assert [t[3] for t in top] == sorted((t[3] for t in top), reverse=True)
-    assert "costliest ln and mixed kernels" in printed
+        kinds = r["trace"]["kinds"]  # every kernel has a kind: they add up to the kernel time
+        assert set(kinds) == set(trace.KINDS) and sum(kinds.values()) == pytest.approx(r["trace"]["kernel_ms"])
+        assert (kinds["ours"] > 0) == (r["variant"] != "flax"), kinds
+        other = r["trace"]["top_other"]
+        assert len(other) <= 3 and all(k in ("reduce fusion", "loop fusion") for k, *_ in other)
+    assert "costliest ln and mixed kernels" in printed and "costliest XLA fusions" in printed
+    assert "linen bfloat16 add_layernorm vs flax: kernel" in printed
     text = (tmp_path / "e2e.txt").read_text()
     assert "jax_lnbwd" in text and "ms/step" in text and "overlap" not in text  # one device: no comm columns
     if _has("matplotlib"):
@@ -337,3 +350,95 @@ def test_a_registered_variant_is_accepted_and_the_first_listed_is_the_baseline()
         cli.parse_args(["--variants", "flax,nope"])
     with pytest.raises(SystemExit):
         cli.parse_args(["--dtypes", "float32", "--attention", "cudnn"])
+
+
+def test_kinds_of_kernel_names():
+    """Every kernel time has one kind, from its name (and HLO op): trace.kind's rule."""
+    k = trace.kind
+    for name, want in [
+            ("void lnbwd::kernel12<__nv_bfloat16>(Params)", "ours"),
+            ("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNT", "gemm"),
+            ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
+            ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_32x32_128x2_tn_align8>", "gemm"),
+            ("gemm_fusion_dot_3", "gemm"), ("triton_gemm_dot_1", "gemm"),
+            ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x128x128", "attention"),
+            ("flash_fwd_kernel", "attention"),
+            ("input_reduce_fusion_2", "reduce fusion"), ("loop_reduce_fusion", "reduce fusion"),
+            ("convert_reduce_fusion.1", "reduce fusion"), ("wrapped_reduce-window", "reduce fusion"),
+            ("loop_add_fusion_3", "loop fusion"), ("wrapped_transpose", "loop fusion"),
+            ("fusion_12", "loop fusion"), ("triton_softmax_1", "loop fusion"),
+            ("loop_copy_fusion", "loop fusion"),  # a fusion, though it copies
+            ("Memcpy DtoD (Device -> Device)", "copy/memset"), ("Memset (Device)", "copy/memset"),
+            ("copy_7", "copy/memset"), ("copy", "copy/memset"),
+            ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "comm"),
+            ("void cub::DeviceRadixSortOnesweepKernel<int>", "other"), ("redzone_checker", "other")]:
+        assert k(name) == want, (name, k(name), want)
+    assert k("thunk", "all-reduce-start.3") == "comm"                    # by HLO op
+    assert k("ffi_call.5", "ffi_call.5", ours=frozenset({"ffi_call_5"})) == "ours"  # our custom call
+    assert k("add.3", "add.3") == "other" and k("add.3", "add.3", xla=True) == "loop fusion"
+    assert k("nvjet_tst_128x256", "custom-call.3", xla=True) == "gemm"  # the library's name wins
+
+
+def test_summary_splits_all_kernel_time_into_kinds():
+    classes = {"loop_add_fusion": "ln", "input_reduce_fusion": "other", "loop_mul_fusion": "other",
+               "loop_gelu_fusion": "mixed"}
+    ns = 1e6
+    events = [("void lnbwd::k<f32>", None, 0, 1 * ns), ("nvjet_tst_64x8", None, 1 * ns, 4 * ns),
+              ("input_reduce_fusion", None, 5 * ns, 2 * ns), ("loop_mul_fusion", None, 7 * ns, 1 * ns),
+              ("loop_mul_fusion", None, 8 * ns, 1 * ns), ("loop_add_fusion", None, 9 * ns, 1 * ns),
+              ("loop_gelu_fusion", None, 10 * ns, 1 * ns), ("Memset (Device)", None, 11 * ns, 1 * ns),
+              ("mystery_kernel", None, 12 * ns, 2 * ns)]
+    s = trace.summarize(events, classes, steps=2, top=5)
+    assert s["kinds"] == pytest.approx({"ours": 0.5, "gemm": 2.0, "attention": 0.0, "reduce fusion": 1.0,
+                                        "loop fusion": 2.0, "copy/memset": 0.5, "comm": 0.0, "other": 1.0})
+    assert sum(s["kinds"].values()) == pytest.approx(s["kernel_ms"])
+    # The other class's XLA fusions, costliest first; ln and mixed kernels stay in "top"
+    assert s["top_other"] == [["reduce fusion", "input_reduce_fusion", 0.5, pytest.approx(1.0)],
+                              ["loop fusion", "loop_mul_fusion", 1.0, pytest.approx(1.0)]]
+    assert {t[1] for t in s["top"]} == {"void lnbwd::k<f32>", "loop_add_fusion", "loop_gelu_fusion"}
+    assert "top_other" not in trace.summarize(events, classes, steps=2)
+
+
+def _row(variant, kinds, idle=0.0, baseline=False, top_other=()):
+    return {"model": "gpt", "api": "linen", "dtype": "bfloat16", "variant": variant, "baseline": baseline,
+            "trace": {"kinds": dict.fromkeys(trace.KINDS, 0.0) | kinds, "idle_ms": idle,
+                      "top": [["ln", "loop_add_fusion", 13.0, 0.25]], "top_other": list(top_other)}}
+
+
+def test_the_kernels_report_prints_each_variants_change_by_kind():
+    base = _row("flax", {"gemm": 20.0, "loop fusion": 5.0, "reduce fusion": 2.0}, idle=1.0, baseline=True)
+    ours = _row("add_layernorm", {"gemm": 20.01, "loop fusion": 5.31, "reduce fusion": 1.45, "ours": 0.74},
+                idle=0.9, top_other=[["loop fusion", "loop_multiply_fusion_4", 6.0, 1.5]])
+    line = breakdown.diff_line(ours, base)
+    assert line == ("gpt linen bfloat16 add_layernorm vs flax: kernel +0.510 ms per step: "
+                    "ours +0.740, reduce fusion -0.550, loop fusion +0.310, gemm +0.010; idle -0.100")
+    other = dict(ours, model="bert")  # no baseline of its own: no difference printed
+    untraced = dict(base, variant="jax_lnbwd", baseline=False, trace=None)
+    text = breakdown.text([base, ours, other, untraced], 3)
+    assert text.count(" vs flax: ") == 1 and line in text
+    assert "gpt linen bfloat16 flax: kernel ms per step by kind: gemm 20.000, loop fusion 5.000" in text
+    assert "loop_multiply_fusion_4" in text and "jax_lnbwd" not in text
+    assert breakdown.text([base], 3).count("against the baseline") == 0
+
+
+def test_rounds_are_sized_by_time_and_the_ratio_is_paired():
+    rs = train.round_steps
+    assert rs(0.042, 0.5, 10) == 12 and rs(0.004, 0.5, 10) == 125 and rs(0.2, 0.5, 10) == 10
+    assert rs(1e-6, 0.5, 10) == train.ROUND_STEPS_CAP and rs(1e-6, 0.5, 5000) == 5000  # --steps is the floor
+    assert rs(None, 0.5, 10) == rs(0.004, 0, 10) == 10
+    a = cli.parse_args(["--small"])
+    assert a.rounds == 7 and a.round_seconds == 0.5
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--round-seconds", "-1"])
+
+    def run(variant, times, steps):
+        return train.Run("gpt", "linen", "bfloat16", variant, None, (), (), "", 0.0, times=times,
+                         losses=[1.0], round_steps=steps)
+    runs = [run("flax", [1.0, 2.0, 1.0], 4), run("ours", [0.9, 1.6, 1.1], 9)]
+    assert cli.same_steps(runs) == "gpt linen bfloat16 9" and [r.round_steps for r in runs] == [9, 9]
+    # A slow second round hits both runs: the paired ratio is the median of 1/0.9, 2/1.6, 1/1.1
+    rows = report.rows(runs, "flax")
+    assert rows[1]["speedup"] == pytest.approx(1 / 0.9)
+    assert rows[1]["speedup_of_medians"] == pytest.approx(1.0 / 1.1)
+    assert (rows[1]["speedup_min"], rows[1]["speedup_max"]) == pytest.approx((1 / 1.1, 1.25))
+    assert rows[1]["round_steps"] == 9 and rows[0]["speedup"] == 1.0

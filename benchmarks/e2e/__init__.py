@@ -8,14 +8,18 @@ runs once per LayerNorm variant (variants.py: ``flax``, ``jax_lnbwd``, ``add_lay
 
 How a step is timed
 -------------------
-Every run is compiled and warmed up first. Then come ``--rounds`` rounds; in each, every run
-takes ``--steps`` steps back to back (parameters and optimizer state donated, the host
-queueing step i+1 while the GPU runs step i, as in a training loop), and the wall time from
-the first dispatch until the last step's outputs are ready, divided by the steps, is that
-round's time. Runs are interleaved in one process, in reverse order every other round, so
-that clock and thermal drift fall on all variants alike. A run's time is the median over the
-rounds; the spread is (slowest - fastest round) / median; the ratio against the baseline (the
-first variant) is given with the range of the per-round ratios.
+Every run is compiled and warmed up first, then takes a few more untimed steps whose mean
+sizes its rounds: enough steps that a round lasts ``--round-seconds`` (at least ``--steps``,
+at most 1000), the most that any variant of the same model, API and dtype needs, so the
+variants take the same steps. Then come ``--rounds`` rounds; in each, every run takes its
+steps back to back (parameters and optimizer state donated, the host queueing step i+1 while
+the GPU runs step i, as in a training loop), and the wall time from the first dispatch until
+the last step's outputs are ready, divided by the steps, is that round's time. Runs are
+interleaved in one process, in reverse order every other round, so that clock and thermal
+drift fall on all variants alike. A run's time is the median over the rounds; the spread is
+(slowest - fastest round) / median. The ratio against the baseline (the first variant) is
+paired: the median over the rounds of the baseline's round time / the run's in the same
+round, which cancels drift that slows both; the range of these per-round ratios comes with it.
 
 Data parallel (``--devices N``): each run trains over the first N devices, the batch (the
 configured one is per device: the global batch is N times it) split over a 1-D mesh axis
@@ -30,6 +34,9 @@ Then, if a collector is available, each run takes ``--trace-steps`` more steps u
 kernel-level trace, attributed to layernorm as trace.py describes: the GPU time per step in
 layernorm's kernels (forward, backward, and the elementwise kernels XLA fused with them), all
 kernels, the idle time per step, and the share no HLO instruction could be matched to.
+``--kernels N`` then lists each run's kernel time by kind (matmuls, attention, XLA's reduce
+and loop fusions, ours, ...), its N costliest kernels, and each variant's per-kind difference
+against the baseline (breakdown.py).
 
 fp32 (``--dtypes float32``) keeps JAX's default matmul precision, which is TF32 on NVIDIA GPUs
 since Ampere: what an fp32 user gets, and the normalization is in full fp32 either way (XLA's
@@ -41,5 +48,6 @@ the configs and versions) and DIR/e2e.png (needs matplotlib: ``pip install -e ".
 
 Files: config.py (models and sizes), models_linen.py, models_nnx.py, variants.py (the
 LayerNorm variants and the hook for more), train.py (the step and its timing), trace.py
-(collection and attribution), report.py (table and plot), cli.py (options and the run).
+(collection, attribution and kinds), report.py (table and plot), breakdown.py (--kernels),
+cli.py (options and the run).
 """

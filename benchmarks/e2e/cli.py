@@ -15,9 +15,9 @@ import jax
 from .. import _term
 from .._term import Progress, paint
 from . import __doc__ as METHOD
-from . import report, trace
+from . import breakdown, report, trace
 from .config import FULL, SMALL
-from .train import build, run_steps
+from .train import PROBE_STEPS, ROUND_STEPS_CAP, build, probe, round_steps, run_steps
 from .variants import VARIANTS
 
 APIS = ("linen", "nnx")
@@ -49,8 +49,12 @@ def parse_args(argv):
                    help="data parallel over the first N devices: the batch (per device) is split "
                         "over a mesh axis, parameters replicated, gradients all-reduced; adds the "
                         "comm, overlap and exposed columns (default 1: one device)")
-    p.add_argument("--steps", type=int, default=10, help="steps per round per run (default 10)")
-    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    p.add_argument("--steps", type=int, default=10, help="steps per round per run, at least (default 10)")
+    p.add_argument("--round-seconds", type=float, default=0.5, metavar="S",
+                   help="each round runs a run's steps for at least S seconds, as estimated from "
+                        f"2 x {PROBE_STEPS} steps after its warm-up (at most {ROUND_STEPS_CAP} steps; "
+                        "default 0.5; 0: --steps steps)")
+    p.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default 7)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per run after compiling (default 2)")
     p.add_argument("--trace", default="auto", choices=("auto", "torch", "jax", "none"),
                    help="kernel trace collector (default auto: torch on a GPU, else jax)")
@@ -78,8 +82,8 @@ def parse_args(argv):
             p.error(f"--{name}: expected a comma list from {', '.join(allowed)}, got {','.join(got)!r}")
     if a.attention == "cudnn" and "float32" in a.dtypes:
         p.error("--attention cudnn: cuDNN's flash attention takes bf16/fp16 only; drop float32")
-    if min(a.steps, a.rounds, a.trace_steps) < 1 or a.warmup < 0:
-        p.error("--steps, --rounds and --trace-steps must be >= 1, --warmup >= 0")
+    if min(a.steps, a.rounds, a.trace_steps) < 1 or a.warmup < 0 or a.round_seconds < 0:
+        p.error("--steps, --rounds and --trace-steps must be >= 1, --warmup and --round-seconds >= 0")
     if a.devices < 1:
         p.error(f"--devices: expected >= 1, got {a.devices}")
     if a.devices > 1 and len(jax.devices()) < a.devices:
@@ -96,6 +100,20 @@ def parse_args(argv):
     if any(c.name == "vit" for c in a.configs) and "seq" in sizes:
         p.error("--seq: the vit's token count is its patches + 1 (change its patch grid in config.py)")
     return a
+
+
+def same_steps(runs) -> str:
+    """Gives every run of one (model, api, dtype) the most steps per round any of them needs:
+    the variants then take the same steps (their losses compare) and both rounds of a pair
+    hold the same work. Returns "model api dtype N, ..." for the progress output."""
+    groups = {}
+    for run in runs:
+        groups.setdefault((run.model, run.api, run.dtype), []).append(run)
+    for group in groups.values():
+        most = max(r.round_steps for r in group)
+        for r in group:
+            r.round_steps = most
+    return ", ".join(f"{' '.join(k)} {g[0].round_steps}" for k, g in groups.items())
 
 
 def seconds(meta) -> str:
@@ -145,13 +163,16 @@ def main(argv=None):
     how, why = trace.available(args.trace)
     meta.update({"argv": sys.argv[1:] if argv is None else list(argv), "devices": args.devices,
                  "device_list": [str(d) for d in jax.devices()[:args.devices]], "steps": args.steps,
-                 "rounds": args.rounds, "warmup": args.warmup, "trace": how, "trace_steps": args.trace_steps,
+                 "rounds": args.rounds, "round_seconds": args.round_seconds, "warmup": args.warmup,
+                 "trace": how, "trace_steps": args.trace_steps,
                  "matmul_precision": args.matmul_precision, "baseline": args.variants[0],
                  "models": [dataclasses.asdict(c) for c in args.configs], "failures": []})
     print(f"jax_lnbwd {meta['jax_lnbwd']} e2e bench  {meta['date']}  device: {meta['device']}  "
           f"jax {meta['jax']}")
-    print(f"timing: {args.rounds} interleaved rounds of {args.steps} back-to-back steps per run, "
-          f"after {args.warmup} warm-up steps; trace: {why if how else 'none (' + why + ')'}")
+    rounds = (f"at least {args.round_seconds:g} s and {args.steps} back-to-back steps" if args.round_seconds
+              else f"{args.steps} back-to-back steps")
+    print(f"timing: {args.rounds} interleaved rounds of {rounds} per run, after {args.warmup} warm-up "
+          f"steps; trace: {why if how else 'none (' + why + ')'}")
     if args.devices > 1:
         print(f"data parallel over {args.devices} devices ({', '.join(meta['device_list'])}): "
               f"batch per device, global batch = batch x {args.devices}")
@@ -180,17 +201,24 @@ def main(argv=None):
                 prog.step(f"warm up {label}")
                 if args.warmup:
                     run_steps(run, args.warmup)
+                if args.round_seconds:
+                    probe(run)
             except Exception as e:  # one variant that breaks (OOM, a missing CUDA handler) must not end the run
                 prog.write(paint(f"ERROR {label}: {type(e).__name__}: {str(e)[:500]}", "red"))
                 meta["failures"].append({"run": label, "error": repr(e)[:2000]})
                 continue
             runs.append(run)
-            prog.write(f"compiled {label} in {run.compile_s:.1f} s")
+            run.round_steps = round_steps(run.step_estimate_s, args.round_seconds, args.steps)
+            prog.write(f"compiled {label} in {run.compile_s:.1f} s" + (
+                "" if run.step_estimate_s is None else
+                f"; {run.step_estimate_s * 1e3:.3f} ms a step: {run.round_steps} steps per round"))
+        if runs and args.round_seconds:
+            prog.write(f"steps per round (the most any variant needs): {same_steps(runs)}")
         clock["compiled"] = time.perf_counter()
         for i in range(args.rounds):  # every run once per round, the order reversed every other round
             for run in runs if i % 2 == 0 else runs[::-1]:
                 prog.step(f"round {i + 1}/{args.rounds} {run.label}")
-                run.times.append(run_steps(run, args.steps) / args.steps)
+                run.times.append(run_steps(run, run.round_steps) / run.round_steps)
         prog.close()
         clock["timed"] = time.perf_counter()
         meta["seconds"] = {"compile_and_warm_up": clock["compiled"] - clock["start"],
@@ -214,10 +242,7 @@ def main(argv=None):
         prog.close()
     meta["seconds"]["traces"] = time.perf_counter() - clock["timed"]
     if args.kernels:
-        for run in runs:
-            print(f"\n{run.label}: its {args.kernels} costliest ln and mixed kernels (launches, ms per step)")
-            for cls, name, n, ms in (run.trace or {}).get("top", []):
-                print(f"  {cls:5} {n:5.1f} {ms:7.3f}  {name[:100]}")
+        print(breakdown.text(report.rows(runs, args.variants[0]), args.kernels))
     print(seconds(meta))
     return emit(runs, args, meta, traced=True)
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 import statistics
 
 COLUMNS = """\
-  ms/step   median over the rounds of one round's time per step (its steps run back to back)
+  ms/step   median over the rounds of one round's time per step (a round: its steps back to
+            back, enough of them to last --round-seconds)
   spread    (slowest round - fastest round) / median, for this run
-  ×base     the baseline variant's median / this one's (> 1: faster than the baseline); in
-            brackets the lowest and highest of the per-round ratios (same round, both variants)
+  ×base     the median over the rounds of the baseline's round time / this run's in the same
+            round (> 1: faster than the baseline); in brackets the lowest and highest of them
   ln, +mix  GPU ms per step in kernels made only of layernorm work, and that plus kernels that
             fuse layernorm work with other work (a lower and an upper bound; see trace.py)
   kernel    GPU ms per step in all kernels, memcpys and memsets (summed)
@@ -44,15 +45,17 @@ def rows(runs, baseline: str) -> list[dict]:
         med = statistics.median(r.times)
         row = {"model": r.model, "api": r.api, "dtype": r.dtype, "variant": r.variant,
                "baseline": r.variant == baseline,
-               "ms": med * 1e3, "round_ms": [t * 1e3 for t in r.times],
+               "ms": med * 1e3, "round_ms": [t * 1e3 for t in r.times], "round_steps": r.round_steps,
+               "step_estimate_ms": None if r.step_estimate_s is None else r.step_estimate_s * 1e3,
                "spread_pct": 100 * (max(r.times) - min(r.times)) / med,
                "devices": r.devices, "compile_s": r.compile_s, "loss_first": r.losses[0], "loss_last": r.losses[-1],
                "trace": r.trace}
         b = base.get((r.model, r.api, r.dtype))
-        if b is not None:
+        if b is not None:  # paired: a round's ratio cancels the drift that slows both runs
             per_round = [bt / t for bt, t in zip(b.times, r.times)]
-            row.update(speedup=statistics.median(b.times) / med, speedup_min=min(per_round),
-                       speedup_max=max(per_round))
+            row.update(speedup=statistics.median(per_round), speedup_min=min(per_round),
+                       speedup_max=max(per_round), speedup_rounds=per_round,
+                       speedup_of_medians=statistics.median(b.times) / med)
         out.append(row)
     return out
 

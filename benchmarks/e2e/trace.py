@@ -38,6 +38,22 @@ Limits
   parameters is adam's (other), as is the loss. Tracing adds a little to every launch, so idle
   times compare between variants under the same collector, not with an untraced step.
 
+Kinds: where ALL the kernel time goes
+  Independent of the classes above, every activity also gets a kind, from its kernel name
+  (and HLO op where the trace has one), the first rule that matches winning (kind()):
+    comm           a collective (the comm class)
+    ours           our kernels: lnbwd in the name, or a custom call to a jax_lnbwd target
+    copy/memset    memcpys, memsets, and XLA's bare copy instructions (copy.3)
+    attention      cuDNN's and flash attention (cudnn, flash, fmha, sdpa in the name)
+    gemm           matmuls: cuBLAS, cuBLASLt (nvjet), xmma, CUTLASS, sm90_..., XLA's Triton gemm
+                   fusions (gemm in the name), and a CPU thunk of a dot instruction (dot.3)
+    reduce fusion  XLA kernels with a reduction: the name starts with input_ or contains reduce
+    loop fusion    XLA's other kernels: elementwise, transpose and concatenate fusions (loop_,
+                   wrapped_, triton_, ...fusion), and anything matched to an HLO instruction
+    other          the rest (sorts, RNG, kernels of other libraries)
+  A variant's per-kind difference against its baseline shows where a step gained or lost
+  time outside layernorm (cli's --kernels prints it).
+
 Per step and per device (n traced steps, back to back, on D devices; every activity carries
 its device: torch's "device" arg, jax's GPU plane, or a CPU thunk's device_ordinal):
   kernel   the sum of kernel, memcpy and memset durations / n / D
@@ -80,6 +96,13 @@ LIBRARY = re.compile(r"gemm|nvjet|xmma|cutlass|cublas|cudnn|flash|^sm\d+_|memcpy
 # kernels and the HLO ops (all-reduce-start.3; a CPU thunk is named after its op: all-reduce.29).
 COMM = re.compile(r"nccl|all[-_]?reduce|reduce[-_]?scatter|all[-_]?gather|all[-_]?to[-_]?all|"
                   r"collective[-_]?permute", re.IGNORECASE)
+# The kinds, in the order kind() tries them (the module doc): name patterns, case-insensitive.
+KINDS = ("ours", "gemm", "attention", "reduce fusion", "loop fusion", "copy/memset", "comm", "other")
+_COPY = re.compile(r"memcpy|memset|^copy([._]\d+)?$", re.IGNORECASE)
+_ATTENTION = re.compile(r"cudnn|flash|fmha|sdpa", re.IGNORECASE)
+_GEMM = re.compile(r"gemm|nvjet|xmma|cutlass|cublas|^sm\d+_|^dot([._]|$)", re.IGNORECASE)
+_REDUCE = re.compile(r"^input_|reduce", re.IGNORECASE)
+_FUSION = re.compile(r"fusion|^loop_|^wrapped_|^triton", re.IGNORECASE)
 
 
 def available(how: str) -> tuple[str | None, str]:
@@ -229,6 +252,22 @@ def attribute(name: str, hlo_op: str | None, classes: dict[str, str]) -> str:
     return "other" if LIBRARY.search(name) else "unmapped"
 
 
+def kind(name: str, hlo_op: str | None = None, ours: frozenset[str] = frozenset(),
+         xla: bool = False) -> str:
+    """The kind of one traced activity (KINDS, the rule in the module doc). ours: our_calls()
+    of the module; xla: the activity was matched to an HLO instruction of the module (its
+    class is ln, mixed or other), so an XLA kernel that no fusion pattern names is a loop fusion."""
+    if COMM.search(name) or hlo_op and COMM.search(hlo_op):
+        return "comm"
+    if OURS.search(name) or hlo_op and sanitize(hlo_op) in ours:
+        return "ours"
+    for k, pattern in (("copy/memset", _COPY), ("attention", _ATTENTION), ("gemm", _GEMM),
+                       ("reduce fusion", _REDUCE), ("loop fusion", _FUSION)):
+        if pattern.search(name):
+            return k
+    return "loop fusion" if xla else "other"
+
+
 def merge(intervals) -> list[tuple[float, float]]:
     """The union of (start, end) intervals as disjoint intervals in start order."""
     out: list[list[float]] = []
@@ -260,29 +299,39 @@ def summarize(events, classes: dict[str, str], steps: int, top: int = 0,
               ours: frozenset[str] = frozenset()) -> dict:
     """Per-step, per-device times in ms (see the module doc) from one trace of `steps`
     back-to-back steps. events: (name, hlo_op, start_ns, dur_ns[, device, stream]) (device 0
-    when absent); ours: our_calls() of the module. With top > 0 also "top": the `top` costliest
+    when absent); ours: our_calls() of the module. "kinds": {kind: ms per step} for every
+    kind of KINDS (they sum to kernel_ms). With top > 0 also "top": the `top` costliest
     kernels of the ln and mixed classes, each as [class, kernel name, launches per step, ms
-    per step], for reading what a variant runs."""
+    per step], for reading what a variant runs, and "top_other": the `top` costliest XLA
+    fusions of the other class, each as [kind, kernel name, launches per step, ms per step]."""
     if not events:
         return {}
     per = defaultdict(float)
     count = defaultdict(int)
+    kinds = dict.fromkeys(KINDS, 0.0)
     by_kernel = defaultdict(lambda: [0, 0.0])  # (class, name) -> [launches, ns]
+    fusions = defaultdict(lambda: [0, 0.0])    # (kind, name) -> [launches, ns], other-class fusions
     # Each device's intervals: all, collectives, ours, and everything but collectives.
     spans = defaultdict(lambda: {"all": [], "comm": [], "ours": [], "busy": []})
     for name, op, start, dur, *where in events:
         cls = attribute(name, op, classes)
         per[cls] += dur
         count[cls] += 1
+        kd = kind(name, op, ours, xla=cls in ("ln", "mixed", "other"))
+        kinds[kd] += dur
         if cls in ("ln", "mixed"):
             k = by_kernel[(cls, op or name)]
-            k[0] += 1
-            k[1] += dur
+        elif cls == "other" and kd in ("reduce fusion", "loop fusion"):
+            k = fusions[(kd, op or name)]
+        else:
+            k = [0, 0.0]
+        k[0] += 1
+        k[1] += dur
         dev = spans[where[0] if where else 0]
         iv = (start, start + dur)
         dev["all"].append(iv)
         dev["comm" if cls == "comm" else "busy"].append(iv)
-        if OURS.search(name) or op and sanitize(op) in ours:
+        if kd == "ours":
             dev["ours"].append(iv)
     union = idle = overlapped = exposed = 0.0
     for dev in spans.values():
@@ -299,5 +348,13 @@ def summarize(events, classes: dict[str, str], steps: int, top: int = 0,
             **{f"{c}_ms": per[c] * ms for c in ("ln", "mixed", "other", "unmapped", "comm")},
             "overlap_ms": overlapped * ms, "comm_exposed_ms": exposed * ms,
             "ln_kernels": count["ln"] / steps / n, "mixed_kernels": count["mixed"] / steps / n,
-            **({"top": [[c, n_, k / steps / n, ns * ms] for (c, n_), (k, ns) in
-                        sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:top]]} if top else {})}
+            "kinds": {k: v * ms for k, v in kinds.items()},
+            **({"top": costliest(by_kernel, top, steps * n, ms),
+                "top_other": costliest(fusions, top, steps * n, ms)} if top else {})}
+
+
+def costliest(kernels: dict, top: int, per: int, ms: float) -> list:
+    """[[class or kind, name, launches per step, ms per step]] of the `top` costliest of
+    {(class or kind, name): [launches, ns]}, costliest first; per: steps x devices."""
+    return [[c, name, k / per, ns * ms] for (c, name), (k, ns) in
+            sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]]

@@ -15,6 +15,7 @@ one-device step and the step times compare directly. The loss is the mean over t
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Any
 
@@ -46,6 +47,8 @@ class Run:
     losses: list = dataclasses.field(default_factory=list)  # the last loss of each run_steps
     trace: dict | None = None
     devices: int = 1     # data parallel over this many devices (the batch above is global)
+    round_steps: int = 0  # steps per timed round (round_steps())
+    step_estimate_s: float | None = None  # seconds per step just after the warm-up (probe())
 
     @property
     def label(self) -> str:
@@ -123,3 +126,24 @@ def run_steps(run: Run, n: int) -> float:
     run.state = (params, opt_state)
     run.losses.append(float(loss))
     return seconds
+
+
+ROUND_STEPS_CAP = 1000  # steps per round at most, whatever --round-seconds asks (a fast CPU step)
+PROBE_STEPS = 3         # untimed steps after the warm-up, twice over, that estimate a step's time
+
+
+def probe(run: Run, n: int = PROBE_STEPS, repeats: int = 2) -> float:
+    """Times `repeats` batches of n more steps (after the warm-up: compiled, allocated, caches
+    hot) and keeps the faster batch's mean in run.step_estimate_s, the estimate that sizes the
+    rounds (the first batch can still pay for a cold start)."""
+    run.step_estimate_s = min(run_steps(run, n) for _ in range(repeats)) / n
+    return run.step_estimate_s
+
+
+def round_steps(step_s: float | None, seconds: float, minimum: int, cap: int = ROUND_STEPS_CAP) -> int:
+    """Steps per round so that a round lasts at least `seconds` at `step_s` seconds a step:
+    max(minimum, ceil(seconds / step_s)), and no more than max(minimum, cap). No estimate or
+    seconds <= 0: minimum."""
+    if not step_s or seconds <= 0:
+        return minimum
+    return max(minimum, min(cap, math.ceil(seconds / step_s)))

@@ -1,0 +1,54 @@
+"""``--kernels N``: after the table, what each run's kernels are and where its kernel time
+moved against its baseline.
+
+For every traced run: its kernel time per step by kind (trace.py's kind rule: ours, gemm,
+attention, reduce fusion, loop fusion, copy/memset, comm, other), its N costliest kernels of
+the ln and mixed classes, and its N costliest XLA fusions of the other class (the fusions
+outside layernorm, which a variant can still change: XLA fuses the work around a LayerNorm
+differently when the LayerNorm is a custom call). Then, for every run that is not a baseline,
+the per-kind difference against the baseline of the same (model, api, dtype), largest change
+first, and the difference in idle time: a reader sees which kinds a variant's step gained or lost.
+"""
+from __future__ import annotations
+
+
+def label(row: dict) -> str:
+    return f"{row['model']} {row['api']} {row['dtype']} {row['variant']}"
+
+
+def kinds_line(kinds: dict) -> str:
+    """The nonzero kinds, largest first: "gemm 20.123, loop fusion 5.020, ..." (ms per step)."""
+    return ", ".join(f"{k} {v:.3f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]) if v)
+
+
+def diff_line(row: dict, base: dict) -> str:
+    """One run's kernel time per kind minus its baseline's, in ms per step, largest change first."""
+    a, b = row["trace"]["kinds"], base["trace"]["kinds"]
+    d = {k: a.get(k, 0.0) - b.get(k, 0.0) for k in dict.fromkeys([*b, *a]) if a.get(k) or b.get(k)}
+    parts = ", ".join(f"{k} {v:+.3f}" for k, v in sorted(d.items(), key=lambda kv: -abs(kv[1])))
+    idle = row["trace"]["idle_ms"] - base["trace"]["idle_ms"]
+    return (f"{label(row)} vs {base['variant']}: kernel {sum(d.values()):+.3f} ms per step: {parts}; "
+            f"idle {idle:+.3f}")
+
+
+def _kernels(entries) -> list[str]:
+    width = max((len(e[0]) for e in entries), default=0)
+    return [f"  {c:{width}} {n:6.1f} {ms:7.3f}  {name[:100]}" for c, name, n, ms in entries]
+
+
+def text(table: list[dict], n: int) -> str:
+    """The --kernels report for report.rows()'s rows (runs without a trace are left out)."""
+    traced = [r for r in table if r.get("trace") and "kinds" in r["trace"]]
+    base = {(r["model"], r["api"], r["dtype"]): r for r in traced if r["baseline"]}
+    out = []
+    for r in traced:
+        t = r["trace"]
+        out += ["", f"{label(r)}: kernel ms per step by kind: {kinds_line(t['kinds'])}",
+                f" its {n} costliest ln and mixed kernels (launches, ms per step)", *_kernels(t.get("top", [])),
+                f" its {n} costliest XLA fusions outside layernorm (class other)",
+                *_kernels(t.get("top_other", []))]
+    diffs = [diff_line(r, b) for r in traced if not r["baseline"]
+             and (b := base.get((r["model"], r["api"], r["dtype"]))) is not None]
+    if diffs:
+        out += ["", "kernel time per step against the baseline, by kind (ms, largest change first):", *diffs]
+    return "\n".join(out)
