@@ -31,9 +31,11 @@ GPU) and exposed (collectives running while nothing else does). The 2-GPU run an
 read it: docs/e2e.md.
 
 Then, if a collector is available, each run takes ``--trace-steps`` more steps under a
-kernel-level trace, attributed to layernorm as trace.py describes: the GPU time per step in
-layernorm's kernels (forward, backward, and the elementwise kernels XLA fused with them), all
-kernels, the idle time per step, and the share no HLO instruction could be matched to.
+kernel-level trace, ``--trace-repeats`` times (the trace whose traced step is the median
+counts), attributed to layernorm as trace.py describes: the GPU time per step that layernorm's
+kernels occupy (forward, backward, and the elementwise kernels XLA fused with them; kernels
+that overlap count once), all kernels, the idle time per step, and the share no HLO
+instruction could be matched to.
 ``--kernels N`` then lists each run's kernel time by kind (matmuls, attention, XLA's reduce
 and loop fusions, ours, ...), its N costliest kernels, and each variant's per-kind difference
 against the baseline (breakdown.py).

@@ -58,7 +58,10 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per run after compiling (default 2)")
     p.add_argument("--trace", default="auto", choices=("auto", "torch", "jax", "none"),
                    help="kernel trace collector (default auto: torch on a GPU, else jax)")
-    p.add_argument("--trace-steps", type=int, default=3, help="steps per traced run (default 3)")
+    p.add_argument("--trace-steps", type=int, default=3, help="steps per trace (default 3)")
+    p.add_argument("--trace-repeats", type=int, default=3,
+                   help="traces per run; the one whose traced step (busy + idle) is the median counts "
+                        "(default 3)")
     p.add_argument("--kernels", type=int, default=0, metavar="N",
                    help="after the table, list each run's N costliest layernorm and mixed kernels "
                         "(also in e2e.json under trace.top; default 0: none)")
@@ -82,8 +85,8 @@ def parse_args(argv):
             p.error(f"--{name}: expected a comma list from {', '.join(allowed)}, got {','.join(got)!r}")
     if a.attention == "cudnn" and "float32" in a.dtypes:
         p.error("--attention cudnn: cuDNN's flash attention takes bf16/fp16 only; drop float32")
-    if min(a.steps, a.rounds, a.trace_steps) < 1 or a.warmup < 0 or a.round_seconds < 0:
-        p.error("--steps, --rounds and --trace-steps must be >= 1, --warmup and --round-seconds >= 0")
+    if min(a.steps, a.rounds, a.trace_steps, a.trace_repeats) < 1 or a.warmup < 0 or a.round_seconds < 0:
+        p.error("--steps, --rounds, --trace-steps and --trace-repeats must be >= 1, --warmup and --round-seconds >= 0")
     if a.devices < 1:
         p.error(f"--devices: expected >= 1, got {a.devices}")
     if a.devices > 1 and len(jax.devices()) < a.devices:
@@ -164,7 +167,7 @@ def main(argv=None):
     meta.update({"argv": sys.argv[1:] if argv is None else list(argv), "devices": args.devices,
                  "device_list": [str(d) for d in jax.devices()[:args.devices]], "steps": args.steps,
                  "rounds": args.rounds, "round_seconds": args.round_seconds, "warmup": args.warmup,
-                 "trace": how, "trace_steps": args.trace_steps,
+                 "trace": how, "trace_steps": args.trace_steps, "trace_repeats": args.trace_repeats,
                  "matmul_precision": args.matmul_precision, "baseline": args.variants[0],
                  "models": [dataclasses.asdict(c) for c in args.configs], "failures": []})
     print(f"jax_lnbwd {meta['jax_lnbwd']} e2e bench  {meta['date']}  device: {meta['device']}  "
@@ -234,9 +237,11 @@ def main(argv=None):
         for run in runs:
             prog.step(f"trace {run.label}")
             try:
-                events = trace.collect(lambda: run_steps(run, args.trace_steps), how)
-                run.trace = trace.summarize(events, trace.classify_hlo(run.hlo), args.trace_steps,
-                                            args.kernels, trace.our_calls(run.hlo)) or None
+                classes, ours = trace.classify_hlo(run.hlo), trace.our_calls(run.hlo)
+                run.trace = trace.median_summary([
+                    trace.summarize(trace.collect(lambda: run_steps(run, args.trace_steps), how), classes,
+                                    args.trace_steps, args.kernels, ours)
+                    for _ in range(args.trace_repeats)]) or None
             except Exception as e:  # a trace that breaks must not cost the timings
                 prog.write(paint(f"trace {run.label} failed: {type(e).__name__}: {str(e)[:300]}", "red"))
         prog.close()

@@ -9,10 +9,12 @@ COLUMNS = """\
   spread    (slowest round - fastest round) / median, for this run
   ×base     the median over the rounds of the baseline's round time / this run's in the same
             round (> 1: faster than the baseline); in brackets the lowest and highest of them
-  ln, +mix  GPU ms per step in kernels made only of layernorm work, and that plus kernels that
-            fuse layernorm work with other work (a lower and an upper bound; see trace.py)
+  ln, +mix  GPU ms per step while kernels made only of layernorm work run, and while those or
+            kernels that fuse layernorm work with other work run (a lower and an upper bound;
+            kernels running at once count once; see trace.py)
   kernel    GPU ms per step in all kernels, memcpys and memsets (summed)
-  idle      ms per step the GPU ran nothing, from the first kernel to the last of the traced steps
+  idle      ms per step the GPU ran nothing, from the first kernel to the last of the traced
+            steps; of --trace-repeats traces, the one whose traced step is the median
   unmap     the share of kernel time matched to no HLO instruction nor library (should be ~0)
   loss      the loss after the last step: every run of a model takes the same steps from the
             same initial parameters, so the variants' losses agree to the compute dtype's rounding
@@ -27,6 +29,17 @@ COMM_COLUMNS = """\
             GPU: communication hidden behind our op (0 for variants without our kernels)
   exposed   ms per step a collective runs while no other kernel runs on its GPU: what the
             step waits for communication (the smaller, the better the overlap)"""
+
+
+def ln_ms(t: dict) -> float:
+    """GPU ms per step that layernorm-only kernels occupy (overlaps once; a summary written
+    before the busy figures existed gives its sum)."""
+    return t.get("ln_busy_ms", t["ln_ms"])
+
+
+def ln_mixed_ms(t: dict) -> float:
+    """The same for layernorm-only and mixed kernels together."""
+    return t.get("ln_mixed_busy_ms", t["ln_ms"] + t["mixed_ms"])
 
 
 def columns(comm: bool) -> str:
@@ -72,10 +85,10 @@ def format_table(table: list[dict], comm: bool = False) -> str:
         t = r["trace"] or {}
         ratio = "-" if "speedup" not in r else "base" if r["baseline"] else (
             f"{r['speedup']:.3f} [{r['speedup_min']:.3f}-{r['speedup_max']:.3f}]")
-        mixed = None if not t else t["ln_ms"] + t["mixed_ms"]
+        mixed = None if not t else ln_mixed_ms(t)
         unmap = None if not t else 100 * t["unmapped_ms"] / max(t["kernel_ms"], 1e-12)
         cells.append((r["model"], r["api"], r["dtype"], r["variant"], f(r["ms"], ".3f"),
-                      f"{r['spread_pct']:.1f}%", ratio, f(t.get("ln_ms"), ".3f"), f(mixed, ".3f"),
+                      f"{r['spread_pct']:.1f}%", ratio, f(ln_ms(t) if t else None, ".3f"), f(mixed, ".3f"),
                       f(t.get("kernel_ms"), ".2f"), f(t.get("idle_ms"), ".3f"),
                       "n/a" if unmap is None else f"{unmap:.0f}%", f"{r['loss_last']:.4g}") +
                      (tuple(f(t.get(k), ".3f") for k in ("comm_ms", "overlap_ms", "comm_exposed_ms"))
@@ -125,7 +138,7 @@ def plot(table: list[dict], path: str, title: str) -> bool:
     ax.set_title(title)
     if traced:  # side by side: what layernorm costs is a few % of a step, too thin in a stack
         ax = axes[1, 0]
-        parts = [("ln", lambda t: t["ln_ms"], "C3"), ("ln + mixed", lambda t: t["ln_ms"] + t["mixed_ms"], "C1"),
+        parts = [("ln", ln_ms, "C3"), ("ln + mixed", ln_mixed_ms, "C1"),
                  ("idle", lambda t: t["idle_ms"], "0.6")]
         if any(r["trace"].get("devices", 1) > 1 for r in traced):  # data parallel: per device
             parts += [("comm overlapping ours", lambda t: t["overlap_ms"], "C2"),

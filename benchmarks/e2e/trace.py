@@ -61,6 +61,12 @@ its device: torch's "device" arg, jax's GPU plane, or a CPU thunk's device_ordin
            kernels counted once)
   idle     (last end - first start - union), per device, summed / n / D: time a GPU ran
            nothing inside the steps
+  ln_busy, ln_mixed_busy
+           the union of the ln kernels' intervals, and of the ln and mixed ones, like busy:
+           the GPU time layernorm occupies. Kernels that overlap count once: our finalize
+           kernel is launched early (programmatic dependent launch) and waits on the GPU for
+           the kernel before it, so its own duration also covers that kernel's run; the sums
+           (ln, mixed) count such time twice.
 With one device these are the whole GPU's figures. Collective kernels (NCCL's, or XLA's own
 all-reduce, reduce-scatter, all-gather, all-to-all, collective-permute; matched by kernel
 name or HLO op, before any other rule) form a class of their own, comm, and give:
@@ -312,7 +318,7 @@ def summarize(events, classes: dict[str, str], steps: int, top: int = 0,
     by_kernel = defaultdict(lambda: [0, 0.0])  # (class, name) -> [launches, ns]
     fusions = defaultdict(lambda: [0, 0.0])    # (kind, name) -> [launches, ns], other-class fusions
     # Each device's intervals: all, collectives, ours, and everything but collectives.
-    spans = defaultdict(lambda: {"all": [], "comm": [], "ours": [], "busy": []})
+    spans = defaultdict(lambda: {"all": [], "comm": [], "ours": [], "busy": [], "ln": [], "lnmix": []})
     for name, op, start, dur, *where in events:
         cls = attribute(name, op, classes)
         per[cls] += dur
@@ -333,8 +339,14 @@ def summarize(events, classes: dict[str, str], steps: int, top: int = 0,
         dev["comm" if cls == "comm" else "busy"].append(iv)
         if kd == "ours":
             dev["ours"].append(iv)
-    union = idle = overlapped = exposed = 0.0
+        if cls in ("ln", "mixed"):
+            dev["lnmix"].append(iv)
+            if cls == "ln":
+                dev["ln"].append(iv)
+    union = idle = overlapped = exposed = ln_busy = lnmix_busy = 0.0
     for dev in spans.values():
+        ln_busy += length(merge(dev["ln"]))
+        lnmix_busy += length(merge(dev["lnmix"]))
         merged = merge(dev["all"])
         union += length(merged)
         idle += merged[-1][1] - merged[0][0] - length(merged)
@@ -346,11 +358,24 @@ def summarize(events, classes: dict[str, str], steps: int, top: int = 0,
     return {"steps": steps, "devices": n, "kernels": len(events) / steps / n,
             "kernel_ms": sum(per.values()) * ms, "busy_ms": union * ms, "idle_ms": idle * ms,
             **{f"{c}_ms": per[c] * ms for c in ("ln", "mixed", "other", "unmapped", "comm")},
+            "ln_busy_ms": ln_busy * ms, "ln_mixed_busy_ms": lnmix_busy * ms,
             "overlap_ms": overlapped * ms, "comm_exposed_ms": exposed * ms,
             "ln_kernels": count["ln"] / steps / n, "mixed_kernels": count["mixed"] / steps / n,
             "kinds": {k: v * ms for k, v in kinds.items()},
             **({"top": costliest(by_kernel, top, steps * n, ms),
                 "top_other": costliest(fusions, top, steps * n, ms)} if top else {})}
+
+
+def median_summary(summaries: list[dict]) -> dict:
+    """Of several traces of one run, the one whose traced step (busy + idle) is the median:
+    a single trace of a few steps can catch a host hiccup (a pause of the Python process, the
+    profiler's own buffer flush) that shows as idle time of one variant only. The others'
+    spans are kept under "spans_ms"."""
+    done = sorted((s for s in summaries if s), key=lambda s: s["busy_ms"] + s["idle_ms"])
+    if not done:
+        return {}
+    return {**done[len(done) // 2], "repeats": len(done),
+            "spans_ms": [s["busy_ms"] + s["idle_ms"] for s in done]}
 
 
 def costliest(kernels: dict, top: int, per: int, ms: float) -> list:
