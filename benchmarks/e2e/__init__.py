@@ -45,11 +45,16 @@ since Ampere: what an fp32 user gets, and the normalization is in full fp32 eith
 elementwise and reduction kernels, and ours, do not use TF32). ``--matmul-precision highest``
 makes the matmuls full fp32 too (several times slower steps: layernorm's share then shrinks).
 
+After the rounds, the speed of a same-size copy is measured, and the table is followed by
+the byte floor (floor.py): the layernorm work's minimal bytes per step at that speed, for an
+unfused and a fused add & norm, and against the baseline's traced +mix, the most any
+implementation of each form could cut it by and the step ratio it could at best reach.
+
 ``--out DIR`` writes DIR/e2e.txt (the table), DIR/e2e.json (every round, the trace summary,
 the configs and versions) and DIR/e2e.png (needs matplotlib: ``pip install -e ".[bench]"``).
 
 Files: config.py (models and sizes), models_linen.py, models_nnx.py, variants.py (the
 LayerNorm variants and the hook for more), train.py (the step and its timing), trace.py
-(collection, attribution and kinds), report.py (table and plot), breakdown.py (--kernels),
-cli.py (options and the run).
+(collection, attribution and kinds), report.py (table and plot), floor.py (the byte floor),
+breakdown.py (--kernels), cli.py (options and the run).
 """

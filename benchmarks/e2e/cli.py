@@ -15,7 +15,7 @@ import jax
 from .. import _term
 from .._term import Progress, paint
 from . import __doc__ as METHOD
-from . import breakdown, report, trace
+from . import breakdown, floor, report, trace
 from .config import FULL, SMALL
 from .train import PROBE_STEPS, ROUND_STEPS_CAP, build, probe, round_steps, run_steps
 from .variants import VARIANTS
@@ -123,11 +123,13 @@ def seconds(meta) -> str:
     return "wall seconds: " + ", ".join(f"{k.replace('_', ' ')} {v:.0f}" for k, v in meta["seconds"].items())
 
 
-def emit(runs, args, meta, traced: bool):
-    """Prints the table and writes --out's files; called after the rounds (the timings are
-    safe even if a trace then fails or takes the process down) and again after the traces."""
+def emit(runs, args, meta, traced: bool, floors=None):
+    """Prints the table (and the byte floor, floor.py) and writes --out's files; called after
+    the rounds (the timings are safe even if a trace then fails or takes the process down)
+    and again after the traces."""
     table = report.rows(runs, args.variants[0])
     text = report.format_table(table, comm=args.devices > 1)
+    fl = floor.format_block(floor.against(floors, table)) if floors else ""
     print()
     if not traced:
         print("step times (the trace columns say n/a until the traces, which come next):")
@@ -135,6 +137,9 @@ def emit(runs, args, meta, traced: bool):
     if traced:
         print()
         print(report.columns(args.devices > 1))
+    if fl:
+        print()
+        print(fl + ("\n" + floor.LEGEND if traced else ""))
     if meta["failures"]:
         print(paint(f"{len(meta['failures'])} runs failed and are missing (above)", "red"))
     if not args.out:
@@ -143,10 +148,11 @@ def emit(runs, args, meta, traced: bool):
     devices = meta["device"] + (f" x{args.devices}, data parallel" if args.devices > 1 else "")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "e2e.json"), "w") as fh:
-        json.dump({"meta": meta, "rows": table}, fh, indent=1, default=str)
+        json.dump({"meta": meta, "rows": table, "floor": floors or []}, fh, indent=1, default=str)
     with open(os.path.join(args.out, "e2e.txt"), "w") as fh:
         fh.write(f"{meta['date']}  {devices}  jax {meta['jax']}  jax_lnbwd {meta['jax_lnbwd']}\n"
-                 f"argv: {' '.join(meta['argv'])}\n\n{text}\n\n{report.columns(args.devices > 1)}\n")
+                 f"argv: {' '.join(meta['argv'])}\n\n{text}\n\n{report.columns(args.devices > 1)}\n" +
+                 (f"\n{fl}\n{floor.LEGEND}\n" if fl else ""))
     title = f"training step, {devices}" + ("" if jax.default_backend() == "gpu" else " (CPU smoke test)")
     try:
         made = report.plot(table, os.path.join(args.out, "e2e.png"), title)
@@ -228,9 +234,16 @@ def main(argv=None):
                            "rounds": clock["timed"] - clock["compiled"]}
         if not runs:
             raise SystemExit("e2e: every run failed to build (above)")
+        floors = None
+        try:  # the copy speed, on a GPU the step runs left idle (floor.py)
+            floors = floor.measure(args.configs, args.dtypes)
+        except Exception as e:  # a broken floor must not cost the timings
+            print(paint(f"byte floor failed: {type(e).__name__}: {str(e)[:300]}", "red"))
+        clock["floor"] = time.perf_counter()
+        meta["seconds"]["floor"] = clock["floor"] - clock["timed"]
         if how is None:
             print(seconds(meta))
-        table = emit(runs, args, meta, traced=how is None)  # the timings, before any trace
+        table = emit(runs, args, meta, traced=how is None, floors=floors)  # the timings, before any trace
         if how is None:
             return table
         prog = Progress(len(runs), not args.no_progress)
@@ -245,11 +258,11 @@ def main(argv=None):
             except Exception as e:  # a trace that breaks must not cost the timings
                 prog.write(paint(f"trace {run.label} failed: {type(e).__name__}: {str(e)[:300]}", "red"))
         prog.close()
-    meta["seconds"]["traces"] = time.perf_counter() - clock["timed"]
+    meta["seconds"]["traces"] = time.perf_counter() - clock["floor"]
     if args.kernels:
         print(breakdown.text(report.rows(runs, args.variants[0]), args.kernels))
     print(seconds(meta))
-    return emit(runs, args, meta, traced=True)
+    return emit(runs, args, meta, traced=True, floors=floors)
 
 
 if __name__ == "__main__":
