@@ -135,6 +135,7 @@ def test_the_command_runs_end_to_end_in_a_pipe(tmp_path):
     assert "linen bfloat16 add_layernorm vs flax: kernel" in printed
     text = (tmp_path / "e2e.txt").read_text()
     assert "jax_lnbwd" in text and "ms/step" in text and "overlap" not in text  # one device: no comm columns
+    assert "linen bfloat16 add_layernorm vs flax: kernel" in text  # e2e.txt keeps --kernels' breakdown
     if _has("matplotlib"):
         assert (tmp_path / "e2e.png").read_bytes()[:4] == b"\x89PNG"
 

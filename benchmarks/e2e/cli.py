@@ -123,10 +123,11 @@ def seconds(meta) -> str:
     return "wall seconds: " + ", ".join(f"{k.replace('_', ' ')} {v:.0f}" for k, v in meta["seconds"].items())
 
 
-def emit(runs, args, meta, traced: bool, floors=None):
+def emit(runs, args, meta, traced: bool, floors=None, kinds: str = ""):
     """Prints the table (and the byte floor, floor.py) and writes --out's files; called after
     the rounds (the timings are safe even if a trace then fails or takes the process down)
-    and again after the traces."""
+    and again after the traces. `kinds`: --kernels' breakdown (printed already), which e2e.txt
+    also keeps."""
     table = report.rows(runs, args.variants[0])
     text = report.format_table(table, comm=args.devices > 1)
     fl = floor.format_block(floor.against(floors, table)) if floors else ""
@@ -152,7 +153,7 @@ def emit(runs, args, meta, traced: bool, floors=None):
     with open(os.path.join(args.out, "e2e.txt"), "w") as fh:
         fh.write(f"{meta['date']}  {devices}  jax {meta['jax']}  jax_lnbwd {meta['jax_lnbwd']}\n"
                  f"argv: {' '.join(meta['argv'])}\n\n{text}\n\n{report.columns(args.devices > 1)}\n" +
-                 (f"\n{fl}\n{floor.LEGEND}\n" if fl else ""))
+                 (f"\n{fl}\n{floor.LEGEND}\n" if fl else "") + (f"\n{kinds}\n" if kinds else ""))
     title = f"training step, {devices}" + ("" if jax.default_backend() == "gpu" else " (CPU smoke test)")
     try:
         made = report.plot(table, os.path.join(args.out, "e2e.png"), title)
@@ -259,10 +260,11 @@ def main(argv=None):
                 prog.write(paint(f"trace {run.label} failed: {type(e).__name__}: {str(e)[:300]}", "red"))
         prog.close()
     meta["seconds"]["traces"] = time.perf_counter() - clock["floor"]
-    if args.kernels:
-        print(breakdown.text(report.rows(runs, args.variants[0]), args.kernels))
+    kinds = breakdown.text(report.rows(runs, args.variants[0]), args.kernels) if args.kernels else ""
+    if kinds:
+        print(kinds)
     print(seconds(meta))
-    return emit(runs, args, meta, traced=True, floors=floors)
+    return emit(runs, args, meta, traced=True, floors=floors, kinds=kinds)
 
 
 if __name__ == "__main__":
