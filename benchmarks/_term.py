@@ -1,11 +1,12 @@
-"""What both benchmarks share: colours that respect NO_COLOR and pipes, a progress line, and
-the description of the machine a run was made on."""
+"""What both benchmarks share: colours that respect NO_COLOR and pipes, a progress line, the
+column alignment of their text tables, and the description of the machine a run was made on."""
 from __future__ import annotations
 
 import datetime
 import os
 import platform
 import sys
+from typing import Callable
 
 import jax
 
@@ -21,6 +22,14 @@ def colour_on(stream=None) -> bool:
 def paint(text: str, colour: str, stream=None) -> str:
     """`text` in `colour` ('red' or 'grey') where colour_on(stream), else unchanged."""
     return f"{_CODES[colour]}{text}\033[0m" if colour_on(stream) else text
+
+
+def aligner(head: tuple, cells: list[tuple], left) -> Callable[[tuple], str]:
+    """line(row) for a text table of head and cells: each column as wide as its widest cell,
+    the columns at indices in `left` (text) left-aligned, the others (numbers) right-aligned."""
+    width = [max(len(c[i]) for c in [*cells, head]) for i in range(len(head))]
+    left = set(left)
+    return lambda c: "  ".join(s.ljust(w) if i in left else s.rjust(w) for i, (s, w) in enumerate(zip(c, width)))
 
 
 class Progress:

@@ -62,6 +62,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .._term import aligner
 from .report import ln_mixed_ms
 
 FORMS = ("unfused", "fused")
@@ -184,10 +185,9 @@ def format_block(entries: list[dict]) -> str:
                 cells.append(fixed + (b["api"], f"{b['ms']:.3f}", f"{b['mix_ms']:.3f}",
                                       f"{b['forms'][f]['mix_over_floor']:.2f}x",
                                       "n/a" if c is None else f"{c:.4f}x"))
-    width = [max(len(c[i]) for c in cells + [head]) for i in range(len(head))]
+    aligned = aligner(head, cells, left=(0, 1, 5, 8))   # model, dtype, form, api: text
 
-    def line(c):  # text columns left-aligned, numbers right-aligned
-        return "  ".join(s.ljust(w) if i in (0, 1, 5, 8) else s.rjust(w)
-                         for i, (s, w) in enumerate(zip(c, width))).rstrip()
+    def line(c):
+        return aligned(c).rstrip()
     return "\n".join(["byte floor of the layernorm work (ms per step; base: the baseline's ms/step and +mix):",
                       line(head), "-" * len(line(head))] + [line(c) for c in cells])

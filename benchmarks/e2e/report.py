@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import statistics
 
+from .._term import aligner
+
 COLUMNS = """\
   ms/step   median over the rounds of one round's time per step (a round: its steps back to
             back, enough of them to last --round-seconds)
@@ -94,10 +96,7 @@ def format_table(table: list[dict], comm: bool = False) -> str:
                      (tuple(f(t.get(k), ".3f") for k in ("comm_ms", "overlap_ms", "comm_exposed_ms"))
                       if comm else ()))
         groups.append((r["model"], r["api"], r["dtype"]))
-    width = [max(len(c[i]) for c in cells + [head]) for i in range(len(head))]
-
-    def line(c):  # text columns left-aligned, numbers right-aligned
-        return "  ".join(s.ljust(w) if i < 4 else s.rjust(w) for i, (s, w) in enumerate(zip(c, width)))
+    line = aligner(head, cells, left=range(4))
     lines = [line(head), "-" * len(line(head))]
     for i, c in enumerate(cells):
         if i and groups[i] != groups[i - 1]:

@@ -1,6 +1,8 @@
 """The kernel bench's outputs: the text table and the PNG."""
 from __future__ import annotations
 
+from .._term import aligner
+
 CPU_MARK = "[cpu-ref]"
 CPU_NOTE = (f"{CPU_MARK}: on CPU every kernel id runs the same C++ reference handler; these rows "
             "time that reference, not a kernel")
@@ -18,9 +20,7 @@ def format_table(rows) -> str:
         cells.append((r["shape"], r["dtype"], impl, f(r["us"], ".2f"), f(r["gbps"], ".1f"),
                       f(r["pct_copy"], ".1f", "%"), f(r["vs_xla"], ".2f", "x"), f(r["vs_best"], ".2f", "x")))
         groups.append((r["shape"], r["dtype"]))
-    width = [max(len(c[i]) for c in cells + [head]) for i in range(len(head))]
-    def line(c):  # text columns left-aligned, numbers right-aligned
-        return "  ".join(s.ljust(wd) if i < 3 else s.rjust(wd) for i, (s, wd) in enumerate(zip(c, width)))
+    line = aligner(head, cells, left=range(3))
     lines = [line(head), "-" * len(line(head))]
     for i, c in enumerate(cells):
         if i and groups[i] != groups[i - 1]:
