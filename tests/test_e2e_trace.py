@@ -83,6 +83,26 @@ def test_summary_counts_overlaps_once_and_gaps_as_idle():
     assert s["devices"] == 1 and s["comm_ms"] == s["overlap_ms"] == s["comm_exposed_ms"] == 0
 
 
+def test_idle_is_split_by_the_kernels_around_each_gap_and_leaves_out_host_copies():
+    """Each gap goes to the kind of the kernel that starts after it and of the one it follows
+    (with overlaps, the one that ends last); the loss's copy to the host after the last step
+    (which waits for the Python loop) is not idle time of the steps."""
+    classes = {"mm": "other", "loop_add_fusion": "ln"}
+    us = 1e3
+    ours = "void lnbwd::kernel12<bf16>(Params)"
+    events = [("gemm_a", None, 0, 10 * us), ("loop_add_fusion", None, 2 * us, 12 * us),  # ends last: 14
+              (ours, None, 16 * us, 4 * us),                      # gap 14..16 before ours
+              ("gemm_b", None, 21 * us, 4 * us),                  # gap 20..21 after ours
+              ("Memcpy DtoH (Device -> Pinned)", None, 2025 * us, 1 * us)]  # the loss, 2 ms later
+    s = trace.summarize(events, classes, steps=1, top=2)
+    assert s["idle_ms"] == pytest.approx(0.003)
+    assert s["idle_after"] == {"ours": [1.0, pytest.approx(0.002)], "gemm": [1.0, pytest.approx(0.001)]}
+    assert s["idle_before"] == {"loop fusion": [1.0, pytest.approx(0.002)], "ours": [1.0, pytest.approx(0.001)]}
+    assert s["longest_gaps"][0] == [pytest.approx(2.0), "loop fusion", "ours", "loop_add_fusion", ours]
+    assert s["kernel_ms"] == pytest.approx(0.031)  # the copy's time still counts as GPU work
+    assert trace.gaps([(0, 5, "gemm", "a"), (1, 2, "ours", "b")]) == []
+
+
 def test_summary_of_two_devices_splits_collective_time_into_overlapped_and_exposed():
     """Per device: a collective's time overlapping our kernels, and not overlapping any kernel;
     a kernel on the other device never hides a collective. All figures per step per device."""
@@ -193,6 +213,12 @@ def test_the_kernels_report_prints_each_variants_change_by_kind():
     assert "gpt linen bfloat16 flax: kernel ms per step by kind: gemm 20.000, loop fusion 5.000" in text
     assert "loop_multiply_fusion_4" in text and "jax_lnbwd" not in text
     assert breakdown.text([base], 3).count("against the baseline") == 0
+    base["trace"]["idle_after"] = {"gemm": [80.0, 0.2], "copy/memset": [80.0, 0.35]}
+    ours["trace"]["idle_after"] = {"gemm": [80.0, 0.2], "copy/memset": [80.0, 0.33], "ours": [26.0, 0.04]}
+    assert breakdown.idle_line(ours, base) == ("ours +26.0 gaps +0.040, copy/memset +0.0 gaps -0.020, "
+                                               "gemm +0.0 gaps +0.000")
+    assert "by the kernel after each gap: copy/memset 80.0 gaps 0.350, gemm 80.0 gaps 0.200" in \
+        breakdown.text([base, ours], 3)
 
 
 def test_layernorm_time_counts_overlapping_kernels_once():

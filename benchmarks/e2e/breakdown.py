@@ -31,6 +31,19 @@ def diff_line(row: dict, base: dict) -> str:
             f"idle {idle:+.3f}")
 
 
+def idle_line(row: dict, base: dict | None = None) -> str:
+    """The run's idle time split by the kind of kernel that starts after each gap: "ours 26.0
+    gaps 0.081 ms, ..." per step, largest first; with base, the change against it instead."""
+    a = row["trace"].get("idle_after", {})
+    if base is None:
+        return ", ".join(f"{k} {c:.1f} gaps {ms:.3f}" for k, (c, ms) in
+                         sorted(a.items(), key=lambda kv: -kv[1][1]))
+    b = base["trace"].get("idle_after", {})
+    d = {k: (a.get(k, [0, 0.0])[0] - b.get(k, [0, 0.0])[0], a.get(k, [0, 0.0])[1] - b.get(k, [0, 0.0])[1])
+         for k in dict.fromkeys([*b, *a])}
+    return ", ".join(f"{k} {c:+.1f} gaps {ms:+.3f}" for k, (c, ms) in sorted(d.items(), key=lambda kv: -abs(kv[1][1])))
+
+
 def _kernels(entries) -> list[str]:
     width = max((len(e[0]) for e in entries), default=0)
     return [f"  {c:{width}} {n:6.1f} {ms:7.3f}  {name[:100]}" for c, name, n, ms in entries]
@@ -47,8 +60,17 @@ def text(table: list[dict], n: int) -> str:
                 f" its {n} costliest ln and mixed kernels (launches, ms per step)", *_kernels(t.get("top", [])),
                 f" its {n} costliest XLA fusions outside layernorm (class other)",
                 *_kernels(t.get("top_other", []))]
+        if "idle_after" in t:
+            out += [f" idle {t['idle_ms']:.3f} ms per step, by the kernel after each gap: {idle_line(r)}",
+                    " its longest gaps (us, before -> after)",
+                    *(f"  {us:8.1f}  {kb} -> {ka}  ({nb[:50]} -> {na[:50]})"
+                      for us, kb, ka, nb, na in t.get("longest_gaps", [])[:n])]
     diffs = [diff_line(r, b) for r in traced if not r["baseline"]
              and (b := base.get((r["model"], r["api"], r["dtype"]))) is not None]
     if diffs:
         out += ["", "kernel time per step against the baseline, by kind (ms, largest change first):", *diffs]
+    idles = [f"{label(r)} vs {b['variant']}: {idle_line(r, b)}" for r in traced if not r["baseline"]
+             and (b := base.get((r["model"], r["api"], r["dtype"]))) is not None and "idle_after" in r["trace"]]
+    if idles:
+        out += ["", "idle time per step against the baseline, by the kernel after each gap (gaps, ms):", *idles]
     return "\n".join(out)

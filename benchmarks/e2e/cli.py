@@ -58,7 +58,8 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per run after compiling (default 2)")
     p.add_argument("--trace", default="auto", choices=("auto", "torch", "jax", "none"),
                    help="kernel trace collector (default auto: torch on a GPU, else jax)")
-    p.add_argument("--trace-steps", type=int, default=3, help="steps per trace (default 3)")
+    p.add_argument("--trace-steps", type=int, default=10,
+                   help="steps per trace (default 10)")
     p.add_argument("--trace-repeats", type=int, default=3,
                    help="traces per run; the one whose traced step (busy + idle) is the median counts "
                         "(default 3)")

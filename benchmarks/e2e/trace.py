@@ -60,7 +60,16 @@ its device: torch's "device" arg, jax's GPU plane, or a CPU thunk's device_ordin
   busy     the union of each device's intervals, summed over the devices / n / D (overlapping
            kernels counted once)
   idle     (last end - first start - union), per device, summed / n / D: time a GPU ran
-           nothing inside the steps
+           nothing inside the steps. Copies between the host and the GPU are left out of it:
+           the host asks for them (the loss read after the last step, which waits for the
+           Python loop), so they would add the host's time after the steps to every variant.
+  idle_after, idle_before
+           that idle time split over its gaps by the kind of the activity that starts after
+           the gap (what the GPU waited for) and of the one the gap follows: {kind: [gaps per
+           step, ms per step]}. A kernel launched on its own (not in a CUDA graph, or at a
+           graph's edge) shows a gap of a few microseconds in front of it.
+  longest_gaps
+           the longest gaps of the trace: [us, kind before, kind after, name before, name after]
   ln_busy, ln_mixed_busy
            the union of the ln kernels' intervals, and of the ln and mixed ones, like busy:
            the GPU time layernorm occupies. Kernels that overlap count once: our finalize
@@ -109,6 +118,9 @@ _ATTENTION = re.compile(r"cudnn|flash|fmha|sdpa", re.IGNORECASE)
 _GEMM = re.compile(r"gemm|nvjet|xmma|cutlass|cublas|^sm\d+_|^dot([._]|$)", re.IGNORECASE)
 _REDUCE = re.compile(r"^input_|reduce", re.IGNORECASE)
 _FUSION = re.compile(r"fusion|^loop_|^wrapped_|^triton", re.IGNORECASE)
+# Copies between the host and a GPU (torch: "Memcpy DtoH (Device -> Pinned)"; jax: MemcpyD2H):
+# the host asks for them (the loss read after the last step), so they bound no step's GPU work.
+HOST_COPY = re.compile(r"DtoH|HtoD|D2H|H2D", re.IGNORECASE)
 
 
 def available(how: str) -> tuple[str | None, str]:
@@ -301,6 +313,22 @@ def overlap(p, q) -> float:
     return total
 
 
+def gaps(spans) -> list[tuple[float, str, str, str, str]]:
+    """The idle gaps of one device: [(gap ns, kind before, kind after, name before, name after)]
+    for every stretch with no activity between its first start and its last end. spans:
+    (start, end, kind, name) of every activity. The activity "before" a gap is the one whose end
+    the gap starts at (with overlapping activities, the latest to end), the one "after" is the
+    next to start."""
+    out = []
+    last = None  # (end, kind, name) of the activity that ends latest so far
+    for start, end, kd, name in sorted(spans):
+        if last is not None and start > last[0]:
+            out.append((start - last[0], last[1], kd, last[2], name))
+        if last is None or end > last[0]:
+            last = (end, kd, name)
+    return out
+
+
 def summarize(events, classes: dict[str, str], steps: int, top: int = 0,
               ours: frozenset[str] = frozenset()) -> dict:
     """Per-step, per-device times in ms (see the module doc) from one trace of `steps`
@@ -318,7 +346,8 @@ def summarize(events, classes: dict[str, str], steps: int, top: int = 0,
     by_kernel = defaultdict(lambda: [0, 0.0])  # (class, name) -> [launches, ns]
     fusions = defaultdict(lambda: [0, 0.0])    # (kind, name) -> [launches, ns], other-class fusions
     # Each device's intervals: all, collectives, ours, and everything but collectives.
-    spans = defaultdict(lambda: {"all": [], "comm": [], "ours": [], "busy": [], "ln": [], "lnmix": []})
+    spans = defaultdict(lambda: {"all": [], "comm": [], "ours": [], "busy": [], "ln": [], "lnmix": [],
+                                 "named": []})
     for name, op, start, dur, *where in events:
         cls = attribute(name, op, classes)
         per[cls] += dur
@@ -336,6 +365,8 @@ def summarize(events, classes: dict[str, str], steps: int, top: int = 0,
         dev = spans[where[0] if where else 0]
         iv = (start, start + dur)
         dev["all"].append(iv)
+        if not HOST_COPY.search(name):
+            dev["named"].append((*iv, kd, name))
         dev["comm" if cls == "comm" else "busy"].append(iv)
         if kd == "ours":
             dev["ours"].append(iv)
@@ -344,12 +375,20 @@ def summarize(events, classes: dict[str, str], steps: int, top: int = 0,
             if cls == "ln":
                 dev["ln"].append(iv)
     union = idle = overlapped = exposed = ln_busy = lnmix_busy = 0.0
+    after, before = defaultdict(lambda: [0, 0.0]), defaultdict(lambda: [0, 0.0])
+    longest = []
     for dev in spans.values():
+        for g in gaps(dev["named"]):
+            for table, k in ((before, g[1]), (after, g[2])):
+                table[k][0] += 1
+                table[k][1] += g[0]
+            longest.append(g)
         ln_busy += length(merge(dev["ln"]))
         lnmix_busy += length(merge(dev["lnmix"]))
-        merged = merge(dev["all"])
-        union += length(merged)
-        idle += merged[-1][1] - merged[0][0] - length(merged)
+        union += length(merge(dev["all"]))
+        steps_only = merge([(a, b) for a, b, *_ in dev["named"]])
+        if steps_only:
+            idle += steps_only[-1][1] - steps_only[0][0] - length(steps_only)
         comm = merge(dev["comm"])
         overlapped += overlap(comm, merge(dev["ours"]))
         exposed += length(comm) - overlap(comm, merge(dev["busy"]))
@@ -362,6 +401,9 @@ def summarize(events, classes: dict[str, str], steps: int, top: int = 0,
             "overlap_ms": overlapped * ms, "comm_exposed_ms": exposed * ms,
             "ln_kernels": count["ln"] / steps / n, "mixed_kernels": count["mixed"] / steps / n,
             "kinds": {k: v * ms for k, v in kinds.items()},
+            "idle_after": {k: [c / steps / n, ns * ms] for k, (c, ns) in after.items()},
+            "idle_before": {k: [c / steps / n, ns * ms] for k, (c, ns) in before.items()},
+            "longest_gaps": [[g * 1e-3, *rest] for g, *rest in sorted(longest, reverse=True)[:max(top, 3)]],
             **({"top": costliest(by_kernel, top, steps * n, ms),
                 "top_other": costliest(fusions, top, steps * n, ms)} if top else {})}
 
