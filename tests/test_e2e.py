@@ -131,7 +131,11 @@ def test_the_command_runs_end_to_end_in_a_pipe(tmp_path):
         assert (kinds["ours"] > 0) == (r["variant"] != "flax"), kinds
         other = r["trace"]["top_other"]
         assert len(other) <= 3 and all(k in ("reduce fusion", "loop fusion") for k, *_ in other)
+        # the idle time split by the kernel after each gap adds up to it; every matmul is listed
+        assert sum(ms for _, ms in r["trace"]["idle_after"].values()) == pytest.approx(r["trace"]["idle_ms"])
+        assert sum(ms for *_, ms in r["trace"]["gemms"]) == pytest.approx(kinds["gemm"])
     assert "costliest ln and mixed kernels" in printed and "costliest XLA fusions" in printed
+    assert "by the kernel after each gap" in printed and "matmul kernels against the baseline" in printed
     assert "linen bfloat16 add_layernorm vs flax: kernel" in printed
     text = (tmp_path / "e2e.txt").read_text()
     assert "jax_lnbwd" in text and "ms/step" in text and "overlap" not in text  # one device: no comm columns

@@ -100,6 +100,7 @@ def test_idle_is_split_by_the_kernels_around_each_gap_and_leaves_out_host_copies
     assert s["idle_before"] == {"loop fusion": [1.0, pytest.approx(0.002)], "ours": [1.0, pytest.approx(0.001)]}
     assert s["longest_gaps"][0] == [pytest.approx(2.0), "loop fusion", "ours", "loop_add_fusion", ours]
     assert s["kernel_ms"] == pytest.approx(0.031)  # the copy's time still counts as GPU work
+    assert s["gemms"] == [["gemm", "gemm_a", 1.0, pytest.approx(0.010)], ["gemm", "gemm_b", 1.0, pytest.approx(0.004)]]
     assert trace.gaps([(0, 5, "gemm", "a"), (1, 2, "ours", "b")]) == []
 
 
@@ -213,6 +214,15 @@ def test_the_kernels_report_prints_each_variants_change_by_kind():
     assert "gpt linen bfloat16 flax: kernel ms per step by kind: gemm 20.000, loop fusion 5.000" in text
     assert "loop_multiply_fusion_4" in text and "jax_lnbwd" not in text
     assert breakdown.text([base], 3).count("against the baseline") == 0
+    base["trace"]["gemms"] = [["gemm", "nvjet_sm90_tst_320x64_64x4_1x2_h_bz_TNT", 12.0, 0.9],
+                              ["gemm", "nvjet_sm90_tst_128x160_64x5_2x1_v_bz_NNT", 6.0, 0.3]]
+    ours["trace"]["gemms"] = [["gemm", "nvjet_sm90_tst_320x64_64x4_1x2_h_bz_TNT", 6.0, 0.45],
+                              ["gemm", "nvjet_sm90_tst_256x128_64x4_2x1_v_bz_TNT", 6.0, 0.6],
+                              ["gemm", "nvjet_sm90_tst_128x160_64x5_2x1_v_bz_NNT", 6.0, 0.3]]
+    assert breakdown.gemm_lines(ours, base, 3) == [
+        "  +0.600 ms  launches 0.0 -> 6.0  nvjet_sm90_tst_256x128_64x4_2x1_v_bz_TNT",
+        "  -0.450 ms  launches 12.0 -> 6.0  nvjet_sm90_tst_320x64_64x4_1x2_h_bz_TNT"]  # unchanged ones left out
+    assert "matmul kernels against the baseline" in breakdown.text([base, ours], 3)
     base["trace"]["idle_after"] = {"gemm": [80.0, 0.2], "copy/memset": [80.0, 0.35]}
     ours["trace"]["idle_after"] = {"gemm": [80.0, 0.2], "copy/memset": [80.0, 0.33], "ours": [26.0, 0.04]}
     assert breakdown.idle_line(ours, base) == ("ours +26.0 gaps +0.040, copy/memset +0.0 gaps -0.020, "

@@ -37,8 +37,9 @@ kernels occupy (forward, backward, and the elementwise kernels XLA fused with th
 that overlap count once), all kernels, the idle time per step, and the share no HLO
 instruction could be matched to.
 ``--kernels N`` then lists each run's kernel time by kind (matmuls, attention, XLA's reduce
-and loop fusions, ours, ...), its N costliest kernels, and each variant's per-kind difference
-against the baseline (breakdown.py).
+and loop fusions, ours, ...), its N costliest kernels, its idle time by the kind of kernel after
+each gap and its N longest gaps, and each variant's differences against the baseline: per kind,
+the N matmul kernels that changed most, and the idle time by kind (breakdown.py).
 
 fp32 (``--dtypes float32``) keeps JAX's default matmul precision, which is TF32 on NVIDIA GPUs
 since Ampere: what an fp32 user gets, and the normalization is in full fp32 either way (XLA's

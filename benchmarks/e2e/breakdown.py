@@ -8,6 +8,9 @@ outside layernorm, which a variant can still change: XLA fuses the work around a
 differently when the LayerNorm is a custom call). Then, for every run that is not a baseline,
 the per-kind difference against the baseline of the same (model, api, dtype), largest change
 first, and the difference in idle time: a reader sees which kinds a variant's step gained or lost.
+Then the matmul kernels whose time changed most (XLA autotunes each compiled step on its own,
+so a variant's identical matmuls can get other cuBLAS algorithms) and the idle time's change
+by the kind of kernel after each gap.
 """
 from __future__ import annotations
 
@@ -44,6 +47,17 @@ def idle_line(row: dict, base: dict | None = None) -> str:
     return ", ".join(f"{k} {c:+.1f} gaps {ms:+.3f}" for k, (c, ms) in sorted(d.items(), key=lambda kv: -abs(kv[1][1])))
 
 
+def gemm_lines(row: dict, base: dict, n: int) -> list[str]:
+    """The n matmul kernels whose time per step changed most against the baseline, each as
+    "  +0.120 ms  launches 12.0 -> 24.0  name": a variant whose identical matmuls got other
+    algorithms (XLA autotunes each compiled step on its own) shows them here."""
+    a = {name: (c, ms) for _, name, c, ms in row["trace"].get("gemms", [])}
+    b = {name: (c, ms) for _, name, c, ms in base["trace"].get("gemms", [])}
+    d = sorted(((a.get(k, (0, 0.0))[1] - b.get(k, (0, 0.0))[1], k) for k in {*a, *b}), key=lambda t: -abs(t[0]))
+    return [f"  {dms:+.3f} ms  launches {b.get(k, (0, 0))[0]:.1f} -> {a.get(k, (0, 0))[0]:.1f}  {k[:90]}"
+            for dms, k in d[:n] if abs(dms) >= 0.0005]
+
+
 def _kernels(entries) -> list[str]:
     width = max((len(e[0]) for e in entries), default=0)
     return [f"  {c:{width}} {n:6.1f} {ms:7.3f}  {name[:100]}" for c, name, n, ms in entries]
@@ -69,6 +83,14 @@ def text(table: list[dict], n: int) -> str:
              and (b := base.get((r["model"], r["api"], r["dtype"]))) is not None]
     if diffs:
         out += ["", "kernel time per step against the baseline, by kind (ms, largest change first):", *diffs]
+    gemm_diffs = []
+    for r in traced:
+        b = base.get((r["model"], r["api"], r["dtype"]))
+        if not r["baseline"] and b is not None and "gemms" in r["trace"] and "gemms" in b["trace"]:
+            lines = gemm_lines(r, b, n)
+            gemm_diffs += [f"{label(r)} vs {b['variant']}:", *(lines or ["  (the same matmul kernels)"])]
+    if gemm_diffs:
+        out += ["", "matmul kernels against the baseline, largest change in ms per step first:", *gemm_diffs]
     idles = [f"{label(r)} vs {b['variant']}: {idle_line(r, b)}" for r in traced if not r["baseline"]
              and (b := base.get((r["model"], r["api"], r["dtype"]))) is not None and "idle_after" in r["trace"]]
     if idles:

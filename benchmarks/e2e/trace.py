@@ -336,8 +336,11 @@ def summarize(events, classes: dict[str, str], steps: int, top: int = 0,
     when absent); ours: our_calls() of the module. "kinds": {kind: ms per step} for every
     kind of KINDS (they sum to kernel_ms). With top > 0 also "top": the `top` costliest
     kernels of the ln and mixed classes, each as [class, kernel name, launches per step, ms
-    per step], for reading what a variant runs, and "top_other": the `top` costliest XLA
-    fusions of the other class, each as [kind, kernel name, launches per step, ms per step]."""
+    per step], for reading what a variant runs, "top_other": the `top` costliest XLA
+    fusions of the other class, each as [kind, kernel name, launches per step, ms per step],
+    and "gemms": every matmul kernel, by kernel name (the name is the library's algorithm:
+    tile, stages, operand layouts), as ["gemm", name, launches per step, ms per step],
+    costliest first, for comparing the algorithms two variants' identical matmuls got."""
     if not events:
         return {}
     per = defaultdict(float)
@@ -345,6 +348,7 @@ def summarize(events, classes: dict[str, str], steps: int, top: int = 0,
     kinds = dict.fromkeys(KINDS, 0.0)
     by_kernel = defaultdict(lambda: [0, 0.0])  # (class, name) -> [launches, ns]
     fusions = defaultdict(lambda: [0, 0.0])    # (kind, name) -> [launches, ns], other-class fusions
+    gemms = defaultdict(lambda: [0, 0.0])      # ("gemm", kernel name) -> [launches, ns]
     # Each device's intervals: all, collectives, ours, and everything but collectives.
     spans = defaultdict(lambda: {"all": [], "comm": [], "ours": [], "busy": [], "ln": [], "lnmix": [],
                                  "named": []})
@@ -358,6 +362,8 @@ def summarize(events, classes: dict[str, str], steps: int, top: int = 0,
             k = by_kernel[(cls, op or name)]
         elif cls == "other" and kd in ("reduce fusion", "loop fusion"):
             k = fusions[(kd, op or name)]
+        elif kd == "gemm":
+            k = gemms[(kd, name)]
         else:
             k = [0, 0.0]
         k[0] += 1
@@ -405,7 +411,8 @@ def summarize(events, classes: dict[str, str], steps: int, top: int = 0,
             "idle_before": {k: [c / steps / n, ns * ms] for k, (c, ns) in before.items()},
             "longest_gaps": [[g * 1e-3, *rest] for g, *rest in sorted(longest, reverse=True)[:max(top, 3)]],
             **({"top": costliest(by_kernel, top, steps * n, ms),
-                "top_other": costliest(fusions, top, steps * n, ms)} if top else {})}
+                "top_other": costliest(fusions, top, steps * n, ms),
+                "gemms": costliest(gemms, len(gemms), steps * n, ms)} if top else {})}
 
 
 def median_summary(summaries: list[dict]) -> dict:
