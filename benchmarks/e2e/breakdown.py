@@ -42,7 +42,8 @@ def idle_line(row: dict, base: dict | None = None) -> str:
         return ", ".join(f"{k} {c:.1f} gaps {ms:.3f}" for k, (c, ms) in
                          sorted(a.items(), key=lambda kv: -kv[1][1]))
     b = base["trace"].get("idle_after", {})
-    d = {k: (a.get(k, [0, 0.0])[0] - b.get(k, [0, 0.0])[0], a.get(k, [0, 0.0])[1] - b.get(k, [0, 0.0])[1])
+    none = (0, 0.0)
+    d = {k: (a.get(k, none)[0] - b.get(k, none)[0], a.get(k, none)[1] - b.get(k, none)[1])
          for k in dict.fromkeys([*b, *a])}
     return ", ".join(f"{k} {c:+.1f} gaps {ms:+.3f}" for k, (c, ms) in sorted(d.items(), key=lambda kv: -abs(kv[1][1])))
 
@@ -79,20 +80,19 @@ def text(table: list[dict], n: int) -> str:
                     " its longest gaps (us, before -> after)",
                     *(f"  {us:8.1f}  {kb} -> {ka}  ({nb[:50]} -> {na[:50]})"
                       for us, kb, ka, nb, na in t.get("longest_gaps", [])[:n])]
-    diffs = [diff_line(r, b) for r in traced if not r["baseline"]
+    # Each variant with the baseline of its (model, api, dtype), where that one was traced.
+    pairs = [(r, b) for r in traced if not r["baseline"]
              and (b := base.get((r["model"], r["api"], r["dtype"]))) is not None]
+    diffs = [diff_line(r, b) for r, b in pairs]
     if diffs:
         out += ["", "kernel time per step against the baseline, by kind (ms, largest change first):", *diffs]
     gemm_diffs = []
-    for r in traced:
-        b = base.get((r["model"], r["api"], r["dtype"]))
-        if not r["baseline"] and b is not None and "gemms" in r["trace"] and "gemms" in b["trace"]:
-            lines = gemm_lines(r, b, n)
-            gemm_diffs += [f"{label(r)} vs {b['variant']}:", *(lines or ["  (the same matmul kernels)"])]
+    for r, b in pairs:
+        if "gemms" in r["trace"] and "gemms" in b["trace"]:
+            gemm_diffs += [f"{label(r)} vs {b['variant']}:", *(gemm_lines(r, b, n) or ["  (the same matmul kernels)"])]
     if gemm_diffs:
         out += ["", "matmul kernels against the baseline, largest change in ms per step first:", *gemm_diffs]
-    idles = [f"{label(r)} vs {b['variant']}: {idle_line(r, b)}" for r in traced if not r["baseline"]
-             and (b := base.get((r["model"], r["api"], r["dtype"]))) is not None and "idle_after" in r["trace"]]
+    idles = [f"{label(r)} vs {b['variant']}: {idle_line(r, b)}" for r, b in pairs if "idle_after" in r["trace"]]
     if idles:
         out += ["", "idle time per step against the baseline, by the kernel after each gap (gaps, ms):", *idles]
     return "\n".join(out)

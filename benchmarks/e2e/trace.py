@@ -349,9 +349,10 @@ def summarize(events, classes: dict[str, str], steps: int, top: int = 0,
     by_kernel = defaultdict(lambda: [0, 0.0])  # (class, name) -> [launches, ns]
     fusions = defaultdict(lambda: [0, 0.0])    # (kind, name) -> [launches, ns], other-class fusions
     gemms = defaultdict(lambda: [0, 0.0])      # ("gemm", kernel name) -> [launches, ns]
-    # Each device's intervals: all, collectives, ours, and everything but collectives.
+    # Each device's intervals: all, collectives, ours, everything but collectives, and (with
+    # kind and name) everything but host copies, whose gaps are the idle time.
     spans = defaultdict(lambda: {"all": [], "comm": [], "ours": [], "busy": [], "ln": [], "lnmix": [],
-                                 "named": []})
+                                 "in_steps": []})
     for name, op, start, dur, *where in events:
         cls = attribute(name, op, classes)
         per[cls] += dur
@@ -372,7 +373,7 @@ def summarize(events, classes: dict[str, str], steps: int, top: int = 0,
         iv = (start, start + dur)
         dev["all"].append(iv)
         if not HOST_COPY.search(name):
-            dev["named"].append((*iv, kd, name))
+            dev["in_steps"].append((*iv, kd, name))
         dev["comm" if cls == "comm" else "busy"].append(iv)
         if kd == "ours":
             dev["ours"].append(iv)
@@ -384,7 +385,8 @@ def summarize(events, classes: dict[str, str], steps: int, top: int = 0,
     after, before = defaultdict(lambda: [0, 0.0]), defaultdict(lambda: [0, 0.0])
     longest = []
     for dev in spans.values():
-        for g in gaps(dev["named"]):
+        for g in gaps(dev["in_steps"]):  # idle: the holes between the first start and the last end
+            idle += g[0]
             for table, k in ((before, g[1]), (after, g[2])):
                 table[k][0] += 1
                 table[k][1] += g[0]
@@ -392,9 +394,6 @@ def summarize(events, classes: dict[str, str], steps: int, top: int = 0,
         ln_busy += length(merge(dev["ln"]))
         lnmix_busy += length(merge(dev["lnmix"]))
         union += length(merge(dev["all"]))
-        steps_only = merge([(a, b) for a, b, *_ in dev["named"]])
-        if steps_only:
-            idle += steps_only[-1][1] - steps_only[0][0] - length(steps_only)
         comm = merge(dev["comm"])
         overlapped += overlap(comm, merge(dev["ours"]))
         exposed += length(comm) - overlap(comm, merge(dev["busy"]))
