@@ -186,7 +186,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<xla::ffi::AnyBuffer>()   // weight [1 or segments, C] pdtype: dtype, or float32 beside bf16/f16
         .Arg<xla::ffi::AnyBuffer>()   // mean [rows] float32 (float64 for float64 x)
         .Arg<xla::ffi::AnyBuffer>()   // rstd [rows] float32 (float64 for float64 x)
-        .Arg<xla::ffi::AnyBuffer>()   // dresidual [rows, C] dtype, aliased to dx; (0,) when !has_residual
+        .Arg<xla::ffi::AnyBuffer>()   // dresidual [rows, C] dtype, added to dx (may be aliased to it); (0,) when !has_residual
         .Ret<xla::ffi::AnyBuffer>()   // dx [rows, C] dtype: layernorm's dx + dresidual
         .Ret<xla::ffi::AnyBuffer>()   // dweight [segments, C] pdtype: sums over each segment's rows
         .Ret<xla::ffi::AnyBuffer>()   // dbias [segments, C] pdtype

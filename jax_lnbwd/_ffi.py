@@ -123,7 +123,7 @@ def check_v2_args(x, weight, dresidual) -> None:
 
 
 def layernorm_bwd_segments_v2(dy, x, weight, mean, rstd, *, segments: int, kernel: int, block_size: int,
-                              workspace_bytes: int, dresidual=None):
+                              workspace_bytes: int, dresidual=None, alias_residual: bool = False):
     """Target v2 on validated inputs: (dx, dweight, dbias), as layernorm_bwd_segments, plus:
 
     * mixed precision: weight may be float32 beside bfloat16/float16 dy and x. g = weight * dy
@@ -131,9 +131,14 @@ def layernorm_bwd_segments_v2(dy, x, weight, mean, rstd, *, segments: int, kerne
       dbias have weight's dtype: the fp32 sums, stored as float32. One kernel pass, no cast of x.
     * dresidual (rows, C) of x's dtype: a gradient added to dx inside the kernel,
       dx = layernorm's dx + dresidual, summed in fp32 and rounded once. It is the residual
-      stream's gradient of a fused add + layernorm. It is passed aliased to dx
-      (input_output_aliases), so XLA writes dx into dresidual's buffer where that is dead after
-      the call (else XLA copies it first): the kernel reads each element and writes it once.
+      stream's gradient of a fused add + layernorm. The kernel reads each element of it once and
+      writes dx once. By default dx is a buffer of its own: in a transformer block the residual
+      stream's gradient is also read by the matmuls and the bias gradient of the branch it came
+      through, so XLA would have to copy it first to write dx into it (a copy of a whole
+      activation per block, as slow as the add that the fusion saves). alias_residual=True
+      passes it aliased to dx (input_output_aliases) instead: dx is written into dresidual's
+      buffer, which saves that buffer where dresidual is dead after the call. The kernels take
+      either (each element of dresidual is read by the thread that then writes it as dx).
 
     Absent dresidual is a zero-size placeholder with the attribute has_residual=False (one target,
     no aliasing then). Kernels 1-10 refuse both additions. Same shard_map typing as v1.
@@ -153,7 +158,8 @@ def layernorm_bwd_segments_v2(dy, x, weight, mean, rstd, *, segments: int, kerne
         jax.ShapeDtypeStruct((segments, C), weight.dtype, **typed),   # dbias
         jax.ShapeDtypeStruct((workspace_bytes,), np.uint8, **typed),  # workspace (flags, partial sums)
     )
-    call = jax.ffi.ffi_call(TARGET_V2, out_types, input_output_aliases={5: 0} if has_residual else None)
+    aliases = {5: 0} if has_residual and alias_residual else None
+    call = jax.ffi.ffi_call(TARGET_V2, out_types, input_output_aliases=aliases)
     dx, dweight, dbias, _ = call(dy, x, weight, mean, rstd, dresidual, kernel=np.int32(kernel),
                                  block_size=np.int32(block_size), has_residual=has_residual)
     return dx, dweight, dbias

@@ -7,9 +7,10 @@ the next block and y into attention or the MLP. In the backward the residual str
 gs (from the later blocks) and the norm's dx meet: ds = layernorm_bwd(gy) + gs. Written as
 `s = x + residual; y = layernorm(s)`, XLA runs our backward kernel and then a separate add that
 reads and writes the whole activation again. Here the sum is computed inside the kernel: gs is
-passed to target v2 as `dresidual`, aliased to dx, and the kernel adds it while it writes dx
-(llm.c's layernorm backward accumulates into dinp for the same reason). The gradients of x and
-residual are both that ds.
+passed to target v2 as `dresidual` and the kernel adds it while it writes dx (llm.c's layernorm
+backward accumulates into dinp for the same reason). dx is a buffer of its own, not gs's: gs is
+also read by the matmuls of the branch it flows back into, so XLA would copy gs before writing
+into it (_ffi.layernorm_bwd_segments_v2). The gradients of x and residual are both that ds.
 
 The forward is fused the same way where layernorm's is (on CUDA; jax_lnbwd.use_ffi_forward,
 JAX_LNBWD_FORWARD): one kernel reads x and residual once and writes y, s, mean and rstd (target

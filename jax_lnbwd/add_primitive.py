@@ -6,8 +6,8 @@ For add_layernorm (jax_lnbwd/add_layernorm.py) the tangents of (y, s) given tang
     dy = tangent_map(s, weight, mean, rstd; ds, dweight, dbias)   (jax_lnbwd/primitive.py),
 linear in (dx, dresidual, dweight, dbias). Its transpose takes cotangents (gy, gs) to
     g = layernorm's backward of gy + gs,   dx = dresidual = g,   dweight, dbias,
-and that sum is ONE call of target v2: gs goes in as `dresidual`, aliased to dx, and the kernel
-adds it while it writes dx (llm.c accumulates into dinp for the same reason: the residual stream's
+and that sum is ONE call of target v2: gs goes in as `dresidual` and the kernel adds it while it
+writes dx (llm.c accumulates into dinp for the same reason: the residual stream's
 gradient and the norm's meet there). Written as two primitives (an add and tangent_p) JAX would
 transpose them into the FFI call followed by a separate add over the whole activation.
 

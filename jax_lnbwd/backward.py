@@ -96,7 +96,7 @@ def segmented_op(seg_dims: int, kernel: int, block_size: int, caller: str, resid
 
     Which target runs is decided by what it must do: v1 for a weight of x's dtype and no
     residual (so programs and tests that used v1 still see v1), else v2 (a float32 weight
-    beside 16-bit x: float32 dweight/dbias; or a residual gradient, aliased to dx).
+    beside 16-bit x: float32 dweight/dbias; or a residual gradient added to dx).
     Shapes as above; `caller` is the public function that errors name. The wrappers:
       * custom_partitioning (sharding.layernorm_bwd_segments): under a sharded jit each device
         runs the FFI on its own rows and dweight/dbias are summed with one psum;

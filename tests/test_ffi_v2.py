@@ -46,15 +46,16 @@ def make(rows, C, dtype, wdtype, seed, segments=1, weight_rows=1):
 
 
 def v2_call(platform, dy, x, w, mean, rstd, dres=None, *, segments=1, kernel=12, alias=True):
-    """Run target v2 through _ffi.layernorm_bwd_segments_v2 (alias=True) or a bare ffi_call
-    without input_output_aliases (alias=False); returns numpy (dx, dweight, dbias)."""
+    """Run target v2 through _ffi.layernorm_bwd_segments_v2 with dresidual aliased to dx, in place
+    (alias=True), or a bare ffi_call without input_output_aliases (alias=False); returns numpy
+    (dx, dweight, dbias)."""
     rows, C = x.shape
     ws = 256 + max(rows, segments, 1) * 2 * C * (8 if x.dtype == np.float64 else 4)
     if alias:
         def f(dy, x, w, mean, rstd, *r):
             return _ffi.layernorm_bwd_segments_v2(dy, x, w, mean, rstd, segments=segments, kernel=kernel,
                                                   block_size=0, workspace_bytes=ws,
-                                                  dresidual=r[0] if r else None)
+                                                  dresidual=r[0] if r else None, alias_residual=True)
     else:
         out_types = (jax.ShapeDtypeStruct((rows, C), x.dtype), jax.ShapeDtypeStruct((segments, C), w.dtype),
                      jax.ShapeDtypeStruct((segments, C), w.dtype), jax.ShapeDtypeStruct((ws,), np.uint8))
@@ -165,7 +166,7 @@ def test_residual_is_donated_in_place(platform):
 
     def f(res, dy, x, w, mean, rstd):
         return _ffi.layernorm_bwd_segments_v2(dy, x, w, mean, rstd, segments=1, kernel=12, block_size=0,
-                                              workspace_bytes=ws, dresidual=res)
+                                              workspace_bytes=ws, dresidual=res, alias_residual=True)
     args = put(platform, res, dy, x, w, mean, rstd)
     donated = jax.jit(f, donate_argnums=0)
     # dx is written into dresidual's buffer: the call aliases them and nothing copies dresidual.
@@ -281,7 +282,7 @@ def test_v2_exports_and_runs_again(platform):
 
     def f(dy, x, w, mean, rstd, res):
         return _ffi.layernorm_bwd_segments_v2(dy, x, w, mean, rstd, segments=1, kernel=12, block_size=0,
-                                              workspace_bytes=ws, dresidual=res)
+                                              workspace_bytes=ws, dresidual=res, alias_residual=True)
     args = put(platform, dy, x, w, mean, rstd, res)
     exported = export.export(jax.jit(f), platforms=[{"cpu": "cpu", "gpu": "cuda"}[platform]],
                              disabled_checks=[export.DisabledSafetyCheck.custom_call(_ffi.TARGET_V2)])(*args)
