@@ -223,6 +223,12 @@ def test_the_kernels_report_prints_each_variants_change_by_kind():
         "  +0.600 ms  launches 0.0 -> 6.0  nvjet_sm90_tst_256x128_64x4_2x1_v_bz_TNT",
         "  -0.450 ms  launches 12.0 -> 6.0  nvjet_sm90_tst_320x64_64x4_1x2_h_bz_TNT"]  # unchanged ones left out
     assert "matmul kernels against the baseline" in breakdown.text([base, ours], 3)
+    # XLA's Triton gemm fusions are numbered per compiled step: compared without the number
+    base["trace"]["gemms"] = [["gemm", "gemm_fusion_dot_227", 6.0, 1.288], ["gemm", "gemm_fusion_dot_228", 6.0, 1.301],
+                              ["gemm", "sm90_xmma_gemm_bf16bf16_tilesize128x128x64", 6.0, 0.5]]
+    ours["trace"]["gemms"] = [["gemm", "gemm_fusion_dot_239", 6.0, 1.297], ["gemm", "gemm_fusion_dot_240", 6.0, 1.306],
+                              ["gemm", "sm90_xmma_gemm_bf16bf16_tilesize128x128x64", 6.0, 0.5]]
+    assert breakdown.gemm_lines(ours, base, 3) == ["  +0.014 ms  launches 12.0 -> 12.0  gemm_fusion_dot"]
     base["trace"]["idle_after"] = {"gemm": [80.0, 0.2], "copy/memset": [80.0, 0.35]}
     ours["trace"]["idle_after"] = {"gemm": [80.0, 0.2], "copy/memset": [80.0, 0.33], "ours": [26.0, 0.04]}
     assert breakdown.idle_line(ours, base) == ("ours +26.0 gaps +0.040, copy/memset +0.0 gaps -0.020, "

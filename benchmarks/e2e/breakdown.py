@@ -14,6 +14,11 @@ by the kind of kernel after each gap.
 """
 from __future__ import annotations
 
+import re
+
+# XLA's own matmul kernels (Triton: gemm_fusion_dot_240) are named after their HLO fusion, whose
+# number differs from one compiled step to another: they are compared by the name without it.
+_FUSION_NUMBER = re.compile(r"^(\w*fusion\w*?)(?:[._]\d+)+$")
 
 def label(row: dict) -> str:
     return f"{row['model']} {row['api']} {row['dtype']} {row['variant']}"
@@ -51,9 +56,16 @@ def idle_line(row: dict, base: dict | None = None) -> str:
 def gemm_lines(row: dict, base: dict, n: int) -> list[str]:
     """The n matmul kernels whose time per step changed most against the baseline, each as
     "  +0.120 ms  launches 12.0 -> 24.0  name": a variant whose identical matmuls got other
-    algorithms (XLA autotunes each compiled step on its own) shows them here."""
-    a = {name: (c, ms) for _, name, c, ms in row["trace"].get("gemms", [])}
-    b = {name: (c, ms) for _, name, c, ms in base["trace"].get("gemms", [])}
+    algorithms (XLA autotunes each compiled step on its own) shows them here. XLA's gemm
+    fusions are summed by their name without the HLO number (_FUSION_NUMBER)."""
+    def by_name(gemms):
+        out: dict[str, tuple[float, float]] = {}
+        for _, name, c, ms in gemms:
+            key = _FUSION_NUMBER.sub(r"\1", name)
+            c0, ms0 = out.get(key, (0, 0.0))
+            out[key] = (c0 + c, ms0 + ms)
+        return out
+    a, b = by_name(row["trace"].get("gemms", [])), by_name(base["trace"].get("gemms", []))
     d = sorted(((a.get(k, (0, 0.0))[1] - b.get(k, (0, 0.0))[1], k) for k in {*a, *b}), key=lambda t: -abs(t[0]))
     return [f"  {dms:+.3f} ms  launches {b.get(k, (0, 0))[0]:.1f} -> {a.get(k, (0, 0))[0]:.1f}  {k[:90]}"
             for dms, k in d[:n] if abs(dms) >= 0.0005]
