@@ -1,5 +1,5 @@
-// Argument checks of the fused forward targets (jax_lnbwd_layernorm_fwd_v1, and its residual
-// variant jax_lnbwd_add_layernorm_fwd_v1), shared by their CPU and CUDA handlers. Python checks
+// Argument checks of the fused forward targets (jax_lnbwd_layernorm_fwd_v1, its residual variant
+// jax_lnbwd_add_layernorm_fwd_v1, and that with x's own bias, jax_lnbwd_add_layernorm_fwd_v2), shared by their CPU and CUDA handlers. Python checks
 // the same at trace time; these exist for direct jax.ffi.ffi_call users and exported programs,
 // so no kernel runs on buffers it does not expect. Errors name the target's function, e.g.
 //   layernorm_fwd: 'y' has shape (4, 9) but expected (4, 8) for x of shape (4, 8)
@@ -25,6 +25,7 @@ struct LayernormFwdShape {
   int64_t C;
   int64_t weight_rows;   // 0: no weight; 1: one row for all rows; S: one per segment of rows/S rows
   int64_t bias_rows;
+  int64_t x_bias_rows = 0;     // add_layernorm_fwd_v2 only: x_bias's rows (1 or S), else 0
   ffi::DataType param_dtype;   // the present parameters' dtype (x's when none is present)
 };
 
@@ -130,6 +131,34 @@ inline ffi::Error CheckAddLayernormFwdArgs(const ffi::AnyBuffer& x, const ffi::A
                          " but expected " + DtypeName(x.element_type()) + " (x's dtype)", fn);
     }
   }
+  return ffi::Error::Success();
+}
+
+// The residual variant with x's own bias (jax_lnbwd_add_layernorm_fwd_v2: s = x + x_bias +
+// residual): v1's checks, then x_bias, a parameter that must be present ((1, C) or (S, C)) and
+// of the parameters' dtype (x's, or float32 beside 16-bit x; the one dtype of weight and bias
+// when they are present).
+inline ffi::Error CheckAddBiasLayernormFwdArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& x_bias,
+                                               const ffi::AnyBuffer& residual, const ffi::AnyBuffer& weight,
+                                               const ffi::AnyBuffer& bias, const ffi::AnyBuffer& y,
+                                               const ffi::AnyBuffer& s, const ffi::AnyBuffer& mean,
+                                               const ffi::AnyBuffer& rstd, double eps, LayernormFwdShape* shape) {
+  const char* fn = "add_layernorm_fwd";
+  if (auto e = CheckAddLayernormFwdArgs(x, residual, weight, bias, y, s, mean, rstd, eps, shape); e.failure()) {
+    return e;
+  }
+  if (auto e = CheckParam(fn, "x_bias", x_bias, x, &shape->x_bias_rows); e.failure()) return e;
+  if (shape->x_bias_rows == 0) {
+    return FwdArgError("'x_bias' has shape " + ShapeStr(x_bias.dimensions()) + " but expected (1, " +
+                       std::to_string(shape->C) + ") or (segments, " + std::to_string(shape->C) +
+                       "): this target adds it (jax_lnbwd_add_layernorm_fwd_v1 has none)", fn);
+  }
+  const bool params = shape->weight_rows > 0 || shape->bias_rows > 0;
+  if (params && x_bias.element_type() != shape->param_dtype) {
+    return FwdArgError(std::string("'x_bias' has dtype ") + DtypeName(x_bias.element_type()) + " but weight and bias have " +
+                       DtypeName(shape->param_dtype) + "; pass the parameters in one dtype", fn);
+  }
+  shape->param_dtype = x_bias.element_type();
   return ffi::Error::Success();
 }
 

@@ -27,7 +27,7 @@ struct F16 { using S = uint16_t; static float Load(S v) { return HalfToFloat(v);
 template <typename D, typename Q, typename A>
 void Impl(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual, const ffi::AnyBuffer& weight,
           const ffi::AnyBuffer& bias, ffi::AnyBuffer& y, ffi::AnyBuffer* s, ffi::AnyBuffer& mean_out,
-          ffi::AnyBuffer& rstd_out, double eps_in, const LayernormFwdShape& shape) {
+          ffi::AnyBuffer& rstd_out, double eps_in, const LayernormFwdShape& shape, const ffi::AnyBuffer* x_bias) {
   const int64_t rows = shape.rows, C = shape.C;
   const auto* xs = static_cast<const typename D::S*>(x.untyped_data());
   const auto* res = residual ? static_cast<const typename D::S*>(residual->untyped_data()) : nullptr;
@@ -41,9 +41,18 @@ void Impl(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual, const ffi::An
   // Rows per parameter row (a segment): row r uses parameter row r / div.
   const int64_t w_div = shape.weight_rows > 0 ? rows / shape.weight_rows : 1;
   const int64_t b_div = shape.bias_rows > 0 ? rows / shape.bias_rows : 1;
+  const auto* xbs = x_bias ? static_cast<const typename Q::S*>(x_bias->untyped_data()) : nullptr;
+  const int64_t xb_div = shape.x_bias_rows > 0 ? rows / shape.x_bias_rows : 1;
   for (int64_t r = 0; r < rows; ++r) {
     const auto* xr = xs + r * C;
-    if (res) {   // the row normalized is s = x + residual, rounded to x's dtype
+    if (res && xbs) {   // s = (x + x_bias) + residual, in the accumulator type, rounded once
+      const auto* xbr = xbs + (r / xb_div) * C;
+      for (int64_t i = 0; i < C; ++i) {
+        const A v = (static_cast<A>(D::Load(xr[i])) + static_cast<A>(Q::Load(xbr[i]))) + static_cast<A>(D::Load(res[r * C + i]));
+        ss[r * C + i] = D::Store(v);
+      }
+      xr = ss + r * C;
+    } else if (res) {   // the row normalized is s = x + residual, rounded to x's dtype
       for (int64_t i = 0; i < C; ++i) ss[r * C + i] = D::Store(D::Load(xr[i]) + D::Load(res[r * C + i]));
       xr = ss + r * C;
     }
@@ -72,19 +81,20 @@ void Impl(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual, const ffi::An
 // Runs Impl for x's dtype and the parameters' (checked by the caller).
 ffi::Error Dispatch(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual, const ffi::AnyBuffer& weight,
                     const ffi::AnyBuffer& bias, ffi::AnyBuffer& y, ffi::AnyBuffer* s, ffi::AnyBuffer& mean,
-                    ffi::AnyBuffer& rstd, double eps, const LayernormFwdShape& shape, const char* fn) {
+                    ffi::AnyBuffer& rstd, double eps, const LayernormFwdShape& shape, const char* fn,
+                    const ffi::AnyBuffer* x_bias = nullptr) {
   using T = ffi::DataType;
   const bool f32_params = shape.param_dtype == T::F32;
   switch (x.element_type()) {
-    case T::F32: Impl<F32, F32, float>(x, residual, weight, bias, y, s, mean, rstd, eps, shape); break;
-    case T::F64: Impl<F64, F64, double>(x, residual, weight, bias, y, s, mean, rstd, eps, shape); break;
+    case T::F32: Impl<F32, F32, float>(x, residual, weight, bias, y, s, mean, rstd, eps, shape, x_bias); break;
+    case T::F64: Impl<F64, F64, double>(x, residual, weight, bias, y, s, mean, rstd, eps, shape, x_bias); break;
     case T::BF16:
-      f32_params ? Impl<BF16, F32, float>(x, residual, weight, bias, y, s, mean, rstd, eps, shape)
-                 : Impl<BF16, BF16, float>(x, residual, weight, bias, y, s, mean, rstd, eps, shape);
+      f32_params ? Impl<BF16, F32, float>(x, residual, weight, bias, y, s, mean, rstd, eps, shape, x_bias)
+                 : Impl<BF16, BF16, float>(x, residual, weight, bias, y, s, mean, rstd, eps, shape, x_bias);
       break;
     case T::F16:
-      f32_params ? Impl<F16, F32, float>(x, residual, weight, bias, y, s, mean, rstd, eps, shape)
-                 : Impl<F16, F16, float>(x, residual, weight, bias, y, s, mean, rstd, eps, shape);
+      f32_params ? Impl<F16, F32, float>(x, residual, weight, bias, y, s, mean, rstd, eps, shape, x_bias)
+                 : Impl<F16, F16, float>(x, residual, weight, bias, y, s, mean, rstd, eps, shape, x_bias);
       break;
     default:
       return FwdArgError(std::string("'x' has dtype ") + DtypeName(x.element_type()) + ", which has no CPU implementation",
@@ -111,6 +121,18 @@ ffi::Error AddLayernormFwdCpu(ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi::An
   return Dispatch(x, &residual, weight, bias, *y, &(*s), *mean, *rstd, eps, shape, "add_layernorm_fwd");
 }
 
+ffi::Error AddBiasLayernormFwdCpu(ffi::AnyBuffer x, ffi::AnyBuffer x_bias, ffi::AnyBuffer residual,
+                                  ffi::AnyBuffer weight, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> y,
+                                  ffi::Result<ffi::AnyBuffer> s, ffi::Result<ffi::AnyBuffer> mean,
+                                  ffi::Result<ffi::AnyBuffer> rstd, double eps) {
+  LayernormFwdShape shape;
+  if (auto e = CheckAddBiasLayernormFwdArgs(x, x_bias, residual, weight, bias, *y, *s, *mean, *rstd, eps, &shape);
+      e.failure()) {
+    return e;
+  }
+  return Dispatch(x, &residual, weight, bias, *y, &(*s), *mean, *rstd, eps, shape, "add_layernorm_fwd", &x_bias);
+}
+
 }  // namespace
 }  // namespace lnbwd
 
@@ -135,6 +157,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<xla::ffi::AnyBuffer>()   // bias [0 (absent), 1 or segments, C] weight's dtype
         .Ret<xla::ffi::AnyBuffer>()   // y [rows, C] dtype: the layernorm of s
         .Ret<xla::ffi::AnyBuffer>()   // s [rows, C] dtype: x + residual, rounded once to dtype
+        .Ret<xla::ffi::AnyBuffer>()   // mean [rows] float32 (float64 for float64 x), of s
+        .Ret<xla::ffi::AnyBuffer>()   // rstd [rows] float32 (float64 for float64 x), of s
+        .Attr<double>("eps")          // added to the variance, in the statistics' dtype
+);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxLnbwdAddBiasLayernormFwdCpu, lnbwd::AddBiasLayernormFwdCpu,
+    xla::ffi::Ffi::Bind()
+        .Arg<xla::ffi::AnyBuffer>()   // x [rows, C] dtype
+        .Arg<xla::ffi::AnyBuffer>()   // x_bias [1 or segments, C] dtype, or float32 for 16-bit x
+        .Arg<xla::ffi::AnyBuffer>()   // residual [rows, C] dtype
+        .Arg<xla::ffi::AnyBuffer>()   // weight [0 (absent), 1 or segments, C] x_bias's dtype
+        .Arg<xla::ffi::AnyBuffer>()   // bias [0 (absent), 1 or segments, C] x_bias's dtype
+        .Ret<xla::ffi::AnyBuffer>()   // y [rows, C] dtype: the layernorm of s
+        .Ret<xla::ffi::AnyBuffer>()   // s [rows, C] dtype: (x + x_bias) + residual, rounded once to dtype
         .Ret<xla::ffi::AnyBuffer>()   // mean [rows] float32 (float64 for float64 x), of s
         .Ret<xla::ffi::AnyBuffer>()   // rstd [rows] float32 (float64 for float64 x), of s
         .Attr<double>("eps")          // added to the variance, in the statistics' dtype

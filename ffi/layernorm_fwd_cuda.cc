@@ -1,5 +1,5 @@
-// CUDA handlers of the fused forward targets (jax_lnbwd_layernorm_fwd_v1 and its residual
-// variant jax_lnbwd_add_layernorm_fwd_v1): check the buffers, map dtypes, and hand plain
+// CUDA handlers of the fused forward targets (jax_lnbwd_layernorm_fwd_v1, its residual variant
+// jax_lnbwd_add_layernorm_fwd_v1, and that with x's own bias, jax_lnbwd_add_layernorm_fwd_v2): check the buffers, map dtypes, and hand plain
 // pointers to the launcher in ffi/kernels/forward/. No math here.
 #include <cstdint>
 #include <string>
@@ -44,6 +44,8 @@ LayernormFwdParams Params(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residua
   p.tpr = 0;
   p.residual = residual ? residual->untyped_data() : nullptr;
   p.s = s ? s->untyped_data() : nullptr;
+  p.x_bias = nullptr;
+  p.x_bias_rows = 0;
   return p;
 }
 
@@ -70,6 +72,24 @@ ffi::Error AddLayernormFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
   if (shape.rows == 0) return ffi::Error::Success();
   LNBWD_FFI_RETURN_IF_CUDA_ERROR(
       layernorm_fwd(Params(x, &residual, weight, bias, *y, &(*s), *mean, *rstd, eps, shape), stream));
+  return ffi::Error::Success();
+}
+
+// The residual variant with x's own bias: s = (x + x_bias) + residual, in one kernel.
+ffi::Error AddBiasLayernormFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer x_bias,
+                                   ffi::AnyBuffer residual, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
+                                   ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> s,
+                                   ffi::Result<ffi::AnyBuffer> mean, ffi::Result<ffi::AnyBuffer> rstd, double eps) {
+  LayernormFwdShape shape;
+  if (auto e = CheckAddBiasLayernormFwdArgs(x, x_bias, residual, weight, bias, *y, *s, *mean, *rstd, eps, &shape);
+      e.failure()) {
+    return e;
+  }
+  if (shape.rows == 0) return ffi::Error::Success();
+  LayernormFwdParams p = Params(x, &residual, weight, bias, *y, &(*s), *mean, *rstd, eps, shape);
+  p.x_bias = x_bias.untyped_data();
+  p.x_bias_rows = shape.x_bias_rows;
+  LNBWD_FFI_RETURN_IF_CUDA_ERROR(layernorm_fwd(p, stream));
   return ffi::Error::Success();
 }
 
@@ -101,6 +121,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<xla::ffi::AnyBuffer>()   // bias [0 (absent), 1 or segments, C] weight's dtype
         .Ret<xla::ffi::AnyBuffer>()   // y [rows, C] dtype: the layernorm of s
         .Ret<xla::ffi::AnyBuffer>()   // s [rows, C] dtype: x + residual, rounded once to dtype
+        .Ret<xla::ffi::AnyBuffer>()   // mean [rows] float32 (float64 for float64 x), of s
+        .Ret<xla::ffi::AnyBuffer>()   // rstd [rows] float32 (float64 for float64 x), of s
+        .Attr<double>("eps"),         // added to the variance, in the statistics' dtype
+    {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxLnbwdAddBiasLayernormFwdCuda, lnbwd::AddBiasLayernormFwdCuda,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()   // XLA's stream
+        .Arg<xla::ffi::AnyBuffer>()   // x [rows, C] dtype
+        .Arg<xla::ffi::AnyBuffer>()   // x_bias [1 or segments, C] dtype, or float32 for 16-bit x
+        .Arg<xla::ffi::AnyBuffer>()   // residual [rows, C] dtype
+        .Arg<xla::ffi::AnyBuffer>()   // weight [0 (absent), 1 or segments, C] x_bias's dtype
+        .Arg<xla::ffi::AnyBuffer>()   // bias [0 (absent), 1 or segments, C] x_bias's dtype
+        .Ret<xla::ffi::AnyBuffer>()   // y [rows, C] dtype: the layernorm of s
+        .Ret<xla::ffi::AnyBuffer>()   // s [rows, C] dtype: (x + x_bias) + residual, rounded once to dtype
         .Ret<xla::ffi::AnyBuffer>()   // mean [rows] float32 (float64 for float64 x), of s
         .Ret<xla::ffi::AnyBuffer>()   // rstd [rows] float32 (float64 for float64 x), of s
         .Attr<double>("eps"),         // added to the variance, in the statistics' dtype

@@ -101,11 +101,13 @@ NB_MODULE(_jax_lnbwd, m) {
     out.append(nb::make_tuple("jax_lnbwd_layernorm_bwd_v2", Capsule(JaxLnbwdLayernormBwdV2Cpu), "cpu"));
     out.append(nb::make_tuple("jax_lnbwd_layernorm_fwd_v1", Capsule(JaxLnbwdLayernormFwdCpu), "cpu"));
     out.append(nb::make_tuple("jax_lnbwd_add_layernorm_fwd_v1", Capsule(JaxLnbwdAddLayernormFwdCpu), "cpu"));
+    out.append(nb::make_tuple("jax_lnbwd_add_layernorm_fwd_v2", Capsule(JaxLnbwdAddBiasLayernormFwdCpu), "cpu"));
 #if JAX_LNBWD_WITH_CUDA
     out.append(nb::make_tuple("jax_lnbwd_layernorm_bwd_v1", Capsule(JaxLnbwdLayernormBwdCuda), "CUDA"));
     out.append(nb::make_tuple("jax_lnbwd_layernorm_bwd_v2", Capsule(JaxLnbwdLayernormBwdV2Cuda), "CUDA"));
     out.append(nb::make_tuple("jax_lnbwd_layernorm_fwd_v1", Capsule(JaxLnbwdLayernormFwdCuda), "CUDA"));
     out.append(nb::make_tuple("jax_lnbwd_add_layernorm_fwd_v1", Capsule(JaxLnbwdAddLayernormFwdCuda), "CUDA"));
+    out.append(nb::make_tuple("jax_lnbwd_add_layernorm_fwd_v2", Capsule(JaxLnbwdAddBiasLayernormFwdCuda), "CUDA"));
 #endif
     return out;
   });

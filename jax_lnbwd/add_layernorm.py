@@ -1,6 +1,7 @@
 """add_layernorm: the residual add and the layernorm of a transformer block, with one backward.
 
     y, s = add_layernorm(x, residual, weight, bias)      # s = x + residual, y = layernorm(s)
+    y, s = add_layernorm(x, residual, weight, bias, x_bias=b)   # s = (x + b) + residual
 
 A pre-LN block computes s = x + residual (the residual stream) and normalizes it; s flows on to
 the next block and y into attention or the MLP. In the backward the residual stream's gradient
@@ -18,6 +19,15 @@ jax_lnbwd_add_layernorm_fwd_v1), instead of an add that reads two tensors and wr
 the forward reading s again. Either way s is rounded to x's dtype and that s is normalized
 (layernorm._add_forward).
 
+x's own bias. In GPT-2, BERT and ViT blocks x is a projection with a bias (attention's output
+projection, the MLP's down projection). XLA fuses that bias add into its own residual add, but
+not into a custom call: written as `Dense(use_bias=True)` followed by add_layernorm, the bias add
+runs as a kernel of its own (read x, write x + b) between the matmul and ours, and in the
+backward the bias gradient (the column sums of ds) is a reduce of its own too. With x_bias=b
+(the projection without its bias) the forward kernel adds it: s = (x + b) + residual, in fp32,
+rounded once (target jax_lnbwd_add_layernorm_fwd_v2). Its gradient is the column sum of ds,
+summed by XLA in fp32 from the kernel's ds.
+
 Like layernorm, add_layernorm is a jax.custom_jvp: its JVP rule runs the forward (y, s, mean,
 rstd) and the linear primitive add_tangent_p (jax_lnbwd/add_primitive.py), whose transpose is
 the one FFI call. So it works under jit, grad, jvp (forward mode), vmap,
@@ -31,13 +41,37 @@ import jax
 
 from . import _ffi, config, reference
 from .add_primitive import add_tangent_map
-from .layernorm import _add_forward, _check_float, _check_inputs, _dtype_name, _resolve_kernel, fill_params, is_mixed
+from .layernorm import (_add_forward, _check_float, _check_inputs, _check_param, _dtype_name, _resolve_kernel,
+                        fill_params, is_mixed)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6))
 def _add_layernorm(x, residual, weight, bias, eps, kernel, block_size):
     y, s, _, _ = _add_forward(x, residual, weight, bias, eps)
     return y, s
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(5, 6, 7))
+def _add_bias_layernorm(x, x_bias, residual, weight, bias, eps, kernel, block_size):
+    y, s, _, _ = _add_forward(x, residual, weight, bias, eps, x_bias)
+    return y, s
+
+
+@_add_bias_layernorm.defjvp
+def _add_bias_layernorm_jvp(eps, kernel, block_size, primals, tangents):
+    """As _add_layernorm_jvp, with x_bias's tangent added to x's: s = (x + x_bias) + residual is
+    linear in (x, x_bias, residual). The sum is formed in fp32 (fp64) and rounded to x's dtype,
+    so that in reverse mode x_bias's cotangent is the fp32 column sum of ds (JAX transposes the
+    broadcast into that sum)."""
+    x, x_bias, residual, weight, bias = primals
+    dx, dx_bias, dresidual, dweight, dbias = tangents
+    y, s, mean, rstd = _add_forward(x, residual, weight, bias, eps, x_bias)
+    weight, dweight, dbias = fill_params(s, weight, bias, dweight, dbias)
+    acc = reference.acc_dtype(x.dtype)
+    dx = (dx.astype(acc) + jax.numpy.broadcast_to(dx_bias.astype(acc), dx.shape)).astype(x.dtype)
+    dy, ds = add_tangent_map(s, weight, mean, rstd, dx, dresidual, dweight, dbias,
+                             seg_dims=0, kernel=kernel, block_size=block_size)
+    return (y, s), (dy, ds)
 
 
 @_add_layernorm.defjvp
@@ -52,12 +86,15 @@ def _add_layernorm_jvp(eps, kernel, block_size, primals, tangents):
     return (y, s), (dy, ds)
 
 
-def add_layernorm(x, residual, weight, bias, *, eps: float = 1e-5, kernel: int | None = None,
+def add_layernorm(x, residual, weight, bias, *, x_bias=None, eps: float = 1e-5, kernel: int | None = None,
                   block_size: int | None = None):
     """(y, s) with s = x + residual (in x's dtype) and y = layernorm(s, weight, bias).
 
     x and residual have the same shape (..., C) and dtype; weight, bias and the dtype rules
-    (mixed precision included: float32 weight/bias beside 16-bit x) are layernorm's. The
+    (mixed precision included: float32 weight/bias beside 16-bit x) are layernorm's. x_bias, a
+    (C,) parameter under the same rules (x's own bias: the bias of the projection that made x),
+    is added first: s = (x + x_bias) + residual, in fp32 (fp64) and rounded once; its gradient
+    is the fp32 column sum of ds, in x_bias's dtype. The
     backward is ONE call of target v2 that computes ds = layernorm's dx + the cotangent of s
     in the kernel; x and residual both get ds. Kernels 11 and 12 run it (kernel=None: the
     default); 1-10 refuse at trace time. The forward is one fused kernel where layernorm's is
@@ -68,6 +105,7 @@ def add_layernorm(x, residual, weight, bias, *, eps: float = 1e-5, kernel: int |
     fn = "add_layernorm"
     _check_float(fn, "residual", residual)
     eps = _check_inputs(fn, x, weight, bias, eps)
+    _check_param(fn, "x_bias", x_bias, x)
     if tuple(residual.shape) != tuple(x.shape):
         raise ValueError(f"{fn}: 'residual' has shape {tuple(residual.shape)} but x has shape {tuple(x.shape)}")
     if residual.dtype != x.dtype:
@@ -76,8 +114,11 @@ def add_layernorm(x, residual, weight, bias, *, eps: float = 1e-5, kernel: int |
     kernel, block_size = _resolve_kernel(fn, kernel, block_size, _dtype_name(x), x.shape[-1],
                                          mixed=is_mixed(x, weight, bias), residual=True)
     if config.xla_backward_enabled():
-        s = x + residual
+        s = reference.add_residual(x, residual, x_bias)
         return reference.layernorm(s, weight, bias, eps), s
-    axes = _ffi.varying_axes(*(a for a in (x, residual, weight, bias) if a is not None))
-    x, residual, weight, bias = (None if a is None else _ffi.vary(a, axes) for a in (x, residual, weight, bias))
+    axes = _ffi.varying_axes(*(a for a in (x, residual, weight, bias, x_bias) if a is not None))
+    x, residual, weight, bias, x_bias = (None if a is None else _ffi.vary(a, axes)
+                                         for a in (x, residual, weight, bias, x_bias))
+    if x_bias is not None:
+        return _add_bias_layernorm(x, x_bias, residual, weight, bias, eps, kernel, block_size)
     return _add_layernorm(x, residual, weight, bias, eps, kernel, block_size)

@@ -29,6 +29,11 @@ s = x + residual (the sum in fp32, fp64 for fp64, rounded once to x's dtype: bit
 residual once and writes y, s, mean and rstd (target jax_lnbwd_add_layernorm_fwd_v1), where jnp
 would run an add (read 2, write 1) and then the forward (read s again). residual has x's shape
 and dtype; the same wrappers apply (residual and s are batched and sharded like x).
+
+With x's own bias, the bias of the projection that produced x (x_bias: (C,), a parameter like
+weight and bias), s = (x + x_bias) + residual, both adds in fp32 (fp64) and rounded once
+(reference.add_residual): target jax_lnbwd_add_layernorm_fwd_v2. XLA would otherwise run that
+bias add on its own between the matmul and this kernel (it cannot fuse into a custom call).
 """
 from __future__ import annotations
 
@@ -39,9 +44,9 @@ import jax
 import jax.numpy as jnp
 
 from . import reference
-from .forward_sharding import ADD_TARGET, TARGET, layernorm_fwd_partitioned
+from .forward_sharding import ADD_BIAS_TARGET, ADD_TARGET, TARGET, layernorm_fwd_partitioned
 
-__all__ = ["layernorm_fwd_op", "add_layernorm_fwd_op", "TARGET", "ADD_TARGET"]
+__all__ = ["layernorm_fwd_op", "add_layernorm_fwd_op", "TARGET", "ADD_TARGET", "ADD_BIAS_TARGET"]
 
 _SUPPORTED = ("float32", "bfloat16", "float16", "float64")
 
@@ -50,10 +55,10 @@ def _name(a) -> str:
     return str(jnp.dtype(a.dtype))
 
 
-def _check(x, weight, bias, eps, fn: str = "layernorm_fwd"):
-    """Trace-time checks; returns (eps as float, weight, bias) with a 16-bit parameter next to a
-    float32 one upcast to float32 (exact), so both reach the kernel in one dtype. Messages
-    start with `fn`."""
+def _check(x, weight, bias, eps, fn: str = "layernorm_fwd", x_bias=None):
+    """Trace-time checks; returns (eps as float, weight, bias[, x_bias]) with a 16-bit parameter
+    next to a float32 one upcast to float32 (exact), so all reach the kernel in one dtype.
+    Messages start with `fn`. x_bias (add_layernorm_fwd only) is checked like weight and bias."""
     try:
         eps_f = float(eps)
     except (TypeError, ValueError):
@@ -70,7 +75,7 @@ def _check(x, weight, bias, eps, fn: str = "layernorm_fwd"):
     if C < 1:
         raise ValueError(f"{fn}: 'x' has shape {tuple(x.shape)} but the last axis (C) must be >= 1")
     sixteen = _name(x) in ("bfloat16", "float16")
-    for name, p in (("weight", weight), ("bias", bias)):
+    for name, p in (("weight", weight), ("bias", bias), ("x_bias", x_bias)):
         if p is None:
             continue
         if not hasattr(p, "dtype") or not hasattr(p, "shape"):
@@ -82,9 +87,10 @@ def _check(x, weight, bias, eps, fn: str = "layernorm_fwd"):
             allowed = f"{_name(x)} or float32" if sixteen else _name(x)
             raise TypeError(f"{fn}: '{name}' has dtype {_name(p)} but expected {allowed} "
                             f"for x of dtype {_name(x)}")
-    if weight is not None and bias is not None and weight.dtype != bias.dtype:
-        weight, bias = weight.astype(jnp.float32), bias.astype(jnp.float32)   # exact: bf16/f16 -> f32
-    return eps_f, weight, bias
+    present = [p for p in (weight, bias, x_bias) if p is not None]
+    if len({jnp.dtype(p.dtype) for p in present}) > 1:   # exact: bf16/f16 -> f32
+        weight, bias, x_bias = (None if p is None else p.astype(jnp.float32) for p in (weight, bias, x_bias))
+    return (eps_f, weight, bias) if x_bias is None else (eps_f, weight, bias, x_bias)
 
 
 def layernorm_fwd_op(x, weight, bias, eps: float = 1e-5):
@@ -98,12 +104,13 @@ def layernorm_fwd_op(x, weight, bias, eps: float = 1e-5):
     return _op(0, weight is not None, bias is not None, eps)(x, *params)
 
 
-def add_layernorm_fwd_op(x, residual, weight, bias, eps: float = 1e-5):
-    """(y, s, mean, rstd): s = x + residual rounded to x's dtype, and layernorm's (y, mean, rstd)
-    of s, by the residual-fused FFI forward (see the module docstring). residual must have x's
-    shape and dtype."""
+def add_layernorm_fwd_op(x, residual, weight, bias, eps: float = 1e-5, x_bias=None):
+    """(y, s, mean, rstd): s = x + residual rounded to x's dtype (with x_bias, (x + x_bias) +
+    residual), and layernorm's (y, mean, rstd) of s, by the residual-fused FFI forward (see the
+    module docstring). residual must have x's shape and dtype; x_bias is a (C,) parameter."""
     fn = "add_layernorm_fwd"
-    eps, weight, bias = _check(x, weight, bias, eps, fn)
+    eps, weight, bias, *xb = _check(x, weight, bias, eps, fn, x_bias)
+    x_bias = xb[0] if xb else None
     if not hasattr(residual, "dtype") or not hasattr(residual, "shape"):
         raise TypeError(f"{fn}: 'residual' must be an array, got {type(residual).__name__}")
     if tuple(residual.shape) != tuple(x.shape):
@@ -111,8 +118,8 @@ def add_layernorm_fwd_op(x, residual, weight, bias, eps: float = 1e-5):
                          "(x's shape)")
     if residual.dtype != x.dtype:
         raise TypeError(f"{fn}: 'residual' has dtype {_name(residual)} but expected {_name(x)} (x's dtype)")
-    params = tuple(p for p in (weight, bias) if p is not None)
-    op = _op(0, weight is not None, bias is not None, eps, True)
+    params = tuple(p for p in (x_bias, weight, bias) if p is not None)
+    op = _op(0, weight is not None, bias is not None, eps, True, x_bias is not None)
     if x.ndim == 1:  # one row: the op needs a row axis
         return tuple(o[0] for o in op(x[None], residual[None], *params))
     return op(x, residual, *params)
@@ -124,12 +131,12 @@ def add_layernorm_fwd_op(x, residual, weight, bias, eps: float = 1e-5):
 # parameter (*segments, C), a segment axis either as in x or 1 (shared). Absent parameters are not
 # operands. Segment axes are the batch axes vmap added where a parameter is batched. With has_res
 # (the residual variant) the operands are (x, residual, *params), residual laid out as x, and
-# the results (y, s, mean, rstd).
+# the results (y, s, mean, rstd); with has_xb too, x_bias is the first of the parameters.
 
-def _reference(seg_dims: int, has_w: bool, has_b: bool, eps: float, has_res: bool, x, *operands):
+def _reference(seg_dims: int, has_w: bool, has_b: bool, eps: float, has_res: bool, has_xb: bool, x, *operands):
     """What the op computes, in jnp: reference.layernorm_fwd with each parameter broadcast over
-    its segment's rows (of s = x + residual, in x's dtype, for has_res)."""
-    s, params = (x + operands[0], operands[1:]) if has_res else (x, operands)
+    its segment's rows (of s = reference.add_residual(x, residual[, x_bias]) for has_res)."""
+    residual, params = (operands[0], operands[1:]) if has_res else (None, operands)
     row_axes = x.ndim - 1 - seg_dims
     it = iter(params)
 
@@ -139,12 +146,14 @@ def _reference(seg_dims: int, has_w: bool, has_b: bool, eps: float, has_res: boo
         p = next(it)
         return p.reshape(*p.shape[:-1], *(1,) * row_axes, p.shape[-1])
 
+    xb = widen(has_xb)
+    s = reference.add_residual(x, residual, xb) if has_res else x
     w, b = widen(has_w), widen(has_b)
     y, mean, rstd = reference.layernorm_fwd(s, w, b, eps)
     return (y, s, mean, rstd) if has_res else (y, mean, rstd)
 
 
-def _vmap_rule(seg_dims, has_w, has_b, eps, has_res, axis_size, in_batched, x, *operands):
+def _vmap_rule(seg_dims, has_w, has_b, eps, has_res, has_xb, axis_size, in_batched, x, *operands):
     """custom_vmap rule: B problems are one problem whose rows are the examples' rows.
 
     custom_vmap has moved every batched argument's batch axis to the front. x becomes
@@ -172,26 +181,26 @@ def _vmap_rule(seg_dims, has_w, has_b, eps, has_res, axis_size, in_batched, x, *
         return p.reshape((1,) * (seg_dims + 1) + (C,))
 
     params = tuple(batch(p, b) for p, b in zip(params, p_b))
-    out = _op(seg_dims + 1, has_w, has_b, eps, has_res)(*rows_in, *params)
+    out = _op(seg_dims + 1, has_w, has_b, eps, has_res, has_xb)(*rows_in, *params)
     return out, (True,) * n_out
 
 
 @functools.cache
-def _op(seg_dims: int, has_w: bool, has_b: bool, eps: float, has_res: bool = False):
+def _op(seg_dims: int, has_w: bool, has_b: bool, eps: float, has_res: bool = False, has_xb: bool = False):
     """op(x, *params) -> (y, mean, rstd), or with has_res op(x, residual, *params) -> (y, s, mean,
-    rstd), for these static settings (cached: equal settings give the same function, so jit
-    caches hit)."""
+    rstd) (params = (x_bias, weight, bias)'s present ones with has_xb), for these static settings
+    (cached: equal settings give the same function, so jit caches hit)."""
     @jax.custom_batching.custom_vmap
     def run(x, *operands):
         residual, params = (operands[0], operands[1:]) if has_res else (None, operands)
-        return layernorm_fwd_partitioned(x, params, seg_dims, has_w, has_b, eps, residual)
+        return layernorm_fwd_partitioned(x, params, seg_dims, has_w, has_b, eps, residual, has_xb)
 
-    run.def_vmap(functools.partial(_vmap_rule, seg_dims, has_w, has_b, eps, has_res))
+    run.def_vmap(functools.partial(_vmap_rule, seg_dims, has_w, has_b, eps, has_res, has_xb))
     op = jax.custom_jvp(run)
 
     @op.defjvp
     def op_jvp(primals, tangents):
-        _, tangents_out = jax.jvp(functools.partial(_reference, seg_dims, has_w, has_b, eps, has_res),
+        _, tangents_out = jax.jvp(functools.partial(_reference, seg_dims, has_w, has_b, eps, has_res, has_xb),
                                   primals, tangents)
         return op(*primals), tangents_out
 

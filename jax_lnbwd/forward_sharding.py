@@ -10,6 +10,8 @@ rows would need a transpose across devices); the layout, for `seg_dims` = k, is
   y:             like x;  mean, rstd: x's shape without C.
 The residual variant (add_layernorm's forward, target jax_lnbwd_add_layernorm_fwd_v1) has one
 more operand, residual, and one more result, s = x + residual: both laid out and sharded like x.
+With x's own bias (target jax_lnbwd_add_layernorm_fwd_v2, s = (x + x_bias) + residual), x_bias
+is one more parameter, laid out and sharded like weight and bias (the first of the parameters).
 The rule, per axis:
   * every leading axis of x may be sharded over any mesh axes, and y, mean and rstd (and residual
     and s) keep that sharding: each row is normalized by itself, so no communication at all;
@@ -40,12 +42,15 @@ from .sharding import ShardingFallbackWarning, usable_spec
 TARGET = "jax_lnbwd_layernorm_fwd_v1"
 # The residual variant: inputs (x, residual, weight, bias), results (y, s, mean, rstd).
 ADD_TARGET = "jax_lnbwd_add_layernorm_fwd_v1"
+# ... with x's own bias: inputs (x, x_bias, residual, weight, bias), the same results.
+ADD_BIAS_TARGET = "jax_lnbwd_add_layernorm_fwd_v2"
 
 
-def ffi_forward(x, weight, bias, eps: float, residual=None):
+def ffi_forward(x, weight, bias, eps: float, residual=None, x_bias=None):
     """The FFI target on (rows, C) x and (W, C) weight/bias: (y, mean, rstd); with a (rows, C)
     residual of x's dtype, the residual variant: (y, s, mean, rstd), s = x + residual rounded to
-    x's dtype and y, mean, rstd those of s.
+    x's dtype and y, mean, rstd those of s; with a (W, C) x_bias (W >= 1) too, s = (x + x_bias) +
+    residual (target v2).
 
     W is 0 (absent), 1 (shared) or S dividing rows (rows form S equal segments, segment s uses
     parameter row s). The bare call: no checks, batching, derivative or sharding rule. Inside
@@ -54,7 +59,10 @@ def ffi_forward(x, weight, bias, eps: float, residual=None):
     """
     has_res = residual is not None
     _ffi.check_handler_for_default_platform("add_layernorm_fwd_op" if has_res else "layernorm_fwd_op")
-    operands = (x, residual, weight, bias) if has_res else (x, weight, bias)
+    if x_bias is not None:
+        operands = (x, x_bias, residual, weight, bias)
+    else:
+        operands = (x, residual, weight, bias) if has_res else (x, weight, bias)
     axes = _ffi.varying_axes(*operands)
     operands = tuple(_ffi.vary(a, axes) for a in operands)
     typed = dict(sharding=NamedSharding(jax.sharding.get_abstract_mesh(), P()),
@@ -64,13 +72,14 @@ def ffi_forward(x, weight, bias, eps: float, residual=None):
     row = jax.ShapeDtypeStruct((rows, C), x.dtype, **typed)   # y (and s)
     stats = (jax.ShapeDtypeStruct((rows,), stat, **typed),) * 2   # mean, rstd
     out_types = (row, row, *stats) if has_res else (row, *stats)
-    return jax.ffi.ffi_call(ADD_TARGET if has_res else TARGET, out_types)(*operands, eps=np.float64(eps))
+    target = ADD_BIAS_TARGET if x_bias is not None else ADD_TARGET if has_res else TARGET
+    return jax.ffi.ffi_call(target, out_types)(*operands, eps=np.float64(eps))
 
 
-def local_op(x, params, seg_dims: int, has_w: bool, has_b: bool, eps: float, residual=None):
+def local_op(x, params, seg_dims: int, has_w: bool, has_b: bool, eps: float, residual=None, has_xb: bool = False):
     """The op on the arrays it is given (whole, or one device's block): flattens the layout to
     the FFI's (rows, C), with an empty (0, C) array for an absent parameter. (y, mean, rstd), or
-    (y, s, mean, rstd) with a residual."""
+    (y, s, mean, rstd) with a residual; has_xb: params start with x_bias."""
     C = x.shape[-1]
     rows = math.prod(x.shape[:-1])
     it = iter(params)
@@ -82,13 +91,15 @@ def local_op(x, params, seg_dims: int, has_w: bool, has_b: bool, eps: float, res
         p = next(it)
         return p.reshape(math.prod(p.shape[:-1]), C)
 
+    xb = flat(True) if has_xb else None
     w, b = flat(has_w), flat(has_b)
     res = None if residual is None else residual.reshape(rows, C)
-    *rows_out, mean, rstd = ffi_forward(x.reshape(rows, C), w, b, eps, res)
+    *rows_out, mean, rstd = ffi_forward(x.reshape(rows, C), w, b, eps, res, xb)
     return (*(a.reshape(x.shape) for a in rows_out), mean.reshape(x.shape[:-1]), rstd.reshape(x.shape[:-1]))
 
 
-def layernorm_fwd_partitioned(x, params, seg_dims: int, has_w: bool, has_b: bool, eps: float, residual=None):
+def layernorm_fwd_partitioned(x, params, seg_dims: int, has_w: bool, has_b: bool, eps: float, residual=None,
+                              has_xb: bool = False):
     """The op, partitioned by the rule below wherever XLA partitions it. A shard_map over only
     some mesh axes is left to XLA (custom_partitioning cannot name the automatic axes): the plain
     FFI call runs there and XLA gathers x along the automatic axes."""
@@ -98,10 +109,10 @@ def layernorm_fwd_partitioned(x, params, seg_dims: int, has_w: bool, has_b: bool
                       f"{mesh.axis_names}, the layernorm forward gathers x along the others; "
                       "shard_map over all axes, or jit with shardings, keeps it sharded.",
                       ShardingFallbackWarning)
-        return local_op(x, params, seg_dims, has_w, has_b, eps, residual)
+        return local_op(x, params, seg_dims, has_w, has_b, eps, residual, has_xb)
     has_res = residual is not None
     operands = (x, residual, *params) if has_res else (x, *params)
-    return _partitioned(len(params), has_res)(*operands, seg_dims, has_w, has_b, eps, has_res)
+    return _partitioned(len(params), has_res, has_xb)(*operands, seg_dims, has_w, has_b, eps, has_res)
 
 
 def _specs(arg_shapes, warn: bool):
@@ -123,13 +134,13 @@ def _shardings(seg_dims, has_res, mesh, arg_shapes, spec):
             (rows,) * n_rows + (stats, stats))
 
 
-def _partition(seg_dims, has_w, has_b, eps, has_res, mesh, arg_shapes, result_shape):
+def _partition(has_xb, seg_dims, has_w, has_b, eps, has_res, mesh, arg_shapes, result_shape):
     spec = _specs(arg_shapes, warn=True)
     arg_shardings, result_shardings = _shardings(seg_dims, has_res, mesh, arg_shapes, spec)
 
     def per_device(x, *rest):
         residual, params = (rest[0], rest[1:]) if has_res else (None, rest)
-        return local_op(x, params, seg_dims, has_w, has_b, eps, residual)
+        return local_op(x, params, seg_dims, has_w, has_b, eps, residual, has_xb)
 
     return mesh, per_device, result_shardings, arg_shardings
 
@@ -156,17 +167,19 @@ def _sharding_rule(seg_dims, has_w, has_b, eps, has_res, mesh, value_types, resu
 
 
 @functools.cache
-def _partitioned(n_params: int, has_res: bool):
-    """The custom_partitioning op for n_params present parameters: (x, [residual], *params,
-    seg_dims, has_w, has_b, eps, has_res) -> (y, [s], mean, rstd), the last five static."""
+def _partitioned(n_params: int, has_res: bool, has_xb: bool = False):
+    """The custom_partitioning op for n_params present parameters (x_bias first with has_xb):
+    (x, [residual], *params, seg_dims, has_w, has_b, eps, has_res) -> (y, [s], mean, rstd), the
+    last five static."""
     n_arrays = 1 + has_res + n_params
 
     def op(x, *rest):
         arrays, (seg_dims, has_w, has_b, eps, _) = rest[:n_arrays - 1], rest[n_arrays - 1:]
         residual, params = (arrays[0], arrays[1:]) if has_res else (None, arrays)
-        return local_op(x, params, seg_dims, has_w, has_b, eps, residual)
+        return local_op(x, params, seg_dims, has_w, has_b, eps, residual, has_xb)
 
     partitioned = custom_partitioning(op, static_argnums=tuple(range(n_arrays, n_arrays + 5)))
-    partitioned.def_partition(partition=_partition, infer_sharding_from_operands=_infer_sharding_from_operands,
+    partitioned.def_partition(partition=functools.partial(_partition, has_xb),
+                              infer_sharding_from_operands=_infer_sharding_from_operands,
                               sharding_rule=_sharding_rule)
     return partitioned

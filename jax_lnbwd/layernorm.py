@@ -147,28 +147,30 @@ def _forward(x, weight, bias, eps: float):
         default=lambda x, w, b: reference.layernorm_fwd(x, w, b, eps))
 
 
-def _add_forward(x, residual, weight, bias, eps: float):
-    """add_layernorm's forward, (y, s, mean, rstd) with s = x + residual in x's dtype, for checked
-    inputs. Where `_forward` would run the fused forward (same switch, same platforms), the
-    residual-fused FFI forward (forward.add_layernorm_fwd_op) computes all four in one kernel
-    that reads x and residual once; elsewhere, and in the same fallbacks (no CUDA handler,
-    Explicit mesh axes), jnp's add followed by `_forward`'s path. Both normalize the rounded s."""
+def _add_forward(x, residual, weight, bias, eps: float, x_bias=None):
+    """add_layernorm's forward, (y, s, mean, rstd) with s = x + residual in x's dtype (with
+    x_bias: (x + x_bias) + residual, reference.add_residual), for checked inputs. Where
+    `_forward` would run the fused forward (same switch, same platforms), the residual-fused FFI
+    forward (forward.add_layernorm_fwd_op) computes all four in one kernel that reads x and
+    residual once; elsewhere, and in the same fallbacks (no CUDA handler, Explicit mesh axes),
+    jnp's add followed by `_forward`'s path. Both normalize the rounded s."""
     mode = config.ffi_forward_mode()
     if mode == "ffi":
-        return forward.add_layernorm_fwd_op(x, residual, weight, bias, eps)
+        return forward.add_layernorm_fwd_op(x, residual, weight, bias, eps, x_bias)
     platforms = _fused_platforms()
-    if mode == "xla" or not platforms or _explicitly_sharded(x, residual, weight, bias):
-        s = x + residual
+    if mode == "xla" or not platforms or _explicitly_sharded(x, residual, weight, bias, x_bias):
+        s = reference.add_residual(x, residual, x_bias)
         y, mean, rstd = _forward(s, weight, bias, eps)
         return y, s, mean, rstd
 
-    def unfused(x, r, w, b):
-        s = x + r
+    def unfused(x, r, w, b, xb):
+        s = reference.add_residual(x, r, xb)
         y, mean, rstd = reference.layernorm_fwd(s, w, b, eps)
         return y, s, mean, rstd
 
-    fused = lambda x, r, w, b: forward.add_layernorm_fwd_op(x, r, w, b, eps)  # noqa: E731
-    return jax.lax.platform_dependent(x, residual, weight, bias, **{p: fused for p in platforms}, default=unfused)
+    fused = lambda x, r, w, b, xb: forward.add_layernorm_fwd_op(x, r, w, b, eps, xb)  # noqa: E731
+    return jax.lax.platform_dependent(x, residual, weight, bias, x_bias, **{p: fused for p in platforms},
+                                      default=unfused)
 
 
 def _fused_platforms() -> list[str]:

@@ -13,6 +13,16 @@ def acc_dtype(dtype) -> jnp.dtype:
     return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
 
 
+def add_residual(x, residual, x_bias=None):
+    """add_layernorm's s: x + residual in x's dtype (one rounding: jnp's add); with x's own bias
+    (x_bias, shape (C,) or broadcastable), (x + x_bias) + residual in the accumulation dtype,
+    in that order, rounded once to x's dtype (the fused kernel's order)."""
+    if x_bias is None:
+        return x + residual
+    acc = acc_dtype(x.dtype)
+    return ((x.astype(acc) + x_bias.astype(acc)) + residual.astype(acc)).astype(x.dtype)
+
+
 def layernorm_fwd(x, weight, bias, eps: float = 1e-5):
     """Returns (y, mean, rstd); mean and rstd have shape x.shape[:-1] in the accumulation dtype."""
     acc = acc_dtype(x.dtype)

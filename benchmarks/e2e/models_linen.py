@@ -21,6 +21,7 @@ INIT = nn.initializers.normal(0.02)
 class Attention(nn.Module):
     cfg: ModelConfig
     dtype: Any
+    out_bias: bool = True   # False: the output projection's bias lives in the add & norm after it
 
     @nn.compact
     def __call__(self, x):
@@ -30,29 +31,39 @@ class Attention(nn.Module):
         q, k, v = jnp.split(qkv.reshape(b, t, 3 * h, d // h), 3, axis=2)
         o = jax.nn.dot_product_attention(q, k, v, is_causal=self.cfg.causal,
                                          implementation=self.cfg.attention)
-        return nn.Dense(d, dtype=self.dtype, kernel_init=INIT, use_bias=self.cfg.dense_bias, name="proj")(o.reshape(b, t, d))
+        return nn.Dense(d, dtype=self.dtype, kernel_init=INIT, use_bias=self.cfg.dense_bias and self.out_bias,
+                        name="proj")(o.reshape(b, t, d))
 
 
 class Mlp(nn.Module):
     cfg: ModelConfig
     dtype: Any
+    out_bias: bool = True   # as Attention's
 
     @nn.compact
     def __call__(self, x):
         d = x.shape[-1]
         m = nn.Dense(self.cfg.mlp_ratio * d, dtype=self.dtype, kernel_init=INIT, use_bias=self.cfg.dense_bias, name="up")(x)
-        return nn.Dense(d, dtype=self.dtype, kernel_init=INIT, use_bias=self.cfg.dense_bias, name="down")(nn.gelu(m))
+        return nn.Dense(d, dtype=self.dtype, kernel_init=INIT, use_bias=self.cfg.dense_bias and self.out_bias,
+                        name="down")(nn.gelu(m))
 
 
 class Transformer(nn.Module):
-    """inputs (tokens, or vit patches) -> logits; `add_norm` is the variant's linen module."""
+    """inputs (tokens, or vit patches) -> logits; `add_norm` is the variant's linen module.
+
+    x_bias (a variant whose add & norm takes x's own bias, variants.Variant.x_bias): with Dense
+    biases (cfg.dense_bias) the output projection of attention and the MLP's down projection
+    are built without theirs, and the add & norm after each adds it (parameter x_bias: the
+    same parameters and initial values, moved)."""
     cfg: ModelConfig
     add_norm: Callable[..., nn.Module]
     dtype: Any
+    x_bias: bool = False
 
-    def norm(self, x, residual=None):
+    def norm(self, x, residual=None, x_bias: bool = False):
+        kw = {"x_bias": True} if x_bias else {}
         with jax.named_scope(LN_SCOPE):
-            return self.add_norm(dtype=self.dtype, epsilon=self.cfg.epsilon)(x, residual)
+            return self.add_norm(dtype=self.dtype, epsilon=self.cfg.epsilon, **kw)(x, residual)
 
     @nn.compact
     def __call__(self, inputs):
@@ -66,16 +77,19 @@ class Transformer(nn.Module):
             embed = nn.Embed(cfg.vocab, cfg.d_model, dtype=dt, embedding_init=INIT, name="embed")
             x = embed(inputs)
         x = x + self.param("pos", INIT, (cfg.seq, cfg.d_model)).astype(dt)
+        fb = cfg.dense_bias and self.x_bias   # the projections' biases move into the add & norms
+        attn = lambda i: Attention(cfg, dt, out_bias=not fb, name=f"attn_{i}")  # noqa: E731
+        mlp = lambda i: Mlp(cfg, dt, out_bias=not fb, name=f"mlp_{i}")  # noqa: E731
         if cfg.pre_ln:  # s: the residual stream; y: the LayerNorm of it, the next layer's input
             y, s = self.norm(x)
             for i in range(cfg.layers):
-                y, s = self.norm(Attention(cfg, dt, name=f"attn_{i}")(y), s)
-                y, s = self.norm(Mlp(cfg, dt, name=f"mlp_{i}")(y), s)  # the last: the final LN
+                y, s = self.norm(attn(i)(y), s, fb)
+                y, s = self.norm(mlp(i)(y), s, fb)  # the last: the final LN
         else:  # post-LN: the stream is the LayerNorm's output
             y, _ = self.norm(x)
             for i in range(cfg.layers):
-                y, _ = self.norm(Attention(cfg, dt, name=f"attn_{i}")(y), y)
-                y, _ = self.norm(Mlp(cfg, dt, name=f"mlp_{i}")(y), y)
+                y, _ = self.norm(attn(i)(y), y, fb)
+                y, _ = self.norm(mlp(i)(y), y, fb)
         if embed is not None:
             return embed.attend(y)  # the head tied to the token embedding
         return nn.Dense(cfg.classes, dtype=dt, kernel_init=INIT, name="head")(y[:, 0])

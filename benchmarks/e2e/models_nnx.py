@@ -13,12 +13,21 @@ from .models_linen import LN_SCOPE
 INIT = nnx.initializers.normal(0.02)
 
 
+def skip_bias_key(cfg: ModelConfig, out_bias: bool, rngs: nnx.Rngs) -> None:
+    """A projection whose bias moved into the add & norm after it (out_bias False) still draws
+    the key its bias would have: nnx draws parameter keys from one stream in order, so every
+    later weight, and so every variant's starting point, stays the same."""
+    if cfg.dense_bias and not out_bias:
+        rngs.params()
+
+
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, out_bias: bool = True):
         d = cfg.d_model
         self.cfg = cfg
         self.qkv = nnx.Linear(d, 3 * d, dtype=dtype, kernel_init=INIT, use_bias=cfg.dense_bias, rngs=rngs)
-        self.proj = nnx.Linear(d, d, dtype=dtype, kernel_init=INIT, use_bias=cfg.dense_bias, rngs=rngs)
+        self.proj = nnx.Linear(d, d, dtype=dtype, kernel_init=INIT, use_bias=cfg.dense_bias and out_bias, rngs=rngs)
+        skip_bias_key(cfg, out_bias, rngs)
 
     def __call__(self, x):
         b, t, d = x.shape
@@ -30,19 +39,22 @@ class Attention(nnx.Module):
 
 
 class Mlp(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, out_bias: bool = True):
         d, f = cfg.d_model, cfg.mlp_ratio * cfg.d_model
         self.up = nnx.Linear(d, f, dtype=dtype, kernel_init=INIT, use_bias=cfg.dense_bias, rngs=rngs)
-        self.down = nnx.Linear(f, d, dtype=dtype, kernel_init=INIT, use_bias=cfg.dense_bias, rngs=rngs)
+        self.down = nnx.Linear(f, d, dtype=dtype, kernel_init=INIT, use_bias=cfg.dense_bias and out_bias, rngs=rngs)
+        skip_bias_key(cfg, out_bias, rngs)
 
     def __call__(self, x):
         return self.down(jax.nn.gelu(self.up(x)))  # linen's nn.gelu
 
 
 class Transformer(nnx.Module):
-    """inputs (tokens, or vit patches) -> logits; `add_norm` is the variant's nnx module class."""
+    """inputs (tokens, or vit patches) -> logits; `add_norm` is the variant's nnx module class;
+    x_bias as in models_linen.Transformer."""
 
-    def __init__(self, cfg: ModelConfig, add_norm: Callable[..., nnx.Module], dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, add_norm: Callable[..., nnx.Module], dtype, rngs: nnx.Rngs,
+                 x_bias: bool = False):
         self.cfg, self.dtype = cfg, dtype
         d = cfg.d_model
         if cfg.name == "vit":
@@ -53,10 +65,13 @@ class Transformer(nnx.Module):
         self.head = (nnx.Linear(d, cfg.classes, dtype=dtype, kernel_init=INIT, rngs=rngs)
                      if cfg.name == "vit" else None)
         self.pos = nnx.Param(INIT(rngs.params(), (cfg.seq, d)))
-        self.attn = nnx.List([Attention(cfg, dtype, rngs) for _ in range(cfg.layers)])
-        self.mlp = nnx.List([Mlp(cfg, dtype, rngs) for _ in range(cfg.layers)])
-        self.norms = nnx.List([add_norm(d, dtype=dtype, epsilon=cfg.epsilon, rngs=rngs)
-                               for _ in range(2 * cfg.layers + 1)])
+        fb = cfg.dense_bias and x_bias   # the projections' biases move into the add & norms
+        self.attn = nnx.List([Attention(cfg, dtype, rngs, out_bias=not fb) for _ in range(cfg.layers)])
+        self.mlp = nnx.List([Mlp(cfg, dtype, rngs, out_bias=not fb) for _ in range(cfg.layers)])
+        # norm 0 (the embeddings') has no projection in front of it
+        self.norms = nnx.List([add_norm(d, dtype=dtype, epsilon=cfg.epsilon, rngs=rngs,
+                                        **({"x_bias": True} if fb and i > 0 else {}))
+                               for i in range(2 * cfg.layers + 1)])
 
     def norm(self, i, x, residual=None):
         with jax.named_scope(LN_SCOPE):

@@ -58,13 +58,13 @@ class Run:
 def init(cfg: ModelConfig, api: str, variant: Variant, dtype, inputs, seed: int):
     """(apply(params, inputs) -> logits, float32 params) for one API and variant."""
     if api == "linen":
-        model = models_linen.Transformer(cfg, variant.linen, dtype)
+        model = models_linen.Transformer(cfg, variant.linen, dtype, x_bias=variant.x_bias)
         params = jax.jit(model.init)(jax.random.key(seed), inputs)["params"]
         return (lambda p, x: model.apply({"params": p}, x)), params
     # nnx, in its functional form: the module's state is a pytree that jit and optax take
     # directly, and the module is rebuilt from it inside the traced step (no per-call Python
     # graph traversal, as nnx.jit would add).
-    graphdef, params = nnx.split(models_nnx.Transformer(cfg, variant.nnx, dtype, rngs=nnx.Rngs(seed)))
+    graphdef, params = nnx.split(models_nnx.Transformer(cfg, variant.nnx, dtype, rngs=nnx.Rngs(seed), x_bias=variant.x_bias))
     return (lambda p, x: nnx.merge(graphdef, p)(x)), params
 
 

@@ -34,6 +34,10 @@ class Variant:
     name: str
     linen: Callable[..., nn.Module]   # (dtype=, epsilon=) -> module: (x, residual) -> (y, x + residual)
     nnx: Callable[..., nnx.Module]    # (features, dtype=, epsilon=, rngs=) -> the same
+    # Whether the module also takes x's own bias: constructed with x_bias=True, it holds the bias
+    # of the projection in front of it and returns (y, (x + x_bias) + residual); the models then
+    # build that projection without one (models_linen.Transformer).
+    x_bias: bool = False
 
 
 def linen_add_norm(norm_cls: type) -> type:
@@ -79,14 +83,17 @@ register(Variant("jax_lnbwd", linen=linen_add_norm(jax_lnbwd.flax.LayerNorm),
 
 def linen_fused_add_norm(cls: type) -> type:
     """An add & norm linen module that IS a residual-fused module (jax_lnbwd.flax.AddLayerNorm's
-    API: (x, residual) -> (y, x + residual)); its params sit under "norm" like the others'."""
+    API: (x, residual) -> (y, x + residual)); its params sit under "norm" like the others'.
+    x_bias=True: the module's use_x_bias (x's own bias, a parameter of the module)."""
     class AddNorm(nn.Module):
         dtype: Any
         epsilon: float
+        x_bias: bool = False
 
         @nn.compact
         def __call__(self, x, residual=None):
-            return cls(dtype=self.dtype, epsilon=self.epsilon, name="norm")(x, residual)
+            kw = {"use_x_bias": True} if self.x_bias else {}
+            return cls(dtype=self.dtype, epsilon=self.epsilon, name="norm", **kw)(x, residual)
     AddNorm.__name__ = AddNorm.__qualname__ = f"AddNorm_fused_{cls.__module__.split('.')[0]}"
     return AddNorm
 
@@ -94,8 +101,9 @@ def linen_fused_add_norm(cls: type) -> type:
 def nnx_fused_add_norm(cls: type) -> type:
     """The nnx counterpart of linen_fused_add_norm."""
     class AddNorm(nnx.Module):
-        def __init__(self, features: int, *, dtype, epsilon: float, rngs: nnx.Rngs):
-            self.norm = cls(features, dtype=dtype, epsilon=epsilon, rngs=rngs)
+        def __init__(self, features: int, *, dtype, epsilon: float, rngs: nnx.Rngs, x_bias: bool = False):
+            kw = {"use_x_bias": True} if x_bias else {}
+            self.norm = cls(features, dtype=dtype, epsilon=epsilon, rngs=rngs, **kw)
 
         def __call__(self, x, residual=None):
             return self.norm(x, residual)
@@ -104,6 +112,10 @@ def nnx_fused_add_norm(cls: type) -> type:
 
 
 # The residual-fused block: the add and the LayerNorm in one op (jax_lnbwd.add_layernorm), whose
-# backward adds the residual stream's gradient inside the one kernel call.
+# backward adds the residual stream's gradient inside the one kernel call, and whose forward also
+# adds the bias of the projection in front (x_bias). add_layernorm_dense_bias leaves that bias in
+# the Dense: XLA then adds it in a kernel of its own, and sums its gradient in another.
 register(Variant("add_layernorm", linen=linen_fused_add_norm(jax_lnbwd.flax.AddLayerNorm),
+                 nnx=nnx_fused_add_norm(jax_lnbwd.flax.nnx.AddLayerNorm), x_bias=True))
+register(Variant("add_layernorm_dense_bias", linen=linen_fused_add_norm(jax_lnbwd.flax.AddLayerNorm),
                  nnx=nnx_fused_add_norm(jax_lnbwd.flax.nnx.AddLayerNorm)))

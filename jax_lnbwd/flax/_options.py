@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .. import reference
 from ..add_layernorm import add_layernorm
 from ..layernorm import layernorm
 
@@ -89,22 +90,31 @@ def normalize(module_kind: str, x, scale, bias, *, epsilon: float, dtype):
     return y.astype(out)
 
 
-def add_normalize(module_kind: str, x, residual, scale, bias, *, epsilon: float, dtype):
+def add_normalize(module_kind: str, x, residual, scale, bias, *, epsilon: float, dtype, x_bias=None):
     """(y, s): s = x + residual with jnp's promotion (what `x + residual` gives in a Flax block),
     y = normalize(s) by the rule above. When s already has the compute dtype (the usual case:
     all float32, or bf16 activations with dtype=bfloat16), ONE jax_lnbwd.add_layernorm does both,
     and its backward is one kernel call; otherwise (the compute dtype is wider than s's) s is
     added in jnp and normalized like LayerNorm does, so the values are Flax's either way.
-    residual None (a block with nothing to add yet): (normalize(x), x)."""
+    residual None (a block with nothing to add yet): (normalize(x), x).
+
+    x_bias (use_x_bias: the bias of the projection that made x, moved into the module) is added
+    first, s = (x + x_bias) + residual in fp32 (fp64) and rounded once to s's dtype
+    (jax_lnbwd.reference.add_residual); in the fused call it is the kernel's x_bias."""
+    x = jnp.asarray(x)
     if residual is None:
+        if x_bias is not None:
+            acc = reference.acc_dtype(x.dtype)
+            x = (x.astype(acc) + jnp.asarray(x_bias).astype(acc)).astype(x.dtype)
         return normalize(module_kind, x, scale, bias, epsilon=epsilon, dtype=dtype), x
-    x, residual = jnp.asarray(x), jnp.asarray(residual)
+    residual = jnp.asarray(residual)
     s_dtype = jnp.result_type(x, residual)
     probe = jax.ShapeDtypeStruct(x.shape, s_dtype)
     out, compute = dtypes_for(module_kind, probe, scale, bias, dtype)
+    x, residual = x.astype(s_dtype), residual.astype(s_dtype)
     if compute != s_dtype:
-        s = x + residual
+        s = reference.add_residual(x, residual, x_bias)
         return normalize(module_kind, s, scale, bias, epsilon=epsilon, dtype=dtype), s
-    y, s = add_layernorm(x.astype(s_dtype), residual.astype(s_dtype), _param_as_op_takes(scale, compute),
-                         _param_as_op_takes(bias, compute), eps=epsilon)
+    y, s = add_layernorm(x, residual, _param_as_op_takes(scale, compute), _param_as_op_takes(bias, compute),
+                         x_bias=_param_as_op_takes(x_bias, compute), eps=epsilon)
     return y.astype(out), s

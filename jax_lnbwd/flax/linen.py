@@ -1,6 +1,8 @@
 """jax_lnbwd.flax.LayerNorm and AddLayerNorm: flax.linen.LayerNorm with jax_lnbwd's op."""
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import flax.linen as nn
 
 from ._options import add_normalize, check_options, normalize
@@ -43,13 +45,23 @@ class AddLayerNorm(nn.LayerNorm):
     residual=None gives (LayerNorm(x), x). s has jnp's promotion of x's and residual's dtypes. When the compute dtype is wider than
     s's (bf16 activations with dtype=None and float32 params) the add and the norm are done
     separately, with Flax's numbers.
+
+    use_x_bias=True adds one more parameter, `x_bias` of shape (features,) (x_bias_init, zeros
+    by default, param_dtype): the bias of the projection that produced x, moved here from that
+    Dense (built with use_bias=False), so that the forward kernel adds it as well, s = (x +
+    x_bias) + residual, and XLA runs no bias add of its own (jax_lnbwd.add_layernorm's x_bias):
+
+        y, h = AddLayerNorm(use_x_bias=True)(nn.Dense(d, use_bias=False)(o), h)
     """
+    use_x_bias: bool = False
+    x_bias_init: Callable[..., Any] = nn.initializers.zeros
 
     @nn.compact
     def __call__(self, x, residual=None, *, mask=None):
         check_options(self, x, mask)
         scale, bias = _params(self, x)
-        return add_normalize("linen", x, residual, scale, bias, epsilon=self.epsilon, dtype=self.dtype)
+        x_bias = self.param("x_bias", self.x_bias_init, (x.shape[-1],), self.param_dtype) if self.use_x_bias else None
+        return add_normalize("linen", x, residual, scale, bias, epsilon=self.epsilon, dtype=self.dtype, x_bias=x_bias)
 
 
 def _params(module, x):

@@ -32,11 +32,23 @@ class AddLayerNorm(nnx.LayerNorm):
     """The residual add and a LayerNorm in one: `y, s = AddLayerNorm(n, rngs=rngs)(x, residual)`
     is `s = x + residual; y = LayerNorm(n, rngs=rngs)(s)` (same arguments, state and dtypes as
     LayerNorm above) through jax_lnbwd.add_layernorm, whose backward adds s's cotangent inside
-    the one kernel call. residual=None gives (LayerNorm(x), x)."""
+    the one kernel call. residual=None gives (LayerNorm(x), x).
+
+    use_x_bias=True: one more Param, `x_bias` (num_features,), made by x_bias_init (zeros) in
+    param_dtype: the bias of the projection that produced x, moved here from that Linear
+    (use_bias=False), added by the forward kernel: s = (x + x_bias) + residual (as linen's
+    AddLayerNorm, jax_lnbwd/flax/linen.py)."""
+
+    def __init__(self, num_features: int, *args, use_x_bias: bool = False,
+                 x_bias_init=nnx.initializers.zeros_init(), rngs: nnx.Rngs, **kwargs):
+        super().__init__(num_features, *args, rngs=rngs, **kwargs)
+        self.x_bias = nnx.Param(x_bias_init(rngs.params(), (num_features,), self.param_dtype)) if use_x_bias else None
 
     def __call__(self, x, residual=None, *, mask=None):
         check_options(self, x, mask)
-        return add_normalize("nnx", x, residual, *_params(self), epsilon=self.epsilon, dtype=self.dtype)
+        x_bias = None if self.x_bias is None else self.x_bias[...]
+        return add_normalize("nnx", x, residual, *_params(self), epsilon=self.epsilon, dtype=self.dtype,
+                             x_bias=x_bias)
 
 
 def _params(module):

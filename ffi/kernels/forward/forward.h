@@ -18,7 +18,11 @@
 // fp32 sum rounded to 16 bits is the correctly rounded sum: fp32 has at least 2p + 2 bits), so
 // y, mean and rstd are the layernorm of exactly the s the caller gets back.
 //
-// Mixed precision: for bf16/fp16 x, weight and bias may be float32 (params kept in fp32, as
+// With x's own bias (add_layernorm's x_bias: the bias of the projection that produced x, whose
+// add XLA would otherwise run on its own between the matmul and this kernel):
+//   s_i = round((x_i + x_bias_i) + residual_i)   in fp32 (fp64), in that order, rounded once
+//
+// Mixed precision: for bf16/fp16 x, weight, bias (and x_bias) may be float32 (params kept in fp32, as
 // Flax keeps them); they are used in fp32 as they are, never rounded to 16 bits.
 #pragma once
 
@@ -62,6 +66,9 @@ struct LayernormFwdParams {
   // The residual variant: both set, or both nullptr (the plain forward). Never aliased to x or y.
   const void* residual;   // [rows, C] dtype
   void* s;                // [rows, C] dtype: x + residual, rounded to dtype; the rows normalized
+  // The residual variant only, optional: x's own bias, added to x before the residual.
+  const void* x_bias;     // [x_bias_rows, C] param_dtype, or nullptr
+  int64_t x_bias_rows;    // as weight_rows
 };
 
 // What the launcher runs for a shape: the path, the vector width (elements per access: 16 bytes,

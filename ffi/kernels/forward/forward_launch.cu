@@ -28,7 +28,7 @@ bool can_vectorize(const LayernormFwdParams& p) {
   const int vec = 16 / item_bytes(p.dtype);
   return p.C % vec == 0 && aligned16(p.x) && aligned16(p.y) && (p.weight == nullptr || aligned16(p.weight)) &&
          (p.bias == nullptr || aligned16(p.bias)) && (p.residual == nullptr || aligned16(p.residual)) &&
-         (p.s == nullptr || aligned16(p.s));
+         (p.s == nullptr || aligned16(p.s)) && (p.x_bias == nullptr || aligned16(p.x_bias));
 }
 
 // The register path's row group: the fewest threads per row (a power of two from 32 to
@@ -101,10 +101,11 @@ cudaError_t layernorm_fwd(const LayernormFwdParams& p, cudaStream_t stream) {
   if (p.rows == 0) return cudaSuccess;   // nothing to read or write
   if (p.x == nullptr || p.y == nullptr || p.mean == nullptr || p.rstd == nullptr) return cudaErrorInvalidValue;
   if ((p.residual == nullptr) != (p.s == nullptr)) return cudaErrorInvalidValue;   // the variant needs both
-  for (int64_t prows : {p.weight_rows, p.bias_rows}) {
+  for (int64_t prows : {p.weight_rows, p.bias_rows, p.x_bias_rows}) {
     if (prows < 0 || (prows > 0 && p.rows % prows != 0)) return cudaErrorInvalidValue;
   }
   if ((p.weight != nullptr && p.weight_rows < 1) || (p.bias != nullptr && p.bias_rows < 1)) return cudaErrorInvalidValue;
+  if (p.x_bias != nullptr && (p.x_bias_rows < 1 || p.residual == nullptr)) return cudaErrorInvalidValue;
   LayernormFwdConfig cfg;
   LNBWD_FWD_RETURN_IF_ERROR(layernorm_fwd_pick(p, &cfg));
   return cfg.path == FwdPath::kRegisters ? layernorm_fwd_rows(p, cfg, stream) : layernorm_fwd_wide(p, cfg, stream);

@@ -22,7 +22,7 @@ namespace lnbwd {
 // default. Without parameters, P = T (param_dtype is not read).
 template <typename F>
 cudaError_t dispatch_fwd_types(const LayernormFwdParams& p, F&& f) {
-  const bool params = p.weight != nullptr || p.bias != nullptr;
+  const bool params = p.weight != nullptr || p.bias != nullptr || p.x_bias != nullptr;
   const bool f32_params = params && p.param_dtype == Dtype::kF32;
   if (params && p.param_dtype != p.dtype && !f32_params) return cudaErrorInvalidValue;
   switch (p.dtype) {
@@ -50,6 +50,8 @@ FwdArgs<T, P> fwd_args(const LayernormFwdParams& p) {
   a.eps = static_cast<acc_t<T>>(p.eps);
   a.residual = static_cast<const T*>(p.residual);
   a.s = static_cast<T*>(p.s);
+  a.x_bias = static_cast<const P*>(p.x_bias);
+  a.x_bias_div = p.rows / (p.x_bias_rows > 0 ? p.x_bias_rows : 1);
   return a;
 }
 

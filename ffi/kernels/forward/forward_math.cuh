@@ -27,6 +27,8 @@ struct FwdArgs {
   // The residual variant only (the kernels' RES flag; unread otherwise): s = x + residual.
   const T* residual;
   T* s;
+  const P* x_bias;      // nullptr: none; else s = (x + x_bias) + residual
+  int64_t x_bias_div;
 };
 
 // The parameter row of `row`, or nullptr when the parameter is absent.
@@ -61,6 +63,18 @@ __device__ __forceinline__ Packed<T, VEC> add_round(const Packed<T, VEC>& x, con
   Packed<T, VEC> out;
 #pragma unroll
   for (int k = 0; k < VEC; ++k) out[k] = from_acc<T>(xf[k] + rf[k]);
+  return out;
+}
+
+// s = (x + xb) + r for one vector, xb the x_bias parameters at its columns (already in the
+// accumulator type): both adds in the accumulator type, rounded once to T.
+template <typename T, int VEC>
+__device__ __forceinline__ Packed<T, VEC> add_bias_round(const Packed<T, VEC>& x, const Packed<acc_t<T>, VEC>& xb,
+                                                         const Packed<T, VEC>& r) {
+  const Packed<acc_t<T>, VEC> xf = to_acc(x), rf = to_acc(r);
+  Packed<T, VEC> out;
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) out[k] = from_acc<T>((xf[k] + xb[k]) + rf[k]);
   return out;
 }
 

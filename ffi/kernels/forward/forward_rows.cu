@@ -27,7 +27,8 @@
 //   pass 2: var  = (1/C) sum (x_i - mean)^2       (the same registers: centered, exact two-pass)
 //   pass 3: y_i  = ((x_i - mean) rstd) w_i + b_i, rstd = 1/sqrt(var + eps), stored as T.
 // RES (the residual variant, add_layernorm): the residual row is loaded next to x, the row
-// becomes s = x + residual rounded to T (add_round) in the same registers, s is stored, and the
+// becomes s = x + residual rounded to T (add_round; with x's own bias, (x + x_bias) + residual:
+// add_bias_round, the bias from L1 like weight and bias) in the same registers, s is stored, and the
 // three passes run on s. The RES = false instantiations are the plain forward, unchanged.
 #include <algorithm>
 
@@ -76,11 +77,14 @@ forward_rows(FwdArgs<T, P> a, int tpr, int groups) {
         const int col = (j * tpr + t) * VEC;
         if (col < C) rv[j] = load_cs(reinterpret_cast<const V*>(r + col));
       }
+      const P* xb = param_row(a.x_bias, row, a.x_bias_div, C);   // x's own bias, or nullptr
 #pragma unroll
       for (int j = 0; j < NV; ++j) {
         const int col = (j * tpr + t) * VEC;
         if (col < C) {
-          xv[j] = add_round(xv[j], rv[j]);
+          // A uniform branch: x_bias is there for the whole launch or not at all.
+          xv[j] = xb == nullptr ? add_round(xv[j], rv[j])
+                                : add_bias_round(xv[j], load_params<A, P, VEC>(xb + col), rv[j]);
           *reinterpret_cast<V*>(a.s + row * C + col) = xv[j];
         }
       }

@@ -14,7 +14,8 @@
 // y_i = ((x_i - mean) rstd) w_i + b_i, in fp32 (fp64 for fp64).
 //
 // RES (the residual variant): pass 1 reads x and residual once (streaming: neither is read
-// again), forms s = x + residual rounded to T (add_round) and stores it; the row the passes
+// again), forms s = x + residual rounded to T (add_round; (x + x_bias) + residual with x's own
+// bias, add_bias_round) and stores it; the row the passes
 // work on is s. kSharedMemory keeps s in shared memory as it keeps x; kGlobal re-reads s from
 // the output just written. Each thread re-reads only the vectors it stored itself, so that
 // needs no barrier (a thread sees its own stores). The RES = false instantiations are the
@@ -57,7 +58,9 @@ forward_wide(FwdArgs<T, P> a) {
       if constexpr (RES) {
         const V* xr = reinterpret_cast<const V*>(a.x + row * C);
         const V* rr = reinterpret_cast<const V*>(a.residual + row * C);
-        v = add_round(load_cs(xr + i), load_cs(rr + i));
+        const P* xb = param_row(a.x_bias, row, a.x_bias_div, C);   // uniform branch below
+        v = xb == nullptr ? add_round(load_cs(xr + i), load_cs(rr + i))
+                          : add_bias_round(load_cs(xr + i), load_params<A, P, VEC>(xb + i * VEC), load_cs(rr + i));
         sum_row[i] = v;
       } else {
         v = IN_SMEM ? load_cs(x + i) : load(x + i);
