@@ -18,7 +18,7 @@ import jax_lnbwd
 from conftest import PLATFORMS, make_inputs, put
 from jax_lnbwd import TARGET, layernorm
 
-ALLOW = [export.DisabledSafetyCheck.custom_call(t) for t in jax_lnbwd.TARGETS]   # bwd v1, v2, fwd, add fwd
+ALLOW = [export.DisabledSafetyCheck.custom_call(t) for t in jax_lnbwd.TARGETS]   # bwd v1, v2, fwd, add fwd v1, v2
 EXPORT_PLATFORM = {"cpu": "cpu", "gpu": "cuda"}  # our platform names -> jax.export's
 ARGNUMS = (0, 1, 2)
 

@@ -291,7 +291,7 @@ def test_jvp_and_jacfwd_through_scan(platform, remat):
 
 
 EXPORT_PLATFORM = {"cpu": "cpu", "gpu": "cuda"}
-ALLOW = [export.DisabledSafetyCheck.custom_call(t) for t in jax_lnbwd.TARGETS]   # bwd v1, v2, fwd, add fwd
+ALLOW = [export.DisabledSafetyCheck.custom_call(t) for t in jax_lnbwd.TARGETS]   # bwd v1, v2, fwd, add fwd v1, v2
 
 
 def _grad_and_hvp(x, w, b):

@@ -4,7 +4,9 @@ Three transformers written here (config.py: a GPT-2-style pre-LN decoder, d 1600
 seq 1024, batch 8; a BERT-style post-LN encoder, d 1024, seq 1024, batch 8; a ViT-style pre-LN
 encoder, d 1024, 197 tokens, batch 8; 6 blocks each), in flax.linen and flax.nnx, train with
 optax's adam on float32 parameters, computing in bf16 (``--dtypes``). Each (model, API, dtype)
-runs once per LayerNorm variant (variants.py: ``flax``, ``jax_lnbwd``, ``add_layernorm``, and any registered).
+runs once per LayerNorm variant (variants.py: ``flax``, ``jax_lnbwd``, ``add_layernorm``, which also
+takes in the bias of the projection in front of it, ``add_layernorm_dense_bias``, which leaves it
+in the Dense, and any registered).
 
 How a step is timed
 -------------------

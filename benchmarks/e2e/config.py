@@ -38,9 +38,10 @@ class ModelConfig:
     mlp_ratio: int = 4
     attention: str = "xla"  # jax.nn.dot_product_attention's implementation: "xla" or "cudnn"
     # Whether the blocks' Dense layers (qkv, proj, up, down) add a bias, as GPT-2, BERT and ViT
-    # do. A bias add in front of the residual add is fused by XLA into that add; without biases
-    # (PaLM-style blocks) the residual add stands alone, which is where add_layernorm's fused
-    # add has the most to take over.
+    # do. A bias add in front of the residual add is fused by XLA into that add (and its
+    # gradient into the gradient's add); a variant whose add & norm is a custom call takes the
+    # bias in (variants.Variant.x_bias) or leaves XLA a bias add and a bias-gradient sum of their
+    # own. Without biases (PaLM-style blocks) the residual add stands alone.
     dense_bias: bool = True
 
     @property

@@ -11,8 +11,10 @@ into the kernel (``jax_lnbwd.add_layernorm``) plugs in without touching the mode
 
 where ``MyLinenAddNorm(dtype=..., epsilon=...)`` is a linen module and ``MyNnxAddNorm(features,
 dtype=..., epsilon=..., rngs=...)`` an nnx one, each with the call above. Registered here:
-``flax`` (flax's LayerNorm), ``jax_lnbwd`` (the drop-in jax_lnbwd.flax.LayerNorm after a jnp add)
-and ``add_layernorm`` (jax_lnbwd.flax.AddLayerNorm: add and norm fused, one backward call).
+``flax`` (flax's LayerNorm), ``jax_lnbwd`` (the drop-in jax_lnbwd.flax.LayerNorm after a jnp add),
+``add_layernorm`` (jax_lnbwd.flax.AddLayerNorm: add and norm fused, one backward call; with Dense
+biases it holds the bias of the projection in front, use_x_bias) and ``add_layernorm_dense_bias``
+(the same with that bias left in the Dense).
 Run another with ``--variants flax,jax_lnbwd,fused``; a module outside this folder can be loaded first with
 ``--variant-module my.module`` (it calls register() when imported). The first variant listed
 is the baseline that the others' step-time ratios are taken against.
