@@ -312,7 +312,7 @@ def test_nnx_module_has_x_bias():
     x, r, *_ = inputs("cpu", (4, 32), "float32", seed=12)
     m = jax_lnbwd.flax.nnx.AddLayerNorm(32, use_x_bias=True, rngs=nnx.Rngs(0))
     assert m.x_bias[...].shape == (32,) and m.x_bias[...].dtype == jnp.float32
-    m.x_bias[...] = jnp.linspace(-1, 1, 32)
+    m.x_bias[...] = jnp.linspace(-1, 1, 32, dtype=jnp.float32)
     y, s = m(x, r)
     y_want, s_ref = _reference(x, r, m.scale[...], m.bias[...], m.x_bias[...], eps=m.epsilon)
     np.testing.assert_array_equal(np.asarray(s), np.asarray(s_ref))
