@@ -56,7 +56,7 @@ def _name(a) -> str:
 
 
 def _check(x, weight, bias, eps, fn: str = "layernorm_fwd", x_bias=None):
-    """Trace-time checks; returns (eps as float, weight, bias[, x_bias]) with a 16-bit parameter
+    """Trace-time checks; returns (eps as float, weight, bias, x_bias) with a 16-bit parameter
     next to a float32 one upcast to float32 (exact), so all reach the kernel in one dtype.
     Messages start with `fn`. x_bias (add_layernorm_fwd only) is checked like weight and bias."""
     try:
@@ -90,13 +90,13 @@ def _check(x, weight, bias, eps, fn: str = "layernorm_fwd", x_bias=None):
     present = [p for p in (weight, bias, x_bias) if p is not None]
     if len({jnp.dtype(p.dtype) for p in present}) > 1:   # exact: bf16/f16 -> f32
         weight, bias, x_bias = (None if p is None else p.astype(jnp.float32) for p in (weight, bias, x_bias))
-    return (eps_f, weight, bias) if x_bias is None else (eps_f, weight, bias, x_bias)
+    return eps_f, weight, bias, x_bias
 
 
 def layernorm_fwd_op(x, weight, bias, eps: float = 1e-5):
     """(y, mean, rstd) of layernorm over the last axis, by the fused FFI forward (see the module
     docstring for shapes and dtypes)."""
-    eps, weight, bias = _check(x, weight, bias, eps)
+    eps, weight, bias, _ = _check(x, weight, bias, eps)
     params = tuple(p for p in (weight, bias) if p is not None)
     if x.ndim == 1:  # one row: the op needs a row axis
         y, mean, rstd = _op(0, weight is not None, bias is not None, eps)(x[None], *params)
@@ -109,8 +109,7 @@ def add_layernorm_fwd_op(x, residual, weight, bias, eps: float = 1e-5, x_bias=No
     residual), and layernorm's (y, mean, rstd) of s, by the residual-fused FFI forward (see the
     module docstring). residual must have x's shape and dtype; x_bias is a (C,) parameter."""
     fn = "add_layernorm_fwd"
-    eps, weight, bias, *xb = _check(x, weight, bias, eps, fn, x_bias)
-    x_bias = xb[0] if xb else None
+    eps, weight, bias, x_bias = _check(x, weight, bias, eps, fn, x_bias)
     if not hasattr(residual, "dtype") or not hasattr(residual, "shape"):
         raise TypeError(f"{fn}: 'residual' must be an array, got {type(residual).__name__}")
     if tuple(residual.shape) != tuple(x.shape):
