@@ -10,8 +10,10 @@
 //                                        shared memory, global memory) x dtypes x parameter
 //                                        kinds x shapes, plain and with a residual (add_layernorm's
 //                                        variant: s = x + residual must match the CPU's rounded
-//                                        sum bit for bit), against a CPU reference in double
-//   forward_check sweep ROWS C DTYPE [f32params] [residual]
+//                                        sum bit for bit; and with x's own bias, s = (x + x_bias)
+//                                        + residual in the accumulator type), against a CPU
+//                                        reference in double
+//   forward_check sweep ROWS C DTYPE [f32params] [residual] [x_bias]
 //                                        time each configuration of one shape and a same-bytes
 //                                        device copy (CUDA events, median of 7 runs of 20)
 //
@@ -94,7 +96,17 @@ struct Case {
   FwdPath path;
   int tpr;
   bool residual;                    // the residual variant: y is the layernorm of s = x + residual
+  int64_t x_bias_rows = 0;          // the residual variant only: x's own bias, 0 absent, 1 shared, S per segment
 };
+
+// s as the kernels form it: (x + x_bias) + residual with each add in the accumulator type (fp32,
+// or fp64 for fp64 data), then rounded once to the dtype by store(). Without x_bias, x + residual.
+static double expected_sum(Dtype d, double x, double xb, double r, bool has_xb) {
+  if (d == Dtype::kF64) return has_xb ? (x + xb) + r : x + r;
+  if (!has_xb) return x + r;   // exact in double; store() rounds it once (twice for 16-bit: harmless)
+  const float t = static_cast<float>(static_cast<double>(static_cast<float>(x)) + static_cast<float>(xb));
+  return static_cast<float>(static_cast<double>(t) + static_cast<float>(r));
+}
 
 // Norm-wise relative error sqrt(sum (a-b)^2 / sum b^2) (absolute when b is all zero).
 static double rel_err(const std::vector<double>& a, const std::vector<double>& b) {
@@ -125,6 +137,9 @@ static int run_case(const Case& c, std::mt19937_64& rng) {
   DeviceBuffer x(n * item, lead), y(n * item, lead), mean(c.rows * stat_bytes(c.dtype)), rstd(c.rows * stat_bytes(c.dtype));
   DeviceBuffer w(c.weight_rows * c.C * pitem), b(c.bias_rows * c.C * pitem);
   DeviceBuffer res(c.residual ? n * item : 0, lead), sum(c.residual ? n * item : 0, lead);
+  DeviceBuffer xbias(c.x_bias_rows * c.C * pitem);
+  p.x_bias = c.x_bias_rows > 0 ? xbias.ptr : nullptr;
+  p.x_bias_rows = c.x_bias_rows;
   p.x = x.ptr;
   p.y = y.ptr;
   p.residual = c.residual ? res.ptr : nullptr;
@@ -144,11 +159,17 @@ static int run_case(const Case& c, std::mt19937_64& rng) {
   // sum rounded once to the dtype (via float for 16-bit: rounding twice changes nothing there),
   // and the reference below normalizes it.
   std::vector<unsigned char> hr_in(c.residual ? n * item : 0), hs_want(c.residual ? n * item : 0);
+  std::vector<unsigned char> hxb(c.x_bias_rows * c.C * pitem);
+  for (size_t i = 0; i < static_cast<size_t>(c.x_bias_rows * c.C); ++i) store(c.param_dtype, hxb.data(), i, normal(rng));
   for (size_t i = 0; c.residual && i < n; ++i) {
     store(c.dtype, hr_in.data(), i, normal(rng));
-    store(c.dtype, hs_want.data(), i, load(c.dtype, hx.data(), i) + load(c.dtype, hr_in.data(), i));
+    const int64_t row = static_cast<int64_t>(i) / c.C, col = static_cast<int64_t>(i) % c.C;
+    const double xb = c.x_bias_rows > 0 ? load(c.param_dtype, hxb.data(), (row / (c.rows / c.x_bias_rows)) * c.C + col) : 0;
+    store(c.dtype, hs_want.data(), i,
+          expected_sum(c.dtype, load(c.dtype, hx.data(), i), xb, load(c.dtype, hr_in.data(), i), c.x_bias_rows > 0));
   }
   if (c.residual) CHECK_CUDA(cudaMemcpy(res.ptr, hr_in.data(), hr_in.size(), cudaMemcpyHostToDevice));
+  if (!hxb.empty()) CHECK_CUDA(cudaMemcpy(xbias.ptr, hxb.data(), hxb.size(), cudaMemcpyHostToDevice));
   const std::vector<unsigned char>& hrow = c.residual ? hs_want : hx;   // the rows normalized
   for (size_t i = 0; i < static_cast<size_t>(c.weight_rows * c.C); ++i) store(c.param_dtype, hw.data(), i, 1 + 0.1 * normal(rng));
   for (size_t i = 0; i < static_cast<size_t>(c.bias_rows * c.C); ++i) store(c.param_dtype, hb.data(), i, normal(rng));
@@ -158,10 +179,10 @@ static int run_case(const Case& c, std::mt19937_64& rng) {
   cudaError_t err = layernorm_fwd(p, 0);
   if (err == cudaSuccess) err = cudaDeviceSynchronize();
   char label[256];
-  std::snprintf(label, sizeof(label), "%lldx%lld %s params %s w%lld b%lld %s%s%s tpr %d", (long long)c.rows,
+  std::snprintf(label, sizeof(label), "%lldx%lld %s params %s w%lld b%lld %s%s%s xb%lld tpr %d", (long long)c.rows,
                 (long long)c.C, dtype_name(c.dtype), dtype_name(c.param_dtype), (long long)c.weight_rows,
                 (long long)c.bias_rows, path_name(c.path), c.misaligned ? " misaligned" : "",
-                c.residual ? " residual" : "", c.rows > 0 ? cfg.tpr : 0);
+                c.residual ? " residual" : "", (long long)c.x_bias_rows, c.rows > 0 ? cfg.tpr : 0);
   if (err != cudaSuccess) {
     std::printf("FAIL %s: %s\n", label, cudaGetErrorString(err));
     return 1;
@@ -175,7 +196,7 @@ static int run_case(const Case& c, std::mt19937_64& rng) {
     CHECK_CUDA(cudaMemcpy(hs.data(), sum.ptr, hs.size(), cudaMemcpyDeviceToHost));
     for (size_t i = 0; i < n; ++i) {
       if (std::memcmp(hs.data() + i * item, hs_want.data() + i * item, item) != 0) {
-        std::printf("FAIL %s: s[%zu] = %.9g but x + residual rounded is %.9g\n", label, i, load(c.dtype, hs.data(), i),
+        std::printf("FAIL %s: s[%zu] = %.9g but (x + x_bias) + residual rounded is %.9g\n", label, i, load(c.dtype, hs.data(), i),
                     load(c.dtype, hs_want.data(), i));
         return 1;
       }
@@ -243,14 +264,20 @@ static int check() {
               if (!quick || tpr == 32 || tpr == 128) paths.push_back({FwdPath::kRegisters, tpr});
             }
             // The residual variant with shared parameters and with none (the parameter kinds
-            // do not meet the residual's code).
+            // do not meet the residual's code), without x's own bias, with a shared one, and
+            // (where rows allow segments) with one per segment of rows.
             for (bool res : {false, true}) {
               if (res && wr != br) continue;
-              for (auto [path, tpr] : paths) {
-                const int r = run_case({rows, C, d, pd, wr, br, mis, path, tpr, res}, rng);
-                if (r < 0) continue;
-                ++cases;
-                failures += r;
+              std::vector<int64_t> xbs = {0};
+              if (res) xbs.push_back(1);
+              if (res && rows % 7 == 0 && rows > 0) xbs.push_back(7);
+              for (int64_t xb : xbs) {
+                for (auto [path, tpr] : paths) {
+                  const int r = run_case({rows, C, d, pd, wr, br, mis, path, tpr, res, xb}, rng);
+                  if (r < 0) continue;
+                  ++cases;
+                  failures += r;
+                }
               }
             }
           }
@@ -284,14 +311,17 @@ static double time_us(F&& launch) {
 }
 
 // residual: the residual variant, which reads x and residual and writes y and s; its copy moves
-// the same bytes (two copies of rows x C).
-static int sweep(int64_t rows, int64_t C, const std::string& dtype, bool f32params, bool residual) {
+// the same bytes (two copies of rows x C). x_bias (with residual): x's own bias added too.
+static int sweep(int64_t rows, int64_t C, const std::string& dtype, bool f32params, bool residual, bool x_bias) {
   const Dtype d = dtype == "float32" ? Dtype::kF32 : dtype == "bfloat16" ? Dtype::kBF16 : dtype == "float16" ? Dtype::kF16 : Dtype::kF64;
   const Dtype pd = f32params ? Dtype::kF32 : d;
   const size_t n = static_cast<size_t>(rows * C), bytes = n * item_bytes(d);
   DeviceBuffer x(bytes), y(bytes), mean(rows * stat_bytes(d)), rstd(rows * stat_bytes(d));
   DeviceBuffer w(C * item_bytes(pd)), b(C * item_bytes(pd));
   DeviceBuffer res(residual ? bytes : 0), sum(residual ? bytes : 0);
+  x_bias = x_bias && residual;
+  DeviceBuffer xb(x_bias ? C * item_bytes(pd) : 0);
+  if (x_bias) CHECK_CUDA(cudaMemset(xb.ptr, 0, C * item_bytes(pd)));
   CHECK_CUDA(cudaMemset(x.ptr, 0x3c, bytes));   // finite values in every dtype
   if (residual) CHECK_CUDA(cudaMemset(res.ptr, 0x3c, bytes));
   CHECK_CUDA(cudaMemset(w.ptr, 0, C * item_bytes(pd)));
@@ -301,13 +331,14 @@ static int sweep(int64_t rows, int64_t C, const std::string& dtype, bool f32para
     CHECK_CUDA(cudaMemcpyAsync(y.ptr, x.ptr, bytes, cudaMemcpyDeviceToDevice));
     if (residual) CHECK_CUDA(cudaMemcpyAsync(sum.ptr, res.ptr, bytes, cudaMemcpyDeviceToDevice));
   });
-  std::printf("%lldx%lld %s (params %s)%s: copy %.2f us (%.0f GB/s)\n", (long long)rows, (long long)C, dtype.c_str(),
-              dtype_name(pd), residual ? " residual" : "", copy, tensors * bytes / copy / 1e3);
+  std::printf("%lldx%lld %s (params %s)%s%s: copy %.2f us (%.0f GB/s)\n", (long long)rows, (long long)C, dtype.c_str(),
+              dtype_name(pd), residual ? " residual" : "", x_bias ? " x_bias" : "", copy, tensors * bytes / copy / 1e3);
   std::vector<std::pair<FwdPath, int>> paths = {{FwdPath::kAuto, 0}, {FwdPath::kSharedMemory, 0}, {FwdPath::kGlobal, 0}};
   for (int tpr = 32; tpr <= 512; tpr *= 2) paths.push_back({FwdPath::kRegisters, tpr});
   for (auto [path, tpr] : paths) {
     LayernormFwdParams p = {y.ptr, mean.ptr, rstd.ptr, x.ptr, w.ptr, b.ptr, rows, C, 1, 1, d, pd, 1e-5, path, tpr,
-                            residual ? res.ptr : nullptr, residual ? sum.ptr : nullptr};
+                            residual ? res.ptr : nullptr, residual ? sum.ptr : nullptr, x_bias ? xb.ptr : nullptr,
+                            x_bias ? 1 : 0};
     LayernormFwdConfig cfg;
     if (layernorm_fwd_pick(p, &cfg) != cudaSuccess) continue;
     const double us = time_us([&] { CHECK_CUDA(layernorm_fwd(p, 0)); });
@@ -322,13 +353,14 @@ int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "check";
   if (mode == "check") return check();
   if (mode == "sweep" && argc >= 5) {
-    bool f32params = false, residual = false;
+    bool f32params = false, residual = false, x_bias = false;
     for (int i = 5; i < argc; ++i) {
       f32params |= std::string(argv[i]) == "f32params";
       residual |= std::string(argv[i]) == "residual";
+      x_bias |= std::string(argv[i]) == "x_bias";
     }
-    return sweep(std::atoll(argv[2]), std::atoll(argv[3]), argv[4], f32params, residual);
+    return sweep(std::atoll(argv[2]), std::atoll(argv[3]), argv[4], f32params, residual, x_bias);
   }
-  std::fprintf(stderr, "usage: %s check | sweep ROWS C DTYPE [f32params] [residual]\n", argv[0]);
+  std::fprintf(stderr, "usage: %s check | sweep ROWS C DTYPE [f32params] [residual [x_bias]]\n", argv[0]);
   return 2;
 }
