@@ -197,6 +197,27 @@ def test_one_call_each_way():
     assert text.count(f"@{TARGET_V2}(") == 1
 
 
+@pytest.mark.parametrize("platforms", [("cuda", "cpu"), ("cuda",)], ids=["ffi_branch", "jnp_branch"])
+def test_default_forward_per_platform(monkeypatch, platforms):
+    """The default forward (no switch): jax.lax.platform_dependent picks the fused v2 forward on
+    the platforms that have it, jnp's add and forward elsewhere; both give the reference's values.
+    Here the CPU is made one of those platforms, or not."""
+    import sys
+    from jax_lnbwd import config
+    monkeypatch.delenv(config.FORWARD_ENV_VAR, raising=False)
+    monkeypatch.setattr(config, "_forward_override", None)
+    monkeypatch.setattr(sys.modules["jax_lnbwd.layernorm"], "FFI_FORWARD_PLATFORMS", platforms)
+    x, r, w, b, xb, gy, gs = inputs("cpu", (6, 80), "bfloat16", seed=13, pdtype="float32")
+    fn = jax.jit(jax.grad(lambda *a: _loss(_ours, *a, gy, gs), argnums=ARGNUMS))
+    assert (f"@{ADD_BIAS_TARGET}(" in fn.lower(x, r, w, b, xb).as_text()) == ("cpu" in platforms)
+    y, s = jax.jit(_ours)(x, r, w, b, xb)
+    (y_want, s_want_), g_want = _want(x, r, w, b, xb, gy, gs)
+    np.testing.assert_array_equal(np.asarray(s), s_want_)
+    assert_close("y", y, y_want, "bfloat16")
+    for name, g, h in zip(("dx", "dresidual", "dweight", "dbias", "dx_bias"), fn(x, r, w, b, xb), g_want):
+        assert_close(name, g, h, "bfloat16")
+
+
 def test_vmap_per_example_bias():
     x, r, w, b, _, gy, gs = inputs("cpu", (4, 6, 64), "float32", seed=6)
     XB = jnp.asarray(np.random.default_rng(6).standard_normal((4, 64)), jnp.float32)
