@@ -45,15 +45,13 @@ void Impl(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual, const ffi::An
   const int64_t xb_div = shape.x_bias_rows > 0 ? rows / shape.x_bias_rows : 1;
   for (int64_t r = 0; r < rows; ++r) {
     const auto* xr = xs + r * C;
-    if (res && xbs) {   // s = (x + x_bias) + residual, in the accumulator type, rounded once
-      const auto* xbr = xbs + (r / xb_div) * C;
+    if (res) {   // the row normalized is s = (x [+ x_bias]) + residual in A, rounded once to x's dtype
+      const auto* xbr = xbs ? xbs + (r / xb_div) * C : nullptr;
       for (int64_t i = 0; i < C; ++i) {
-        const A v = (static_cast<A>(D::Load(xr[i])) + static_cast<A>(Q::Load(xbr[i]))) + static_cast<A>(D::Load(res[r * C + i]));
-        ss[r * C + i] = D::Store(v);
+        A v = static_cast<A>(D::Load(xr[i]));
+        if (xbr) v += static_cast<A>(Q::Load(xbr[i]));
+        ss[r * C + i] = D::Store(v + static_cast<A>(D::Load(res[r * C + i])));
       }
-      xr = ss + r * C;
-    } else if (res) {   // the row normalized is s = x + residual, rounded to x's dtype
-      for (int64_t i = 0; i < C; ++i) ss[r * C + i] = D::Store(D::Load(xr[i]) + D::Load(res[r * C + i]));
       xr = ss + r * C;
     }
     A sum = 0;

@@ -22,10 +22,12 @@ Dtype ToKernelDtype(ffi::DataType t) {
   }
 }
 
-// The launcher's parameters for checked buffers; residual and s nullptr for the plain forward.
+// The launcher's parameters for checked buffers; residual and s nullptr for the plain forward,
+// x_bias nullptr without x's own bias.
 LayernormFwdParams Params(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual, const ffi::AnyBuffer& weight,
                           const ffi::AnyBuffer& bias, ffi::AnyBuffer& y, ffi::AnyBuffer* s, ffi::AnyBuffer& mean,
-                          ffi::AnyBuffer& rstd, double eps, const LayernormFwdShape& shape) {
+                          ffi::AnyBuffer& rstd, double eps, const LayernormFwdShape& shape,
+                          const ffi::AnyBuffer* x_bias = nullptr) {
   LayernormFwdParams p = {};
   p.y = y.untyped_data();
   p.mean = mean.untyped_data();
@@ -44,8 +46,8 @@ LayernormFwdParams Params(const ffi::AnyBuffer& x, const ffi::AnyBuffer* residua
   p.tpr = 0;
   p.residual = residual ? residual->untyped_data() : nullptr;
   p.s = s ? s->untyped_data() : nullptr;
-  p.x_bias = nullptr;
-  p.x_bias_rows = 0;
+  p.x_bias = x_bias ? x_bias->untyped_data() : nullptr;
+  p.x_bias_rows = shape.x_bias_rows;
   return p;
 }
 
@@ -86,10 +88,8 @@ ffi::Error AddBiasLayernormFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::A
     return e;
   }
   if (shape.rows == 0) return ffi::Error::Success();
-  LayernormFwdParams p = Params(x, &residual, weight, bias, *y, &(*s), *mean, *rstd, eps, shape);
-  p.x_bias = x_bias.untyped_data();
-  p.x_bias_rows = shape.x_bias_rows;
-  LNBWD_FFI_RETURN_IF_CUDA_ERROR(layernorm_fwd(p, stream));
+  LNBWD_FFI_RETURN_IF_CUDA_ERROR(
+      layernorm_fwd(Params(x, &residual, weight, bias, *y, &(*s), *mean, *rstd, eps, shape, &x_bias), stream));
   return ffi::Error::Success();
 }
 

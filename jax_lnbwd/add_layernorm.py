@@ -45,42 +45,26 @@ from .layernorm import (_add_forward, _check_float, _check_inputs, _check_param,
                         fill_params, is_mixed)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6))
-def _add_layernorm(x, residual, weight, bias, eps, kernel, block_size):
-    y, s, _, _ = _add_forward(x, residual, weight, bias, eps)
-    return y, s
-
-
 @functools.partial(jax.custom_jvp, nondiff_argnums=(5, 6, 7))
-def _add_bias_layernorm(x, x_bias, residual, weight, bias, eps, kernel, block_size):
+def _add_layernorm(x, residual, weight, bias, x_bias, eps, kernel, block_size):
     y, s, _, _ = _add_forward(x, residual, weight, bias, eps, x_bias)
     return y, s
 
 
-@_add_bias_layernorm.defjvp
-def _add_bias_layernorm_jvp(eps, kernel, block_size, primals, tangents):
-    """As _add_layernorm_jvp, with x_bias's tangent added to x's: s = (x + x_bias) + residual is
-    linear in (x, x_bias, residual). The sum is formed in fp32 (fp64) and rounded to x's dtype,
-    so that in reverse mode x_bias's cotangent is the fp32 column sum of ds (JAX transposes the
-    broadcast into that sum)."""
-    x, x_bias, residual, weight, bias = primals
-    dx, dx_bias, dresidual, dweight, dbias = tangents
-    y, s, mean, rstd = _add_forward(x, residual, weight, bias, eps, x_bias)
-    weight, dweight, dbias = fill_params(s, weight, bias, dweight, dbias)
-    acc = reference.acc_dtype(x.dtype)
-    dx = (dx.astype(acc) + jax.numpy.broadcast_to(dx_bias.astype(acc), dx.shape)).astype(x.dtype)
-    dy, ds = add_tangent_map(s, weight, mean, rstd, dx, dresidual, dweight, dbias,
-                             seg_dims=0, kernel=kernel, block_size=block_size)
-    return (y, s), (dy, ds)
-
-
 @_add_layernorm.defjvp
 def _add_layernorm_jvp(eps, kernel, block_size, primals, tangents):
-    """(y, s) and their tangents (dy, ds) = add_tangent_map(...; dx, dresidual, dweight, dbias)."""
-    x, residual, weight, bias = primals
-    dx, dresidual, dweight, dbias = tangents
-    y, s, mean, rstd = _add_forward(x, residual, weight, bias, eps)
+    """(y, s) and their tangents (dy, ds) = add_tangent_map(...; dx, dresidual, dweight, dbias).
+
+    With x_bias, s = (x + x_bias) + residual is linear in (x, x_bias, residual): x_bias's tangent
+    is added to x's, in fp32 (fp64) and rounded to x's dtype, so that in reverse mode x_bias's
+    cotangent is the fp32 column sum of ds (JAX transposes the broadcast into that sum)."""
+    x, residual, weight, bias, x_bias = primals
+    dx, dresidual, dweight, dbias, dx_bias = tangents
+    y, s, mean, rstd = _add_forward(x, residual, weight, bias, eps, x_bias)
     weight, dweight, dbias = fill_params(s, weight, bias, dweight, dbias)
+    if x_bias is not None:
+        acc = reference.acc_dtype(x.dtype)
+        dx = (dx.astype(acc) + jax.numpy.broadcast_to(dx_bias.astype(acc), dx.shape)).astype(x.dtype)
     dy, ds = add_tangent_map(s, weight, mean, rstd, dx, dresidual, dweight, dbias,
                              seg_dims=0, kernel=kernel, block_size=block_size)
     return (y, s), (dy, ds)
@@ -119,6 +103,4 @@ def add_layernorm(x, residual, weight, bias, *, x_bias=None, eps: float = 1e-5, 
     axes = _ffi.varying_axes(*(a for a in (x, residual, weight, bias, x_bias) if a is not None))
     x, residual, weight, bias, x_bias = (None if a is None else _ffi.vary(a, axes)
                                          for a in (x, residual, weight, bias, x_bias))
-    if x_bias is not None:
-        return _add_bias_layernorm(x, x_bias, residual, weight, bias, eps, kernel, block_size)
-    return _add_layernorm(x, residual, weight, bias, eps, kernel, block_size)
+    return _add_layernorm(x, residual, weight, bias, x_bias, eps, kernel, block_size)

@@ -16,11 +16,13 @@ def acc_dtype(dtype) -> jnp.dtype:
 def add_residual(x, residual, x_bias=None):
     """add_layernorm's s: x + residual in x's dtype (one rounding: jnp's add); with x's own bias
     (x_bias, shape (C,) or broadcastable), (x + x_bias) + residual in the accumulation dtype,
-    in that order, rounded once to x's dtype (the fused kernel's order)."""
+    in that order, rounded once to x's dtype (the fused kernel's order). residual None: no
+    residual (x, or x + x_bias rounded once)."""
     if x_bias is None:
-        return x + residual
+        return x if residual is None else x + residual
     acc = acc_dtype(x.dtype)
-    return ((x.astype(acc) + x_bias.astype(acc)) + residual.astype(acc)).astype(x.dtype)
+    s = x.astype(acc) + x_bias.astype(acc)
+    return (s if residual is None else s + residual.astype(acc)).astype(x.dtype)
 
 
 def layernorm_fwd(x, weight, bias, eps: float = 1e-5):

@@ -16,7 +16,7 @@ from jax import export
 
 from conftest import DTYPES, PLATFORMS, STAT_RTOL, assert_close, device, make_inputs, np_dtype, put, shape_id
 from jax_lnbwd import reference
-from jax_lnbwd.forward import ADD_TARGET, TARGET, add_layernorm_fwd_op, layernorm_fwd_op
+from jax_lnbwd.forward import ADD_BIAS_TARGET, ADD_TARGET, TARGET, add_layernorm_fwd_op, layernorm_fwd_op
 from test_forward import assert_forward, float32_params
 
 EPS = 1e-5
@@ -164,14 +164,16 @@ def test_bad_eps():
         add_layernorm_fwd_op(F32, F32, None, None, 0.0)
 
 
-def ffi(platform, x, r, w, b, s_shape=None, s_dtype=None, y_shape=None, eps=EPS):
-    """The FFI target called directly, with no Python check: the handlers' own checks."""
+def ffi(platform, x, r, w, b, s_shape=None, s_dtype=None, y_shape=None, eps=EPS, x_bias=None):
+    """The FFI target called directly, with no Python check: the handlers' own checks. With
+    x_bias, target v2 (x, x_bias, residual, weight, bias)."""
     rows, C = x.shape
     out = (jax.ShapeDtypeStruct(y_shape or x.shape, x.dtype),
            jax.ShapeDtypeStruct(s_shape or x.shape, s_dtype or x.dtype),
            jax.ShapeDtypeStruct((rows,), np.float32), jax.ShapeDtypeStruct((rows,), np.float32))
-    f = jax.jit(lambda *a: jax.ffi.ffi_call(ADD_TARGET, out)(*a, eps=np.float64(eps)))
-    return jax.block_until_ready(f(*put(platform, x, r, w, b)))
+    target, arrays = (ADD_TARGET, (x, r, w, b)) if x_bias is None else (ADD_BIAS_TARGET, (x, x_bias, r, w, b))
+    f = jax.jit(lambda *a: jax.ffi.ffi_call(target, out)(*a, eps=np.float64(eps)))
+    return jax.block_until_ready(f(*put(platform, *arrays)))
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)

@@ -28,6 +28,7 @@ from conftest import PLATFORMS, assert_close, device, make_inputs, put, shape_id
 from jax_lnbwd import add_layernorm, reference, use_ffi_forward
 from jax_lnbwd._ffi import TARGET_V2
 from jax_lnbwd.forward import ADD_BIAS_TARGET, ADD_TARGET, add_layernorm_fwd_op
+from test_add_forward import ffi
 from test_forward import assert_forward
 
 EPS = 1e-5
@@ -161,12 +162,8 @@ def test_handler_checks(platform, case, match):
         w = b = w.astype(jnp.bfloat16)
     if case == "dtype" and not jax.config.jax_enable_x64:
         pytest.skip("float64 needs jax_enable_x64")
-    rows, C = x.shape
-    out = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(x.shape, x.dtype),
-           jax.ShapeDtypeStruct((rows,), np.float32), jax.ShapeDtypeStruct((rows,), np.float32))
-    f = jax.jit(lambda *a: jax.ffi.ffi_call(ADD_BIAS_TARGET, out)(*a, eps=np.float64(EPS)))
     with pytest.raises(Exception, match=match):
-        jax.block_until_ready(f(*put(platform, x, xb, r, w, b)))
+        ffi(platform, x, r, w, b, x_bias=xb)
 
 
 # --- add_layernorm(..., x_bias=) -----------------------------------------------------------------

@@ -103,9 +103,7 @@ def add_normalize(module_kind: str, x, residual, scale, bias, *, epsilon: float,
     (jax_lnbwd.reference.add_residual); in the fused call it is the kernel's x_bias."""
     x = jnp.asarray(x)
     if residual is None:
-        if x_bias is not None:
-            acc = reference.acc_dtype(x.dtype)
-            x = (x.astype(acc) + jnp.asarray(x_bias).astype(acc)).astype(x.dtype)
+        x = reference.add_residual(x, None, x_bias)
         return normalize(module_kind, x, scale, bias, epsilon=epsilon, dtype=dtype), x
     residual = jnp.asarray(residual)
     s_dtype = jnp.result_type(x, residual)
