@@ -125,6 +125,34 @@ def test_the_ratio_and_the_ceiling_on_made_up_rows():
     assert untraced.count("n/a") == 2 * 4  # per form: base, +mix, +mix/fl, ceiling
 
 
+def test_our_kernels_at_the_floor_on_made_up_rows():
+    cfg = config.FULL["gpt"]
+    assert floor.own_units(cfg, fused=False) == 13 * 5   # the norm and its backward, per add & norm
+    assert floor.own_units(cfg, fused=True) == floor.units(cfg, "fused")
+    assert variants.VARIANTS["add_layernorm"].fused and variants.VARIANTS["add_layernorm_dense_bias"].fused
+    assert not variants.VARIANTS["jax_lnbwd"].fused
+    e = entry()
+    e["own"] = {"unfused": {"t": 65, "ms": 0.4}, "fused": {"t": 101, "ms": 0.75}}
+    drop_in = {**row("linen", "jax_lnbwd", 39.9, 1.3, False), "speedup": 1.002}
+    drop_in["trace"]["ln_busy_ms"] = 0.65
+    fused = {**row("linen", "add_layernorm", 39.8, 1.2, False), "speedup": 1.004}
+    fused["trace"]["ln_busy_ms"] = 1.05
+    untraced = {**row("nnx", "jax_lnbwd", 39.0, None, False), "speedup": 1.1}
+    (e,) = floor.against([e], [row("linen", "flax", 40.0, 1.5, True), drop_in, fused, untraced])
+    a, b = e["ours"]
+    assert (a["variant"], a["t"], a["floor_ms"], a["ln_ms"]) == ("jax_lnbwd", 65, 0.4, 0.65)
+    assert a["ceiling"] == pytest.approx(1.002 * 39.9 / (39.9 - 0.25))
+    assert (b["variant"], b["t"]) == ("add_layernorm", 101)
+    assert b["ceiling"] == pytest.approx(1.004 * 39.8 / (39.8 - 0.3))
+    text = floor.format_block([e])
+    assert "our kernels at the floor" in text
+    assert re.search(r"^gpt +bfloat16 +linen +jax_lnbwd +1\.002 +0\.650 +65 +0\.400 +1\.0083x$", text, re.M), text
+    assert all(len(line) <= 120 for line in (text + "\n" + floor.LEGEND).splitlines())
+    old = entry()   # a results file written before the own floors: no such block
+    assert "our kernels" not in floor.format_block(floor.against([old], [row("linen", "flax", 40.0, 1.5, True),
+                                                                          drop_in]))
+
+
 def test_the_command_prints_and_writes_the_floor(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0", NO_COLOR="", JAX_PLATFORMS="cpu")
     cmd = [sys.executable, "-m", "benchmarks.e2e", "--small", "--models", "gpt", "--apis", "linen",
@@ -143,3 +171,5 @@ def test_the_command_prints_and_writes_the_floor(tmp_path):
     (b,) = e["baseline"]
     assert b["api"] == "linen" and b["variant"] == "flax" and b["forms"]["fused"]["mix_over_floor"] > 0
     assert "byte floor of the layernorm work" in done.stdout
+    (o,) = e["ours"]
+    assert (o["variant"], o["t"]) == ("jax_lnbwd", 5 * 5) and "our kernels at the floor" in text

@@ -258,3 +258,11 @@ def test_of_repeated_traces_the_median_step_counts():
     assert got["idle_ms"] == 1.2 and got["repeats"] == 3  # the host pause (idle 120) is left out
     assert got["spans_ms"] == pytest.approx([41.0, 41.7, 160.0])
     assert trace.median_summary([{}, {}]) == {}
+
+
+def test_traces_are_interleaved_like_the_rounds():
+    from benchmarks.e2e.cli import trace_order
+    got = [(rep, run) for rep, run in trace_order(["flax", "drop-in", "fused"], 3)]
+    assert got == [(0, "flax"), (0, "drop-in"), (0, "fused"), (1, "fused"), (1, "drop-in"), (1, "flax"),
+                   (2, "flax"), (2, "drop-in"), (2, "fused")]
+    assert trace_order(["flax"], 2) == [(0, "flax"), (1, "flax")]

@@ -120,6 +120,13 @@ def same_steps(runs) -> str:
     return ", ".join(f"{' '.join(k)} {g[0].round_steps}" for k, g in groups.items())
 
 
+def trace_order(runs: list, repeats: int) -> list[tuple[int, object]]:
+    """(repeat, run) in the order the traces are taken: every run once per repeat, the order
+    reversed every other repeat, like the timed rounds: the GPU drifts (clocks, temperature),
+    and runs traced one after the other would each meet a different part of that drift."""
+    return [(rep, run) for rep in range(repeats) for run in (runs if rep % 2 == 0 else runs[::-1])]
+
+
 def seconds(meta) -> str:
     return "wall seconds: " + ", ".join(f"{k.replace('_', ' ')} {v:.0f}" for k, v in meta["seconds"].items())
 
@@ -248,17 +255,21 @@ def main(argv=None):
         table = emit(runs, args, meta, traced=how is None, floors=floors)  # the timings, before any trace
         if how is None:
             return table
-        prog = Progress(len(runs), not args.no_progress)
-        for run in runs:
-            prog.step(f"trace {run.label}")
+        prog = Progress(len(runs) * args.trace_repeats, not args.no_progress)
+        done, broken = {id(r): [] for r in runs}, set()
+        for rep, run in trace_order(runs, args.trace_repeats):
+            prog.step(f"trace {rep + 1}/{args.trace_repeats} {run.label}")
+            if id(run) in broken:
+                continue
             try:
                 classes, ours = trace.classify_hlo(run.hlo), trace.our_calls(run.hlo)
-                run.trace = trace.median_summary([
-                    trace.summarize(trace.collect(lambda: run_steps(run, args.trace_steps), how), classes,
-                                    args.trace_steps, args.kernels, ours)
-                    for _ in range(args.trace_repeats)]) or None
+                done[id(run)].append(trace.summarize(trace.collect(lambda: run_steps(run, args.trace_steps), how),
+                                                     classes, args.trace_steps, args.kernels, ours))
             except Exception as e:  # a trace that breaks must not cost the timings
                 prog.write(paint(f"trace {run.label} failed: {type(e).__name__}: {str(e)[:300]}", "red"))
+                broken.add(id(run))
+        for run in runs:
+            run.trace = None if id(run) in broken else trace.median_summary(done[id(run)]) or None
         prog.close()
     meta["seconds"]["traces"] = time.perf_counter() - clock["floor"]
     kinds = breakdown.text(report.rows(runs, args.variants[0]), args.kernels) if args.kernels else ""

@@ -56,6 +56,15 @@ Against the baseline (the first --variants, Flax's LayerNorm), per form:
   ceiling     base ms/step / (base ms/step - (base +mix - floor)): the step ratio against the
               baseline of an implementation of that form that ran at the floor and changed
               nothing else; optimistic, since +mix counts the fused neighbours' time as well.
+
+Our own kernels at the floor, per traced variant: what its layernorm-only kernels (the ln
+column) must move at least, and the step ratio the variant would reach if they ran at the floor
+and the rest of its step stayed as measured. A drop-in LayerNorm after XLA's add (unfused
+variants) owns only the norm and its backward, 5 T per add & norm: XLA's adds are its
+neighbours' work, which the drop-in cannot change. A fused variant (variants.Variant.fused)
+owns the whole fused form. So this ceiling bounds what any kernel of ours could give that
+variant:
+  ceiling     ×base * ms / (ms - (ln - floor)), from the variant's own row.
 """
 from __future__ import annotations
 
@@ -63,7 +72,8 @@ import jax
 import jax.numpy as jnp
 
 from .._term import aligner
-from .report import ln_mixed_ms
+from .report import ln_mixed_ms, ln_ms
+from .variants import VARIANTS
 
 FORMS = ("unfused", "fused")
 
@@ -103,6 +113,12 @@ def units(cfg, form: str) -> int:
     return sum(p[form] for p in places(cfg))
 
 
+def own_units(cfg, fused: bool) -> int:
+    """T per step that a variant's own layernorm-only kernels move at least: the whole fused form
+    (fused), or the norm and its backward alone (a drop-in LayerNorm: the adds are XLA's)."""
+    return units(cfg, "fused") if fused else norm_count(cfg) * sum(PIECES["norm"]["unfused"])
+
+
 def t_bytes(cfg, dtype) -> int:
     return cfg.tokens * cfg.d_model * jnp.dtype(dtype).itemsize
 
@@ -128,7 +144,9 @@ def measure(configs, dtypes) -> list[dict]:
                         "t_bytes": t, "norms": norm_count(cfg), "copy_us": sec * 1e6, "copy_gbps": gbps,
                         "places": places(cfg),
                         "forms": {f: {"t": units(cfg, f), "ms": units(cfg, f) * t / (gbps * 1e9) * 1e3}
-                                  for f in FORMS}})
+                                  for f in FORMS},
+                        "own": {f: {"t": own_units(cfg, f == "fused"),
+                                    "ms": own_units(cfg, f == "fused") * t / (gbps * 1e9) * 1e3} for f in FORMS}})
     return out
 
 
@@ -150,7 +168,20 @@ def against(entries: list[dict], table: list[dict]) -> list[dict]:
                     "api": r["api"], "variant": r["variant"], "ms": r["ms"], "mix_ms": mix,
                     "forms": {f: {"mix_over_floor": mix / e["forms"][f]["ms"],
                                   "ceiling": ceiling(r["ms"], mix, e["forms"][f]["ms"])} for f in FORMS}})
+        e["ours"] = [own_ceiling(e, r) for r in table
+                     if not r["baseline"] and r["trace"] and "speedup" in r and r["variant"] in VARIANTS
+                     and (r["model"], r["dtype"]) == (e["model"], e["dtype"]) and "own" in e]
     return entries
+
+
+def own_ceiling(entry: dict, row: dict) -> dict:
+    """A traced variant's row against the floor of what its own kernels move (the module doc)."""
+    own = entry["own"]["fused" if VARIANTS[row["variant"]].fused else "unfused"]
+    ln = ln_ms(row["trace"])
+    left = row["ms"] - (ln - own["ms"])
+    return {"api": row["api"], "variant": row["variant"], "speedup": row["speedup"], "ln_ms": ln,
+            "t": own["t"], "floor_ms": own["ms"],
+            "ceiling": row["speedup"] * row["ms"] / left if left > 0 else None}
 
 
 LEGEND = """\
@@ -165,7 +196,13 @@ LEGEND = """\
   +mix/fl   +mix / floor: the most any implementation of the form could cut +mix by (a 2x cut is
             reachable only where this is >= 2)
   ceiling   base / (base - (+mix - floor)): the best step ratio against the baseline of an
-            implementation of the form running at the floor (optimistic: +mix is an upper bound)"""
+            implementation of the form running at the floor (optimistic: +mix is an upper bound)
+our kernels at the floor, per traced variant:
+  ln        the variant's layernorm-only kernels (ms per step); T/step: the least they move (a drop-in
+            after XLA's add: the norm and its backward, 5 T per add & norm; a fused variant: the fused
+            form); floor: that at copy GB/s
+  ceiling   ×base * ms / (ms - (ln - floor)): the variant's step ratio if its own kernels ran at the
+            floor and the rest of its step stayed as measured: the most any kernel of ours could give"""
 
 
 def format_block(entries: list[dict]) -> str:
@@ -189,5 +226,14 @@ def format_block(entries: list[dict]) -> str:
 
     def line(c):
         return aligned(c).rstrip()
-    return "\n".join(["byte floor of the layernorm work (ms per step; base: the baseline's ms/step and +mix):",
-                      line(head), "-" * len(line(head))] + [line(c) for c in cells])
+    out = ["byte floor of the layernorm work (ms per step; base: the baseline's ms/step and +mix):",
+           line(head), "-" * len(line(head))] + [line(c) for c in cells]
+    ours = [(e["model"], e["dtype"], o["api"], o["variant"], f"{o['speedup']:.3f}", f"{o['ln_ms']:.3f}", str(o["t"]),
+             f"{o['floor_ms']:.3f}", "n/a" if o["ceiling"] is None else f"{o['ceiling']:.4f}x")
+            for e in entries for o in e.get("ours", [])]
+    if ours:
+        head2 = ("model", "dtype", "api", "variant", "×base", "ln", "T/step", "floor", "ceiling")
+        al2 = aligner(head2, ours, left=(0, 1, 2, 3))
+        out += ["", "our kernels at the floor (ms per step; the variant's ln against the floor of what they move):",
+                al2(head2).rstrip(), "-" * len(al2(head2).rstrip())] + [al2(c).rstrip() for c in ours]
+    return "\n".join(out)

@@ -40,6 +40,10 @@ class Variant:
     # of the projection in front of it and returns (y, (x + x_bias) + residual); the models then
     # build that projection without one (models_linen.Transformer).
     x_bias: bool = False
+    # Whether the add & norm is one op each way (the residual add inside the forward kernel, the
+    # stream's gradient inside the backward's): what its layernorm-only kernels move, for the byte
+    # floor of our own kernels (floor.py).
+    fused: bool = False
 
 
 def linen_add_norm(norm_cls: type) -> type:
@@ -118,6 +122,6 @@ def nnx_fused_add_norm(cls: type) -> type:
 # adds the bias of the projection in front (x_bias). add_layernorm_dense_bias leaves that bias in
 # the Dense: XLA then adds it in a kernel of its own, and sums its gradient in another.
 register(Variant("add_layernorm", linen=linen_fused_add_norm(jax_lnbwd.flax.AddLayerNorm),
-                 nnx=nnx_fused_add_norm(jax_lnbwd.flax.nnx.AddLayerNorm), x_bias=True))
+                 nnx=nnx_fused_add_norm(jax_lnbwd.flax.nnx.AddLayerNorm), x_bias=True, fused=True))
 register(Variant("add_layernorm_dense_bias", linen=linen_fused_add_norm(jax_lnbwd.flax.AddLayerNorm),
-                 nnx=nnx_fused_add_norm(jax_lnbwd.flax.nnx.AddLayerNorm)))
+                 nnx=nnx_fused_add_norm(jax_lnbwd.flax.nnx.AddLayerNorm), fused=True))
