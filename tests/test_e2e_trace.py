@@ -261,8 +261,8 @@ def test_of_repeated_traces_the_median_step_counts():
 
 
 def test_traces_are_interleaved_like_the_rounds():
-    from benchmarks.e2e.cli import trace_order
-    got = [(rep, run) for rep, run in trace_order(["flax", "drop-in", "fused"], 3)]
+    from benchmarks.e2e.cli import interleaved
+    got = [(rep, run) for rep, run in interleaved(["flax", "drop-in", "fused"], 3)]
     assert got == [(0, "flax"), (0, "drop-in"), (0, "fused"), (1, "fused"), (1, "drop-in"), (1, "flax"),
                    (2, "flax"), (2, "drop-in"), (2, "fused")]
-    assert trace_order(["flax"], 2) == [(0, "flax"), (1, "flax")]
+    assert interleaved(["flax"], 2) == [(0, "flax"), (1, "flax")]

@@ -120,10 +120,10 @@ def same_steps(runs) -> str:
     return ", ".join(f"{' '.join(k)} {g[0].round_steps}" for k, g in groups.items())
 
 
-def trace_order(runs: list, repeats: int) -> list[tuple[int, object]]:
-    """(repeat, run) in the order the traces are taken: every run once per repeat, the order
-    reversed every other repeat, like the timed rounds: the GPU drifts (clocks, temperature),
-    and runs traced one after the other would each meet a different part of that drift."""
+def interleaved(runs: list, repeats: int) -> list[tuple[int, object]]:
+    """(repeat, run) in the order the timed rounds and the traces take them: every run once per
+    repeat, the order reversed every other repeat. The GPU drifts (clocks, temperature); runs
+    taken one after the other would each meet a different part of that drift."""
     return [(rep, run) for rep in range(repeats) for run in (runs if rep % 2 == 0 else runs[::-1])]
 
 
@@ -233,10 +233,9 @@ def main(argv=None):
         if runs and args.round_seconds:
             prog.write(f"steps per round (the most any variant needs): {same_steps(runs)}")
         clock["compiled"] = time.perf_counter()
-        for i in range(args.rounds):  # every run once per round, the order reversed every other round
-            for run in runs if i % 2 == 0 else runs[::-1]:
-                prog.step(f"round {i + 1}/{args.rounds} {run.label}")
-                run.times.append(run_steps(run, run.round_steps) / run.round_steps)
+        for i, run in interleaved(runs, args.rounds):
+            prog.step(f"round {i + 1}/{args.rounds} {run.label}")
+            run.times.append(run_steps(run, run.round_steps) / run.round_steps)
         prog.close()
         clock["timed"] = time.perf_counter()
         meta["seconds"] = {"compile_and_warm_up": clock["compiled"] - clock["start"],
@@ -257,7 +256,7 @@ def main(argv=None):
             return table
         prog = Progress(len(runs) * args.trace_repeats, not args.no_progress)
         done, broken = {id(r): [] for r in runs}, set()
-        for rep, run in trace_order(runs, args.trace_repeats):
+        for rep, run in interleaved(runs, args.trace_repeats):
             prog.step(f"trace {rep + 1}/{args.trace_repeats} {run.label}")
             if id(run) in broken:
                 continue

@@ -140,13 +140,14 @@ def measure(configs, dtypes) -> list[dict]:
             sec = copy_seconds(t, chain=50 if on_gpu else 3, reps=7 if on_gpu else 3,
                                min_run_s=0.02 if on_gpu else 0.0)
             gbps = 2 * t / sec / 1e9
+
+            def at_copy_speed(n_t: int) -> dict:   # n_t T per step: itself and its ms at gbps
+                return {"t": n_t, "ms": n_t * t / (gbps * 1e9) * 1e3}
             out.append({"model": cfg.name, "dtype": dtype, "tokens": cfg.tokens, "d_model": cfg.d_model,
                         "t_bytes": t, "norms": norm_count(cfg), "copy_us": sec * 1e6, "copy_gbps": gbps,
                         "places": places(cfg),
-                        "forms": {f: {"t": units(cfg, f), "ms": units(cfg, f) * t / (gbps * 1e9) * 1e3}
-                                  for f in FORMS},
-                        "own": {f: {"t": own_units(cfg, f == "fused"),
-                                    "ms": own_units(cfg, f == "fused") * t / (gbps * 1e9) * 1e3} for f in FORMS}})
+                        "forms": {f: at_copy_speed(units(cfg, f)) for f in FORMS},
+                        "own": {f: at_copy_speed(own_units(cfg, f == "fused")) for f in FORMS}})
     return out
 
 
