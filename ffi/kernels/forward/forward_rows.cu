@@ -12,9 +12,10 @@
 // so for every j the group's loads are one contiguous, coalesced span of the row. tpr and NV
 // are chosen by layernorm_fwd_pick (forward_launch.cu): the fewest threads per row that hold
 // it with at most kFwdMaxNv vectors each. Blocks are small (128 threads, or one larger group)
-// so that the SM's register file fills evenly: at 88 registers per thread (16-bit rows of 7-8
-// vectors per thread) 23 warps fit; 256-thread blocks would run 16 of them (two blocks),
-// 128-thread blocks 20. The registers are what holds the bytes in flight.
+// so that the SM's register file fills evenly: at 88 registers per thread (what the compiler
+// picks by itself for 16-bit rows of 7 vectors per thread) 23 warps fit, 128-thread blocks use
+// 20 of them and 256-thread blocks 16; at the lean kernel's 80, 128-thread blocks use 24.
+// The registers are what holds the bytes in flight.
 //
 // Bytes in flight. A memory-bound kernel is as fast as the loads it keeps outstanding: each
 // thread issues all NV of its 16-byte loads before it uses any, and a row's reductions (two
@@ -37,9 +38,9 @@
 namespace lnbwd {
 namespace {
 
+// The kernel's body; the two kernels below differ only in their register budget.
 template <typename T, typename P, int VEC, int NV, bool RES>
-__global__ void __launch_bounds__(kFwdMaxRowThreads)
-forward_rows(FwdArgs<T, P> a, int tpr, int groups) {
+__device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tpr, int groups) {
   using A = acc_t<T>;
   using V = Packed<T, VEC>;
   const int g = threadIdx.x / tpr;
@@ -124,11 +125,37 @@ forward_rows(FwdArgs<T, P> a, int tpr, int groups) {
   }
 }
 
+// Registers. __launch_bounds__(kFwdMaxRowThreads) lets the compiler use up to 128 per thread.
+// The lean kernel (the plain variants of 7 vectors a thread, fwd_row_lean) is held to
+// kFwdLeanRowRegs with __maxnreg__ where that fits without spilling: sm_90 and later (on sm_80,
+// ptxas spills the bf16 rows beside fp32 parameters). Elsewhere, and with nvcc before 12.4 (no
+// __maxnreg__), it compiles exactly like forward_rows.
+template <typename T, typename P, int VEC, int NV, bool RES>
+__global__ void __launch_bounds__(kFwdMaxRowThreads) forward_rows(FwdArgs<T, P> a, int tpr, int groups) {
+  forward_rows_body<T, P, VEC, NV, RES>(a, tpr, groups);
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && \
+    (__CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 4))
+#define LNBWD_FWD_LEAN_REGS __maxnreg__(kFwdLeanRowRegs)
+#else
+#define LNBWD_FWD_LEAN_REGS __launch_bounds__(kFwdMaxRowThreads)
+#endif
+
+template <typename T, typename P, int VEC, int NV>
+__global__ void LNBWD_FWD_LEAN_REGS forward_rows_lean(FwdArgs<T, P> a, int tpr, int groups) {
+  forward_rows_body<T, P, VEC, NV, false>(a, tpr, groups);
+}
+
 template <typename T, typename P, int VEC, int NV, bool RES>
 cudaError_t launch(const FwdArgs<T, P>& a, const LayernormFwdConfig& cfg, cudaStream_t stream) {
   unsigned int blocks = 0;
   LNBWD_FWD_RETURN_IF_ERROR(fwd_grid(ceil_div<int64_t>(a.rows, cfg.rows_per_block), &blocks));
-  forward_rows<T, P, VEC, NV, RES><<<blocks, cfg.threads, 0, stream>>>(a, cfg.tpr, cfg.rows_per_block);
+  if constexpr (fwd_row_lean(NV, RES)) {
+    forward_rows_lean<T, P, VEC, NV><<<blocks, cfg.threads, 0, stream>>>(a, cfg.tpr, cfg.rows_per_block);
+  } else {
+    forward_rows<T, P, VEC, NV, RES><<<blocks, cfg.threads, 0, stream>>>(a, cfg.tpr, cfg.rows_per_block);
+  }
   return cudaGetLastError();
 }
 
