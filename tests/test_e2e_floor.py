@@ -138,15 +138,25 @@ def test_our_kernels_at_the_floor_on_made_up_rows():
     fused = {**row("linen", "add_layernorm", 39.8, 1.2, False), "speedup": 1.004}
     fused["trace"]["ln_busy_ms"] = 1.05
     untraced = {**row("nnx", "jax_lnbwd", 39.0, None, False), "speedup": 1.1}
-    (e,) = floor.against([e], [row("linen", "flax", 40.0, 1.5, True), drop_in, fused, untraced])
+    base = row("linen", "flax", 40.0, 1.5, True)
+    # The traced step spans (kernels' union + idle): 39.0 + 0.4 for Flax, 38.9 + 0.4 for the drop-in;
+    # the fused variant's trace predates the spans (no busy_ms): its GPU columns are n/a.
+    base["trace"].update(busy_ms=39.0, idle_ms=0.4)
+    drop_in["trace"].update(busy_ms=38.9, idle_ms=0.4)
+    (e,) = floor.against([e], [base, drop_in, fused, untraced])
     a, b = e["ours"]
     assert (a["variant"], a["t"], a["floor_ms"], a["ln_ms"]) == ("jax_lnbwd", 65, 0.4, 0.65)
     assert a["ceiling"] == pytest.approx(1.002 * 39.9 / (39.9 - 0.25))
+    assert a["gpu_speedup"] == pytest.approx(39.4 / 39.3)
+    assert a["gpu_ceiling"] == pytest.approx(39.4 / (39.3 - 0.25))
     assert (b["variant"], b["t"]) == ("add_layernorm", 101)
     assert b["ceiling"] == pytest.approx(1.004 * 39.8 / (39.8 - 0.3))
+    assert b["gpu_speedup"] is None and b["gpu_ceiling"] is None
     text = floor.format_block([e])
     assert "our kernels at the floor" in text
-    assert re.search(r"^gpt +bfloat16 +linen +jax_lnbwd +1\.002 +0\.650 +65 +0\.400 +1\.0083x$", text, re.M), text
+    assert re.search(r"^gpt +bfloat16 +linen +jax_lnbwd +1\.002 +0\.650 +65 +0\.400 +1\.0083x +1\.0025x +1\.0090x$",
+                     text, re.M), text
+    assert re.search(r"^gpt +bfloat16 +linen +add_layernorm .* n/a +n/a$", text, re.M), text
     assert all(len(line) <= 120 for line in (text + "\n" + floor.LEGEND).splitlines())
     old = entry()   # a results file written before the own floors: no such block
     assert "our kernels" not in floor.format_block(floor.against([old], [row("linen", "flax", 40.0, 1.5, True),
@@ -173,3 +183,4 @@ def test_the_command_prints_and_writes_the_floor(tmp_path):
     assert "byte floor of the layernorm work" in done.stdout
     (o,) = e["ours"]
     assert (o["variant"], o["t"]) == ("jax_lnbwd", 5 * 5) and "our kernels at the floor" in text
+    assert o["gpu_speedup"] > 0 and b["span_ms"] > 0   # the CPU trace has spans too

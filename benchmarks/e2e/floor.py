@@ -65,6 +65,11 @@ neighbours' work, which the drop-in cannot change. A fused variant (variants.Var
 owns the whole fused form. So this ceiling bounds what any kernel of ours could give that
 variant:
   ceiling     ×base * ms / (ms - (ln - floor)), from the variant's own row.
+The same from the GPU's timeline instead of the timed rounds, which move by a percent from round
+to round while a traced step's span (kernels and the idle gaps between them) moves much less:
+  ×gpu        the baseline's traced step span / the variant's (the traces' median step each)
+  gpu ceiling base span / (span - (ln - floor)): that ratio with the variant's own kernels at
+              the floor and the rest of its timeline as traced
 """
 from __future__ import annotations
 
@@ -151,6 +156,14 @@ def measure(configs, dtypes) -> list[dict]:
     return out
 
 
+def span_ms(trace: dict | None) -> float | None:
+    """A traced step's GPU span: its kernels' union plus the idle gaps between them (ms), or None
+    for a trace written before the bench recorded both."""
+    if not trace or "busy_ms" not in trace or "idle_ms" not in trace:
+        return None
+    return trace["busy_ms"] + trace["idle_ms"]
+
+
 def ceiling(base_ms: float, mix_ms: float, floor_ms: float) -> float | None:
     """The step ratio against the baseline if its layernorm time (mix_ms) became floor_ms."""
     left = base_ms - (mix_ms - floor_ms)
@@ -167,6 +180,7 @@ def against(entries: list[dict], table: list[dict]) -> list[dict]:
                 mix = ln_mixed_ms(r["trace"])
                 e["baseline"].append({
                     "api": r["api"], "variant": r["variant"], "ms": r["ms"], "mix_ms": mix,
+                    "span_ms": span_ms(r["trace"]),
                     "forms": {f: {"mix_over_floor": mix / e["forms"][f]["ms"],
                                   "ceiling": ceiling(r["ms"], mix, e["forms"][f]["ms"])} for f in FORMS}})
         e["ours"] = [own_ceiling(e, r) for r in table
@@ -180,9 +194,15 @@ def own_ceiling(entry: dict, row: dict) -> dict:
     own = entry["own"]["fused" if VARIANTS[row["variant"]].fused else "unfused"]
     ln = ln_ms(row["trace"])
     left = row["ms"] - (ln - own["ms"])
+    base = next((b["span_ms"] for b in entry.get("baseline", []) if b["api"] == row["api"]), None)
+    span = span_ms(row["trace"])
+    traced = base is not None and span is not None
+    span_left = span - (ln - own["ms"]) if traced else 0.0
     return {"api": row["api"], "variant": row["variant"], "speedup": row["speedup"], "ln_ms": ln,
             "t": own["t"], "floor_ms": own["ms"],
-            "ceiling": row["speedup"] * row["ms"] / left if left > 0 else None}
+            "ceiling": row["speedup"] * row["ms"] / left if left > 0 else None,
+            "gpu_speedup": base / span if traced else None,
+            "gpu_ceiling": base / span_left if span_left > 0 else None}
 
 
 LEGEND = """\
@@ -203,7 +223,9 @@ our kernels at the floor, per traced variant:
             after XLA's add: the norm and its backward, 5 T per add & norm; a fused variant: the fused
             form); floor: that at copy GB/s
   ceiling   ×base * ms / (ms - (ln - floor)): the variant's step ratio if its own kernels ran at the
-            floor and the rest of its step stayed as measured: the most any kernel of ours could give"""
+            floor and the rest of its step stayed as measured: the most any kernel of ours could give
+  ×gpu      the baseline's traced GPU span per step / the variant's (span: kernels and idle gaps)
+  gpu ceil  base span / (span - (ln - floor)): ×gpu with the variant's own kernels at the floor"""
 
 
 def format_block(entries: list[dict]) -> str:
@@ -229,11 +251,14 @@ def format_block(entries: list[dict]) -> str:
         return aligned(c).rstrip()
     out = ["byte floor of the layernorm work (ms per step; base: the baseline's ms/step and +mix):",
            line(head), "-" * len(line(head))] + [line(c) for c in cells]
+    def ratio(v, digits):
+        return "n/a" if v is None else f"{v:.{digits}f}x"
     ours = [(e["model"], e["dtype"], o["api"], o["variant"], f"{o['speedup']:.3f}", f"{o['ln_ms']:.3f}", str(o["t"]),
-             f"{o['floor_ms']:.3f}", "n/a" if o["ceiling"] is None else f"{o['ceiling']:.4f}x")
+             f"{o['floor_ms']:.3f}", ratio(o["ceiling"], 4), ratio(o.get("gpu_speedup"), 4),
+             ratio(o.get("gpu_ceiling"), 4))
             for e in entries for o in e.get("ours", [])]
     if ours:
-        head2 = ("model", "dtype", "api", "variant", "×base", "ln", "T/step", "floor", "ceiling")
+        head2 = ("model", "dtype", "api", "variant", "×base", "ln", "T/step", "floor", "ceiling", "×gpu", "gpu ceil")
         al2 = aligner(head2, ours, left=(0, 1, 2, 3))
         out += ["", "our kernels at the floor (ms per step; the variant's ln against the floor of what they move):",
                 al2(head2).rstrip(), "-" * len(al2(head2).rstrip())] + [al2(c).rstrip() for c in ours]
