@@ -65,8 +65,8 @@ neighbours' work, which the drop-in cannot change. A fused variant (variants.Var
 owns the whole fused form. So this ceiling bounds what any kernel of ours could give that
 variant:
   ceiling     ×base * ms / (ms - (ln - floor)), from the variant's own row.
-The same from the GPU's timeline instead of the timed rounds, which move by a percent from round
-to round while a traced step's span (kernels and the idle gaps between them) moves much less:
+The same from the GPU's timeline instead of the timed rounds: a second measurement, without the
+host's time (a traced step's span: its kernels and the idle gaps between them):
   ×gpu        the baseline's traced step span / the variant's (the traces' median step each)
   gpu ceiling base span / (span - (ln - floor)): that ratio with the variant's own kernels at
               the floor and the rest of its timeline as traced
