@@ -78,6 +78,7 @@ import jax.numpy as jnp
 
 from .._term import aligner
 from .report import ln_mixed_ms, ln_ms
+from .trace import step_span_ms
 from .variants import VARIANTS
 
 FORMS = ("unfused", "fused")
@@ -156,14 +157,6 @@ def measure(configs, dtypes) -> list[dict]:
     return out
 
 
-def span_ms(trace: dict | None) -> float | None:
-    """A traced step's GPU span: its kernels' union plus the idle gaps between them (ms), or None
-    for a trace written before the bench recorded both."""
-    if not trace or "busy_ms" not in trace or "idle_ms" not in trace:
-        return None
-    return trace["busy_ms"] + trace["idle_ms"]
-
-
 def ceiling(base_ms: float, mix_ms: float, floor_ms: float) -> float | None:
     """The step ratio against the baseline if its layernorm time (mix_ms) became floor_ms."""
     left = base_ms - (mix_ms - floor_ms)
@@ -180,7 +173,7 @@ def against(entries: list[dict], table: list[dict]) -> list[dict]:
                 mix = ln_mixed_ms(r["trace"])
                 e["baseline"].append({
                     "api": r["api"], "variant": r["variant"], "ms": r["ms"], "mix_ms": mix,
-                    "span_ms": span_ms(r["trace"]),
+                    "span_ms": step_span_ms(r["trace"]),
                     "forms": {f: {"mix_over_floor": mix / e["forms"][f]["ms"],
                                   "ceiling": ceiling(r["ms"], mix, e["forms"][f]["ms"])} for f in FORMS}})
         e["ours"] = [own_ceiling(e, r) for r in table
@@ -193,16 +186,17 @@ def own_ceiling(entry: dict, row: dict) -> dict:
     """A traced variant's row against the floor of what its own kernels move (the module doc)."""
     own = entry["own"]["fused" if VARIANTS[row["variant"]].fused else "unfused"]
     ln = ln_ms(row["trace"])
-    left = row["ms"] - (ln - own["ms"])
+
+    def scaled(ratio: float | None, ms: float | None) -> float | None:
+        """ratio * ceiling(ms, ln, floor): a step of ms whose own kernels' ln became the floor."""
+        c = None if ratio is None else ceiling(ms, ln, own["ms"])
+        return None if c is None else ratio * c
     base = next((b["span_ms"] for b in entry.get("baseline", []) if b["api"] == row["api"]), None)
-    span = span_ms(row["trace"])
-    traced = base is not None and span is not None
-    span_left = span - (ln - own["ms"]) if traced else 0.0
+    span = step_span_ms(row["trace"])
+    gpu = base / span if base is not None and span is not None else None
     return {"api": row["api"], "variant": row["variant"], "speedup": row["speedup"], "ln_ms": ln,
-            "t": own["t"], "floor_ms": own["ms"],
-            "ceiling": row["speedup"] * row["ms"] / left if left > 0 else None,
-            "gpu_speedup": base / span if traced else None,
-            "gpu_ceiling": base / span_left if span_left > 0 else None}
+            "t": own["t"], "floor_ms": own["ms"], "ceiling": scaled(row["speedup"], row["ms"]),
+            "gpu_speedup": gpu, "gpu_ceiling": scaled(gpu, span)}
 
 
 LEGEND = """\
@@ -228,6 +222,11 @@ our kernels at the floor, per traced variant:
   gpu ceil  base span / (span - (ln - floor)): ×gpu with the variant's own kernels at the floor"""
 
 
+def ratio(v: float | None) -> str:
+    """A step ratio as the tables print it, or n/a."""
+    return "n/a" if v is None else f"{v:.4f}x"
+
+
 def format_block(entries: list[dict]) -> str:
     """The floor table: one line per (model, dtype, form), and per traced baseline api."""
     head = ("model", "dtype", "norms", "T MB", "copy GB/s", "form", "T/step", "floor", "api", "base",
@@ -241,21 +240,16 @@ def format_block(entries: list[dict]) -> str:
                 if b is None:
                     cells.append(fixed + ("-", "n/a", "n/a", "n/a", "n/a"))
                     continue
-                c = b["forms"][f]["ceiling"]
                 cells.append(fixed + (b["api"], f"{b['ms']:.3f}", f"{b['mix_ms']:.3f}",
-                                      f"{b['forms'][f]['mix_over_floor']:.2f}x",
-                                      "n/a" if c is None else f"{c:.4f}x"))
+                                      f"{b['forms'][f]['mix_over_floor']:.2f}x", ratio(b["forms"][f]["ceiling"])))
     aligned = aligner(head, cells, left=(0, 1, 5, 8))   # model, dtype, form, api: text
 
     def line(c):
         return aligned(c).rstrip()
     out = ["byte floor of the layernorm work (ms per step; base: the baseline's ms/step and +mix):",
            line(head), "-" * len(line(head))] + [line(c) for c in cells]
-    def ratio(v, digits):
-        return "n/a" if v is None else f"{v:.{digits}f}x"
     ours = [(e["model"], e["dtype"], o["api"], o["variant"], f"{o['speedup']:.3f}", f"{o['ln_ms']:.3f}", str(o["t"]),
-             f"{o['floor_ms']:.3f}", ratio(o["ceiling"], 4), ratio(o.get("gpu_speedup"), 4),
-             ratio(o.get("gpu_ceiling"), 4))
+             f"{o['floor_ms']:.3f}", ratio(o["ceiling"]), ratio(o.get("gpu_speedup")), ratio(o.get("gpu_ceiling")))
             for e in entries for o in e.get("ours", [])]
     if ours:
         head2 = ("model", "dtype", "api", "variant", "×base", "ln", "T/step", "floor", "ceiling", "×gpu", "gpu ceil")

@@ -414,16 +414,24 @@ def summarize(events, classes: dict[str, str], steps: int, top: int = 0,
                 "gemms": costliest(gemms, len(gemms), steps * n, ms)} if top else {})}
 
 
+def step_span_ms(summary: dict | None) -> float | None:
+    """A traced step's GPU span (ms): its kernels' union plus the idle gaps between them; None
+    for no trace, or one written before the bench recorded both."""
+    if not summary or "busy_ms" not in summary or "idle_ms" not in summary:
+        return None
+    return summary["busy_ms"] + summary["idle_ms"]
+
+
 def median_summary(summaries: list[dict]) -> dict:
     """Of several traces of one run, the one whose traced step (busy + idle) is the median:
     a single trace of a few steps can catch a host hiccup (a pause of the Python process, the
     profiler's own buffer flush) that shows as idle time of one variant only. The others'
     spans are kept under "spans_ms"."""
-    done = sorted((s for s in summaries if s), key=lambda s: s["busy_ms"] + s["idle_ms"])
+    done = sorted((s for s in summaries if s), key=step_span_ms)
     if not done:
         return {}
     return {**done[len(done) // 2], "repeats": len(done),
-            "spans_ms": [s["busy_ms"] + s["idle_ms"] for s in done]}
+            "spans_ms": [step_span_ms(s) for s in done]}
 
 
 def costliest(kernels: dict, top: int, per: int, ms: float) -> list:
