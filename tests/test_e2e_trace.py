@@ -71,14 +71,16 @@ def test_attribution_rule_on_a_hand_written_module():
     assert a("loop_convert_fusion_7", None, classes) == "unmapped"  # XLA's, but no such instruction
 
 
-def test_summary_counts_overlaps_once_and_gaps_as_idle():
+def test_summary_counts_overlaps_once_and_the_gap_between_steps_as_the_hosts():
     classes = {"ln_k": "ln", "mix_k": "mixed", "mm": "other"}
     ns = 1e6  # 1 ms
     events = [("ln_k", None, 0, 1 * ns), ("mm", None, 0.5 * ns, 2 * ns),  # overlap: busy 0..2.5
               ("mix_k", None, 3 * ns, 1 * ns), ("fusion_9", None, 4 * ns, 2 * ns)]  # gap 2.5..3
     s = trace.summarize(events, classes, steps=2)
     assert s["kernel_ms"] == pytest.approx(3.0) and s["busy_ms"] == pytest.approx(2.75)
-    assert s["idle_ms"] == pytest.approx(0.25)
+    # Step 2 starts at its first activity (the third of four): the gap in front of it is the
+    # host's, per step boundary (one here), not idle time inside a step.
+    assert s["idle_ms"] == 0 and s["between_ms"] == pytest.approx(0.5)
     assert (s["ln_ms"], s["mixed_ms"], s["other_ms"], s["unmapped_ms"]) == pytest.approx((0.5, 0.5, 1.0, 1.0))
     assert s["devices"] == 1 and s["comm_ms"] == s["overlap_ms"] == s["comm_exposed_ms"] == 0
 
@@ -102,6 +104,24 @@ def test_idle_is_split_by_the_kernels_around_each_gap_and_leaves_out_host_copies
     assert s["kernel_ms"] == pytest.approx(0.031)  # the copy's time still counts as GPU work
     assert s["gemms"] == [["gemm", "gemm_a", 1.0, pytest.approx(0.010)], ["gemm", "gemm_b", 1.0, pytest.approx(0.004)]]
     assert trace.gaps([(0, 5, "gemm", "a"), (1, 2, "ours", "b")]) == []
+
+
+def test_idle_inside_steps_and_the_hosts_wait_between_them():
+    """Three steps of two kernels each: the gap inside each step is idle, the gaps in front of
+    steps 2 and 3 are the host's (per boundary); a lost activity (a count that is not a multiple
+    of the steps) leaves every gap as idle."""
+    us = 1e3
+    events = []
+    for k, t0 in enumerate((0, 30 * us, 100 * us)):   # steps at 0, 30 and 100 us; each 0..5, 6..10
+        events += [(f"fusion_{k}a", None, t0, 5 * us), (f"fusion_{k}b", None, t0 + 6 * us, 4 * us)]
+    s = trace.summarize(events, {}, steps=3)
+    assert s["idle_ms"] == pytest.approx(3 * 0.001 / 3)                  # 1 us per step
+    assert s["between_ms"] == pytest.approx((0.020 + 0.060) / 2)          # 30 - 10, 100 - 40
+    assert s["busy_ms"] + s["idle_ms"] == pytest.approx(0.010)            # one step's GPU span
+    assert [g[0] for g in s["longest_gaps"]] == [pytest.approx(1.0)] * 3  # the host's are not listed
+    lost = trace.summarize(events[:-1], {}, steps=3)
+    assert lost["between_ms"] == 0 and lost["idle_ms"] == pytest.approx((2 * 0.001 + 0.080) / 3)
+    assert trace.step_starts([(0,), (5,), (9,), (20,)], 2) == {9} and not trace.step_starts([(0,)] * 3, 2)
 
 
 def test_summary_of_two_devices_splits_collective_time_into_overlapped_and_exposed():

@@ -35,8 +35,10 @@ def diff_line(row: dict, base: dict) -> str:
     d = {k: a.get(k, 0.0) - b.get(k, 0.0) for k in dict.fromkeys([*b, *a]) if a.get(k) or b.get(k)}
     parts = ", ".join(f"{k} {v:+.3f}" for k, v in sorted(d.items(), key=lambda kv: -abs(kv[1])))
     idle = row["trace"]["idle_ms"] - base["trace"]["idle_ms"]
+    host = ("" if "between_ms" not in row["trace"] or "between_ms" not in base["trace"] else
+            f"; host {row['trace']['between_ms'] - base['trace']['between_ms']:+.3f}")
     return (f"{label(row)} vs {base['variant']}: kernel {sum(d.values()):+.3f} ms per step: {parts}; "
-            f"idle {idle:+.3f}")
+            f"idle {idle:+.3f}{host}")
 
 
 def idle_line(row: dict, base: dict | None = None) -> str:

@@ -15,8 +15,11 @@ COLUMNS = """\
             kernels that fuse layernorm work with other work run (a lower and an upper bound;
             kernels running at once count once; see trace.py)
   kernel    GPU ms per step in all kernels, memcpys and memsets (summed)
-  idle      ms per step the GPU ran nothing, from the first kernel to the last of the traced
-            steps; of --trace-repeats traces, the one whose traced step is the median
+  idle      ms per step the GPU ran nothing inside a step (between its first kernel and its
+            last); of --trace-repeats traces, the one whose traced step is the median
+  host      ms per step the GPU waited between steps, from one step's last kernel to the next
+            one's first: the host launching the next step late (its dispatch, a Python pause),
+            not the kernels' doing
   unmap     the share of kernel time matched to no HLO instruction nor library (should be ~0)
   loss      the loss after the last step: every run of a model takes the same steps from the
             same initial parameters, so the variants' losses agree to the compute dtype's rounding
@@ -81,7 +84,7 @@ def format_table(table: list[dict], comm: bool = False) -> str:
         return "n/a" if v is None else format(v, fmt)
 
     head = ("model", "api", "dtype", "variant", "ms/step", "spread", "×base", "ln", "+mix",
-            "kernel", "idle", "unmap", "loss") + (("comm", "overlap", "exposed") if comm else ())
+            "kernel", "idle", "host", "unmap", "loss") + (("comm", "overlap", "exposed") if comm else ())
     cells, groups = [], []
     for r in table:
         t = r["trace"] or {}
@@ -91,7 +94,7 @@ def format_table(table: list[dict], comm: bool = False) -> str:
         unmap = None if not t else 100 * t["unmapped_ms"] / max(t["kernel_ms"], 1e-12)
         cells.append((r["model"], r["api"], r["dtype"], r["variant"], f(r["ms"], ".3f"),
                       f"{r['spread_pct']:.1f}%", ratio, f(ln_ms(t) if t else None, ".3f"), f(mixed, ".3f"),
-                      f(t.get("kernel_ms"), ".2f"), f(t.get("idle_ms"), ".3f"),
+                      f(t.get("kernel_ms"), ".2f"), f(t.get("idle_ms"), ".3f"), f(t.get("between_ms"), ".3f"),
                       "n/a" if unmap is None else f"{unmap:.0f}%", f"{r['loss_last']:.4g}") +
                      (tuple(f(t.get(k), ".3f") for k in ("comm_ms", "overlap_ms", "comm_exposed_ms"))
                       if comm else ()))

@@ -59,10 +59,16 @@ its device: torch's "device" arg, jax's GPU plane, or a CPU thunk's device_ordin
   kernel   the sum of kernel, memcpy and memset durations / n / D
   busy     the union of each device's intervals, summed over the devices / n / D (overlapping
            kernels counted once)
-  idle     (last end - first start - union), per device, summed / n / D: time a GPU ran
-           nothing inside the steps. Copies between the host and the GPU are left out of it:
-           the host asks for them (the loss read after the last step, which waits for the
-           Python loop), so they would add the host's time after the steps to every variant.
+  idle     (last end - first start - union - between), per device, summed / n / D: time a
+           GPU ran nothing inside the steps. Copies between the host and the GPU are left out
+           of it: the host asks for them (the loss read after the last step, which waits for
+           the Python loop), so they would add the host's time after the steps to every variant.
+  between  the gaps from one step's last activity to the next step's first, summed / (n - 1)
+           / D: the GPU waiting for the host to launch the next step (its dispatch, a pause of
+           the Python process, the profiler's buffer). It belongs to the host, not to any
+           kernel, so it is kept out of idle. Every step launches the same activities, so step
+           k (k = 1..n-1) starts at activity k * (activities / n) in start order; a trace whose
+           count is not a multiple of n (an activity lost) counts every gap as idle.
   idle_after, idle_before
            that idle time split over its gaps by the kind of the activity that starts after
            the gap (what the GPU waited for) and of the one the gap follows: {kind: [gaps per
@@ -313,20 +319,31 @@ def overlap(p, q) -> float:
     return total
 
 
-def gaps(spans) -> list[tuple[float, str, str, str, str]]:
-    """The idle gaps of one device: [(gap ns, kind before, kind after, name before, name after)]
-    for every stretch with no activity between its first start and its last end. spans:
-    (start, end, kind, name) of every activity. The activity "before" a gap is the one whose end
-    the gap starts at (with overlapping activities, the latest to end), the one "after" is the
-    next to start."""
+def gaps(spans) -> list[tuple[float, str, str, str, str, float]]:
+    """The idle gaps of one device: [(gap ns, kind before, kind after, name before, name after,
+    start of the activity after)] for every stretch with no activity between its first start
+    and its last end. spans: (start, end, kind, name) of every activity. The activity "before"
+    a gap is the one whose end the gap starts at (with overlapping activities, the latest to
+    end), the one "after" is the next to start."""
     out = []
     last = None  # (end, kind, name) of the activity that ends latest so far
     for start, end, kd, name in sorted(spans):
         if last is not None and start > last[0]:
-            out.append((start - last[0], last[1], kd, last[2], name))
+            out.append((start - last[0], last[1], kd, last[2], name, start))
         if last is None or end > last[0]:
             last = (end, kd, name)
     return out
+
+
+def step_starts(spans, steps: int) -> frozenset:
+    """The start times of steps 2..n's first activities, from (start, ...) spans of n steps that
+    each launch the same activities; empty when the count is not a multiple of n (the module
+    doc, between)."""
+    if steps < 2 or not spans or len(spans) % steps:
+        return frozenset()
+    starts = sorted(sp[0] for sp in spans)
+    per = len(starts) // steps
+    return frozenset(starts[k * per] for k in range(1, steps))
 
 
 def summarize(events, classes: dict[str, str], steps: int, top: int = 0,
@@ -381,16 +398,20 @@ def summarize(events, classes: dict[str, str], steps: int, top: int = 0,
             dev["lnmix"].append(iv)
             if cls == "ln":
                 dev["ln"].append(iv)
-    union = idle = overlapped = exposed = ln_busy = lnmix_busy = 0.0
+    union = idle = between = overlapped = exposed = ln_busy = lnmix_busy = 0.0
     after, before = defaultdict(lambda: [0, 0.0]), defaultdict(lambda: [0, 0.0])
     longest = []
     for dev in spans.values():
-        for g in gaps(dev["in_steps"]):  # idle: the holes between the first start and the last end
+        firsts = step_starts(dev["in_steps"], steps)
+        for g in gaps(dev["in_steps"]):  # the holes between the first start and the last end
+            if g[5] in firsts:   # in front of a step's first activity: the host's
+                between += g[0]
+                continue
             idle += g[0]
             for table, k in ((before, g[1]), (after, g[2])):
                 table[k][0] += 1
                 table[k][1] += g[0]
-            longest.append(g)
+            longest.append(g[:5])
         ln_busy += length(merge(dev["ln"]))
         lnmix_busy += length(merge(dev["lnmix"]))
         union += length(merge(dev["all"]))
@@ -401,6 +422,7 @@ def summarize(events, classes: dict[str, str], steps: int, top: int = 0,
     ms = 1e-6 / steps / n
     return {"steps": steps, "devices": n, "kernels": len(events) / steps / n,
             "kernel_ms": sum(per.values()) * ms, "busy_ms": union * ms, "idle_ms": idle * ms,
+            "between_ms": between * 1e-6 / max(steps - 1, 1) / n,
             **{f"{c}_ms": per[c] * ms for c in ("ln", "mixed", "other", "unmapped", "comm")},
             "ln_busy_ms": ln_busy * ms, "ln_mixed_busy_ms": lnmix_busy * ms,
             "overlap_ms": overlapped * ms, "comm_exposed_ms": exposed * ms,
