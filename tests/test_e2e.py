@@ -66,6 +66,25 @@ def test_linen_and_nnx_build_the_same_model_and_every_step_traces(name):
     assert len(set(counts.values())) == 1, counts  # 13 LayerNorms' scale and bias in every one
 
 
+def test_the_jnp_forward_variant_traces_the_jnp_forward_only():
+    """jax_lnbwd_jnp_forward: the drop-in traced under use_ffi_forward(False), whatever the
+    process-wide setting; the drop-in itself, under use_ffi_forward(True), calls the fused
+    forward. Both still run our backward."""
+    from jax_lnbwd.forward import TARGET as FWD
+    cfg = config.SMALL["gpt"]
+    x = config.make_batch(cfg, jnp.bfloat16)[0]
+    for api in cli.APIS:
+        texts = {}
+        for v in ("jax_lnbwd", "jax_lnbwd_jnp_forward"):
+            with jax_lnbwd.use_ffi_forward(True):
+                apply, params = train.init(cfg, api, variants.VARIANTS[v], jnp.bfloat16, x, 0)
+                loss = lambda p: apply(p, x).astype(jnp.float32).sum()  # noqa: E731
+                texts[v] = jax.jit(jax.grad(loss)).lower(params).as_text()
+        assert f"@{FWD}(" in texts["jax_lnbwd"], api
+        assert f"@{FWD}(" not in texts["jax_lnbwd_jnp_forward"], api
+        assert all("jax_lnbwd_layernorm_bwd" in t for t in texts.values()), api
+
+
 def test_no_dense_bias_drops_the_blocks_biases_only():
     full = cli.parse_args(["--small", "--models", "gpt"]).configs[0]
     bare = cli.parse_args(["--small", "--models", "gpt", "--no-dense-bias"]).configs[0]

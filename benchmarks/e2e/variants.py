@@ -14,7 +14,8 @@ dtype=..., epsilon=..., rngs=...)`` an nnx one, each with the call above. Regist
 ``flax`` (flax's LayerNorm), ``jax_lnbwd`` (the drop-in jax_lnbwd.flax.LayerNorm after a jnp add),
 ``add_layernorm`` (jax_lnbwd.flax.AddLayerNorm: add and norm fused, one backward call; with Dense
 biases it holds the bias of the projection in front, use_x_bias) and ``add_layernorm_dense_bias``
-(the same with that bias left in the Dense).
+(the same with that bias left in the Dense), and ``jax_lnbwd_jnp_forward`` (the drop-in with
+the jnp forward instead of the fused one).
 Run another with ``--variants flax,jax_lnbwd,fused``; a module outside this folder can be loaded first with
 ``--variant-module my.module`` (it calls register() when imported). The first variant listed
 is the baseline that the others' step-time ratios are taken against.
@@ -85,6 +86,23 @@ def register(variant: Variant) -> Variant:
 register(Variant("flax", linen=linen_add_norm(nn.LayerNorm), nnx=nnx_add_norm(nnx.LayerNorm)))
 register(Variant("jax_lnbwd", linen=linen_add_norm(jax_lnbwd.flax.LayerNorm),
                  nnx=nnx_add_norm(jax_lnbwd.flax.nnx.LayerNorm)))
+
+
+def jnp_forward(norm_cls: type) -> type:
+    """norm_cls traced with the jnp forward (jax_lnbwd.use_ffi_forward(False)) instead of the
+    fused one: XLA then fuses the residual add into the forward's statistics, as in Flax's graph;
+    the backward is still ours."""
+    class Norm(norm_cls):
+        def __call__(self, *args, **kwargs):
+            with jax_lnbwd.use_ffi_forward(False):
+                return super().__call__(*args, **kwargs)
+    Norm.__name__ = Norm.__qualname__ = f"{norm_cls.__name__}JnpForward"
+    return Norm
+
+
+# The drop-in with the jnp forward: which forward pays in a whole step (docs/e2e.md).
+register(Variant("jax_lnbwd_jnp_forward", linen=linen_add_norm(jnp_forward(jax_lnbwd.flax.LayerNorm)),
+                 nnx=nnx_add_norm(jnp_forward(jax_lnbwd.flax.nnx.LayerNorm))))
 
 
 def linen_fused_add_norm(cls: type) -> type:
