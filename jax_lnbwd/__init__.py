@@ -1,20 +1,19 @@
-"""jax_lnbwd: LayerNorm for JAX whose backward pass runs hand-written CUDA kernels via the XLA FFI."""
+"""jax_lnbwd: normalization layers for JAX whose passes run hand-written CUDA kernels via the XLA FFI."""
 from . import reference
-from ._ffi import TARGET, TARGET_V2, WITH_CUDA
 from .config import use_ffi_forward, use_xla_backward
 from .kernels import DEFAULT_KERNEL, KERNELS, KernelInfo
-from .add_layernorm import add_layernorm
-from .forward import ADD_BIAS_TARGET as TARGET_ADD_FWD_V2, ADD_TARGET as TARGET_ADD_FWD, TARGET as TARGET_FWD
-from .layernorm import layernorm, layernorm_bwd, layernorm_fwd
+from .layernorm import add_layernorm, layernorm, layernorm_bwd, layernorm_fwd
+from .norms import LAYERNORM, TARGETS
+from .ops.ffi import WITH_CUDA
+from .ops.partition import ShardingFallbackWarning
 
-# Every FFI target a program traced with jax_lnbwd may call (the backward's two versions, the
-# fused forward and add_layernorm's residual variants of it, without and with x_bias): what
-# jax.export must be told to allow, e.g.
-#   disabled_checks=[export.DisabledSafetyCheck.custom_call(t) for t in jax_lnbwd.TARGETS]
-TARGETS = (TARGET, TARGET_V2, TARGET_FWD, TARGET_ADD_FWD, TARGET_ADD_FWD_V2)
+# LayerNorm's FFI targets by name (norms.py holds every norm's; TARGETS is all of them, the
+# allow-list jax.export needs).
+TARGET, TARGET_V2 = LAYERNORM.bwd_target, LAYERNORM.bwd_target_v2
+TARGET_FWD, TARGET_ADD_FWD, TARGET_ADD_FWD_V2 = (LAYERNORM.fwd_target, LAYERNORM.add_fwd_target,
+                                                 LAYERNORM.add_bias_fwd_target)
 
 __all__ = ["layernorm", "add_layernorm", "layernorm_fwd", "layernorm_bwd", "reference", "KERNELS", "KernelInfo",
            "DEFAULT_KERNEL", "TARGET", "TARGET_V2", "TARGET_FWD", "TARGET_ADD_FWD", "TARGET_ADD_FWD_V2", "TARGETS",
-           "WITH_CUDA",
-           "use_xla_backward", "use_ffi_forward"]
+           "WITH_CUDA", "ShardingFallbackWarning", "use_xla_backward", "use_ffi_forward"]
 __version__ = "0.1.0"

@@ -30,8 +30,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jax_lnbwd.forward import add_layernorm_fwd_op, layernorm_fwd_op  # noqa: E402
-from jax_lnbwd.sharding import ShardingFallbackWarning  # noqa: E402
+from jax_lnbwd.ops.forward import add_layernorm_fwd_op, layernorm_fwd_op  # noqa: E402
+from jax_lnbwd import ShardingFallbackWarning  # noqa: E402
 
 COLLECTIVE = re.compile(r"\b(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(-start)?\(")
 CHECKS = {}

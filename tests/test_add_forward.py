@@ -1,4 +1,4 @@
-"""The residual-fused forward (jax_lnbwd.forward.add_layernorm_fwd_op, FFI target
+"""The residual-fused forward (jax_lnbwd.ops.forward.add_layernorm_fwd_op, FFI target
 jax_lnbwd_add_layernorm_fwd_v1): s = x + residual rounded to x's dtype, bit-equal to jnp's add,
 and y, mean, rstd of that s against the float64 reference; odd shapes, the wide path, absent and
 float32 parameters, bad inputs (Python's checks and the handlers'), jit, vmap, derivatives and
@@ -16,7 +16,8 @@ from jax import export
 
 from conftest import DTYPES, PLATFORMS, STAT_RTOL, assert_close, device, make_inputs, np_dtype, put, shape_id
 from jax_lnbwd import reference
-from jax_lnbwd.forward import ADD_BIAS_TARGET, ADD_TARGET, TARGET, add_layernorm_fwd_op, layernorm_fwd_op
+from jax_lnbwd import TARGET_ADD_FWD as ADD_TARGET, TARGET_ADD_FWD_V2 as ADD_BIAS_TARGET, TARGET_FWD as TARGET
+from jax_lnbwd.ops.forward import add_layernorm_fwd_op, layernorm_fwd_op
 from test_forward import assert_forward, float32_params
 
 EPS = 1e-5
@@ -144,10 +145,10 @@ W8 = np.ones(8, np.float32)
 
 
 @pytest.mark.parametrize("args, err, match", [
-    ((F32, F32[:, :7], None, None), ValueError, r"add_layernorm_fwd: 'residual' has shape \(4, 7\) but expected \(4, 8\)"),
+    ((F32, F32[:, :7], None, None), ValueError, r"add_layernorm_fwd: 'residual' has shape \(4, 7\) but x has shape \(4, 8\)"),
     ((F32, F32[None], None, None), ValueError, r"'residual' has shape \(1, 4, 8\)"),
     ((F32, F32.astype(jnp.bfloat16), None, None), TypeError,
-     r"add_layernorm_fwd: 'residual' has dtype bfloat16 but expected float32 \(x's dtype\)"),
+     r"add_layernorm_fwd: 'residual' has dtype bfloat16 but x has dtype float32"),
     ((F32, [[1.0] * 8] * 4, None, None), TypeError, "add_layernorm_fwd: 'residual' must be an array"),
     ((F32.astype(np.int32), F32, None, None), TypeError, "add_layernorm_fwd: 'x' has dtype int32"),
     ((F32, F32, np.ones(7, np.float32), None), ValueError, r"add_layernorm_fwd: 'weight' has shape \(7,\)"),

@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from conftest import DTYPES, PLATFORMS, assert_close, make_inputs, put
 from jax_lnbwd import TARGET, add_layernorm, reference, use_xla_backward
-from jax_lnbwd._ffi import TARGET_V2
+from jax_lnbwd import TARGET_V2
 
 ARGNUMS = (0, 1, 2, 3)
 

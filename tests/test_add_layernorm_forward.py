@@ -20,8 +20,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 import jax_lnbwd
 from conftest import DTYPES, PLATFORMS, assert_close, put
 from jax_lnbwd import add_layernorm, config, use_ffi_forward
-from jax_lnbwd._ffi import TARGET_V2
-from jax_lnbwd.forward import ADD_TARGET, TARGET as FWD
+from jax_lnbwd import TARGET_V2
+from jax_lnbwd import TARGET_ADD_FWD as ADD_TARGET, TARGET_FWD as FWD
 from test_add_layernorm import ARGNUMS, _inputs, _loss, _reference, _want
 
 ALLOW = [export.DisabledSafetyCheck.custom_call(t) for t in jax_lnbwd.TARGETS]
@@ -35,7 +35,7 @@ def _switch_off(monkeypatch):
 
 @pytest.fixture
 def ffi_branch_on_cpu(monkeypatch):
-    monkeypatch.setattr(sys.modules["jax_lnbwd.layernorm"], "FFI_FORWARD_PLATFORMS", ("cuda", "cpu"))
+    monkeypatch.setattr(sys.modules["jax_lnbwd.autodiff"], "FFI_FORWARD_PLATFORMS", ("cuda", "cpu"))
 
 
 def _grad_fn(gy, gs):

@@ -26,8 +26,9 @@ import jax_lnbwd.flax
 import jax_lnbwd.flax.nnx
 from conftest import PLATFORMS, assert_close, device, make_inputs, put, shape_id
 from jax_lnbwd import add_layernorm, reference, use_ffi_forward
-from jax_lnbwd._ffi import TARGET_V2
-from jax_lnbwd.forward import ADD_BIAS_TARGET, ADD_TARGET, add_layernorm_fwd_op
+from jax_lnbwd import TARGET_V2
+from jax_lnbwd import TARGET_ADD_FWD as ADD_TARGET, TARGET_ADD_FWD_V2 as ADD_BIAS_TARGET
+from jax_lnbwd.ops.forward import add_layernorm_fwd_op
 from test_add_forward import ffi
 from test_forward import assert_forward
 
@@ -203,7 +204,7 @@ def test_default_forward_per_platform(monkeypatch, platforms):
     from jax_lnbwd import config
     monkeypatch.delenv(config.FORWARD_ENV_VAR, raising=False)
     monkeypatch.setattr(config, "_forward_override", None)
-    monkeypatch.setattr(sys.modules["jax_lnbwd.layernorm"], "FFI_FORWARD_PLATFORMS", platforms)
+    monkeypatch.setattr(sys.modules["jax_lnbwd.autodiff"], "FFI_FORWARD_PLATFORMS", platforms)
     x, r, w, b, xb, gy, gs = inputs("cpu", (6, 80), "bfloat16", seed=13, pdtype="float32")
     fn = jax.jit(jax.grad(lambda *a: _loss(_ours, *a, gy, gs), argnums=ARGNUMS))
     assert (f"@{ADD_BIAS_TARGET}(" in fn.lower(x, r, w, b, xb).as_text()) == ("cpu" in platforms)

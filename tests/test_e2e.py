@@ -70,7 +70,7 @@ def test_the_jnp_forward_variant_traces_the_jnp_forward_only():
     """jax_lnbwd_jnp_forward: the drop-in traced under use_ffi_forward(False), whatever the
     process-wide setting; the drop-in itself, under use_ffi_forward(True), calls the fused
     forward. Both still run our backward."""
-    from jax_lnbwd.forward import TARGET as FWD
+    from jax_lnbwd import TARGET_FWD as FWD
     cfg = config.SMALL["gpt"]
     x = config.make_batch(cfg, jnp.bfloat16)[0]
     for api in cli.APIS:

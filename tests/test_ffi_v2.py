@@ -18,7 +18,8 @@ import pytest
 
 import jax_lnbwd
 from conftest import PLATFORMS, assert_close, f64, np_dtype, put, reference_bwd, reference_stats
-from jax_lnbwd import _ffi
+from jax_lnbwd import TARGET, TARGET_V2
+from jax_lnbwd.ops import backward as backward_op
 
 # (x dtype, weight dtype): the four same-dtype calls and the two mixed ones.
 COMBOS = [("float32", "float32"), ("bfloat16", "bfloat16"), ("float16", "float16"), ("float64", "float64"),
@@ -46,14 +47,14 @@ def make(rows, C, dtype, wdtype, seed, segments=1, weight_rows=1):
 
 
 def v2_call(platform, dy, x, w, mean, rstd, dres=None, *, segments=1, kernel=12, alias=True):
-    """Run target v2 through _ffi.layernorm_bwd_segments_v2 with dresidual aliased to dx, in place
+    """Run target v2 through backward_op.ffi_call with dresidual aliased to dx, in place
     (alias=True), or a bare ffi_call without input_output_aliases (alias=False); returns numpy
     (dx, dweight, dbias)."""
     rows, C = x.shape
     ws = 256 + max(rows, segments, 1) * 2 * C * (8 if x.dtype == np.float64 else 4)
     if alias:
         def f(dy, x, w, mean, rstd, *r):
-            return _ffi.layernorm_bwd_segments_v2(dy, x, w, mean, rstd, segments=segments, kernel=kernel,
+            return backward_op.ffi_call(dy, x, w, mean, rstd, v2=True, segments=segments, kernel=kernel,
                                                   block_size=0, workspace_bytes=ws,
                                                   dresidual=r[0] if r else None, alias_residual=True)
     else:
@@ -62,7 +63,7 @@ def v2_call(platform, dy, x, w, mean, rstd, dres=None, *, segments=1, kernel=12,
 
         def f(dy, x, w, mean, rstd, *r):
             res = r[0] if r else jnp.zeros((0,), x.dtype)
-            out = jax.ffi.ffi_call(_ffi.TARGET_V2, out_types)(
+            out = jax.ffi.ffi_call(TARGET_V2, out_types)(
                 dy, x, w, mean, rstd, res, kernel=np.int32(kernel), block_size=np.int32(0),
                 has_residual=bool(r))
             return out[:3]
@@ -165,7 +166,7 @@ def test_residual_is_donated_in_place(platform):
     ws = 256 + 16 * 2 * 128 * 4
 
     def f(res, dy, x, w, mean, rstd):
-        return _ffi.layernorm_bwd_segments_v2(dy, x, w, mean, rstd, segments=1, kernel=12, block_size=0,
+        return backward_op.ffi_call(dy, x, w, mean, rstd, v2=True, segments=1, kernel=12, block_size=0,
                                               workspace_bytes=ws, dresidual=res, alias_residual=True)
     args = put(platform, res, dy, x, w, mean, rstd)
     donated = jax.jit(f, donate_argnums=0)
@@ -187,7 +188,7 @@ def test_v2_plain_equals_v1(platform, dtype, wdtype):
     v2 = v2_call(platform, dy, x, w, mean, rstd)
     if dtype == wdtype:
         ws = 256 + 37 * 2 * 520 * 4
-        f = jax.jit(lambda *a: _ffi.layernorm_bwd_segments(*a, segments=1, kernel=12, block_size=0,
+        f = jax.jit(lambda *a: backward_op.ffi_call(*a, v2=False, segments=1, kernel=12, block_size=0,
                                                            workspace_bytes=ws))
         v1 = tuple(np.asarray(o) for o in f(*put(platform, dy, x, w, mean, rstd)))
         for a, b in zip(v2, v1):
@@ -196,7 +197,7 @@ def test_v2_plain_equals_v1(platform, dtype, wdtype):
 
 
 def test_both_targets_registered():
-    assert _ffi.TARGET == "jax_lnbwd_layernorm_bwd_v1" and _ffi.TARGET_V2 == "jax_lnbwd_layernorm_bwd_v2"
+    assert TARGET == "jax_lnbwd_layernorm_bwd_v1" and TARGET_V2 == "jax_lnbwd_layernorm_bwd_v2"
     names = {(name, platform) for name, _, platform in jax_lnbwd._jax_lnbwd.registrations()}
     assert {("jax_lnbwd_layernorm_bwd_v1", "cpu"), ("jax_lnbwd_layernorm_bwd_v2", "cpu")} <= names
     if jax_lnbwd.WITH_CUDA:
@@ -213,7 +214,7 @@ def _bare(platform, dy, x, w, mean, rstd, res, *, has_residual, kernel=12, targe
                  jax.ShapeDtypeStruct((1, C), dw_dtype), jax.ShapeDtypeStruct((256 + rows * 2 * C * 4,), np.uint8))
     attrs = dict(kernel=np.int32(kernel), block_size=np.int32(0))
     if target is None:
-        call = jax.ffi.ffi_call(_ffi.TARGET_V2, out_types)
+        call = jax.ffi.ffi_call(TARGET_V2, out_types)
         f = jax.jit(lambda *a: call(*a, has_residual=has_residual, **attrs))
         args = (dy, x, w, mean, rstd, res)
     else:
@@ -227,7 +228,7 @@ def _bare(platform, dy, x, w, mean, rstd, res, *, has_residual, kernel=12, targe
 def test_v1_refuses_float32_weight_beside_bf16(platform):
     dy, x, w, mean, rstd, res = make(4, 8, "bfloat16", "float32", seed=8)
     with pytest.raises(Exception, match="'weight' has dtype float32 but expected bfloat16"):
-        _bare(platform, dy, x, w, mean, rstd, res, has_residual=False, target=_ffi.TARGET)
+        _bare(platform, dy, x, w, mean, rstd, res, has_residual=False, target=TARGET)
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
@@ -267,9 +268,9 @@ def test_python_wrapper_checks_at_trace_time():
     dy, x, w, mean, rstd, res = make(4, 8, "float32", "float32", seed=10)
     kw = dict(segments=1, kernel=12, block_size=0, workspace_bytes=1024)
     with pytest.raises(TypeError, match="'weight' has dtype bfloat16 but expected float32 for x"):
-        _ffi.layernorm_bwd_segments_v2(dy, x, w.astype(np_dtype("bfloat16")), mean, rstd, **kw)
+        backward_op.ffi_call(dy, x, w.astype(np_dtype("bfloat16")), mean, rstd, v2=True, **kw)
     with pytest.raises(ValueError, match=r"'dresidual' has shape \(4, 7\) but x has shape \(4, 8\)"):
-        _ffi.layernorm_bwd_segments_v2(dy, x, w, mean, rstd, dresidual=res[:, :7], **kw)
+        backward_op.ffi_call(dy, x, w, mean, rstd, v2=True, dresidual=res[:, :7], **kw)
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
@@ -281,12 +282,12 @@ def test_v2_exports_and_runs_again(platform):
     ws = 256 + 12 * 2 * 264 * 4
 
     def f(dy, x, w, mean, rstd, res):
-        return _ffi.layernorm_bwd_segments_v2(dy, x, w, mean, rstd, segments=1, kernel=12, block_size=0,
+        return backward_op.ffi_call(dy, x, w, mean, rstd, v2=True, segments=1, kernel=12, block_size=0,
                                               workspace_bytes=ws, dresidual=res, alias_residual=True)
     args = put(platform, dy, x, w, mean, rstd, res)
     exported = export.export(jax.jit(f), platforms=[{"cpu": "cpu", "gpu": "cuda"}[platform]],
-                             disabled_checks=[export.DisabledSafetyCheck.custom_call(_ffi.TARGET_V2)])(*args)
-    assert f"@{_ffi.TARGET_V2}(" in exported.mlir_module()
+                             disabled_checks=[export.DisabledSafetyCheck.custom_call(TARGET_V2)])(*args)
+    assert f"@{TARGET_V2}(" in exported.mlir_module()
     restored = export.deserialize(exported.serialize())
     for got, want in zip(jax.jit(restored.call)(*args), jax.jit(f)(*args)):
         np.testing.assert_array_equal(f64(got), f64(want))

@@ -27,7 +27,7 @@ import flax.linen as nn  # noqa: E402
 
 from conftest import PLATFORMS, RTOL, device, rel_err  # noqa: E402
 from jax_lnbwd import TARGET  # noqa: E402
-from jax_lnbwd._ffi import TARGET_V2  # noqa: E402
+from jax_lnbwd import TARGET_V2  # noqa: E402
 from jax_lnbwd.flax import LayerNorm  # noqa: E402
 
 # The example is a script, not part of the package: load it from its file (registered in

@@ -17,7 +17,7 @@ from flax import nnx  # noqa: E402
 
 from conftest import RTOL, rel_err  # noqa: E402
 from jax_lnbwd import flax as lnbwd_flax  # noqa: E402
-from jax_lnbwd._ffi import TARGET_V2  # noqa: E402
+from jax_lnbwd import TARGET_V2  # noqa: E402
 from jax_lnbwd.flax import nnx as lnbwd_nnx  # noqa: E402
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16

@@ -1,4 +1,4 @@
-"""The fused forward op (jax_lnbwd.forward.layernorm_fwd_op, FFI target jax_lnbwd_layernorm_fwd_v1):
+"""The fused forward op (jax_lnbwd.ops.forward.layernorm_fwd_op, FFI target jax_lnbwd_layernorm_fwd_v1):
 values against the jnp reference per dtype, odd shapes, absent and float32 parameters, bad
 inputs, jit, vmap, derivatives and jax.export. Every value test runs on the CPU (the C++
 reference) and, where there is one, on the GPU (the CUDA kernels). Sharding: test_forward_sharding.py.
@@ -18,7 +18,8 @@ from jax import export
 from conftest import (DTYPES, OFFSET_RSTD_RTOL, PLATFORMS, STAT_RTOL, assert_close, device, f64, make_inputs,
                       np_dtype, put, shape_id)
 from jax_lnbwd import reference
-from jax_lnbwd.forward import TARGET, layernorm_fwd_op
+from jax_lnbwd import TARGET_FWD as TARGET
+from jax_lnbwd.ops.forward import layernorm_fwd_op
 
 EPS = 1e-5
 
@@ -153,7 +154,7 @@ W8 = np.ones(8, np.float32)
 @pytest.mark.parametrize("args, err, match", [
     ((F32.astype(np.int32), None, None), TypeError, "'x' has dtype int32"),
     ((np.float32(1.0), None, None), ValueError, "rank >= 1"),
-    ((np.ones((4, 0), np.float32), None, None), ValueError, r"the last axis \(C\) must be >= 1"),
+    ((np.ones((4, 0), np.float32), None, None), ValueError, r"its last axis \(C, the one normalized over\) must have at least 1 element"),
     ((F32, np.ones(7, np.float32), None), ValueError, r"'weight' has shape \(7,\) but expected \(8,\)"),
     ((F32, None, np.ones((1, 8), np.float32)), ValueError, r"'bias' has shape \(1, 8\)"),
     ((F32, W8.astype(np.float64), None), TypeError, "'weight' has dtype float64 but expected float32"),
@@ -295,7 +296,7 @@ def test_export_round_trip(platform):
 # is bit-identical and A's differ from B's (a replay reusing stale buffers would repeat one).
 _GRAPH_PROGRAM = """
 import jax, jax.numpy as jnp, numpy as np
-from jax_lnbwd.forward import layernorm_fwd_op
+from jax_lnbwd.ops.forward import layernorm_fwd_op
 rng = np.random.default_rng(0)
 A, B = (jnp.asarray(rng.standard_normal((512, 1600)), jnp.bfloat16) for _ in range(2))
 w, b = jnp.ones(1600, jnp.float32), jnp.zeros(1600, jnp.float32)

@@ -13,7 +13,7 @@ from jax import export
 import jax_lnbwd
 from conftest import PLATFORMS, assert_close, make_inputs, put
 from jax_lnbwd import config, layernorm, reference, use_ffi_forward
-from jax_lnbwd.forward import TARGET as FWD
+from jax_lnbwd import TARGET_FWD as FWD
 
 DISABLED = [export.DisabledSafetyCheck.custom_call(t) for t in
             (FWD, jax_lnbwd.TARGET, "jax_lnbwd_layernorm_bwd_v2")]
@@ -118,7 +118,7 @@ def ffi_branch_on_cpu(monkeypatch):
     """The default (per-platform) forward with the CPU among the FFI platforms: the
     platform_dependent branch that CUDA takes, exercised here."""
     import sys
-    monkeypatch.setattr(sys.modules["jax_lnbwd.layernorm"], "FFI_FORWARD_PLATFORMS", ("cuda", "cpu"))
+    monkeypatch.setattr(sys.modules["jax_lnbwd.autodiff"], "FFI_FORWARD_PLATFORMS", ("cuda", "cpu"))
 
 
 def test_platform_branch_under_transformations(ffi_branch_on_cpu):

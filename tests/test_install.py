@@ -17,7 +17,8 @@ import pytest
 
 from conftest import HAS_GPU, assert_close, make_inputs, put, reference_bwd, reference_stats
 import jax_lnbwd
-from jax_lnbwd import _ffi, layernorm, layernorm_bwd
+from jax_lnbwd import layernorm, layernorm_bwd
+from jax_lnbwd.ops import ffi as _ffi
 
 X = jax.ShapeDtypeStruct((4, 8), jnp.float32)
 W = jax.ShapeDtypeStruct((8,), jnp.float32)
@@ -60,7 +61,7 @@ def test_layernorm_bwd_without_handler_on_gpu_raises(gpu_machine):
 
 def test_ffi_forward_without_handler_on_gpu_raises(gpu_machine):
     """The optional FFI forward (forward.layernorm_fwd_op) needs the handler too."""
-    from jax_lnbwd.forward import layernorm_fwd_op
+    from jax_lnbwd.ops.forward import layernorm_fwd_op
     gpu_machine.setattr(_ffi, "WITH_CUDA", False)
     with pytest.raises(RuntimeError, match=r"^layernorm_fwd_op: .*" + NO_HANDLER):
         jax.eval_shape(layernorm_fwd_op, X, W, W)

@@ -24,7 +24,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 import jax_lnbwd
 from conftest import HAS_GPU, assert_close
 from jax_lnbwd import reference
-from jax_lnbwd.sharding import ShardingFallbackWarning, _local_op
+from jax_lnbwd import ShardingFallbackWarning
+from jax_lnbwd.ops import backward as backward_op
 
 COLLECTIVE = re.compile(r"\b(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(-start)?\(")
 
@@ -150,7 +151,7 @@ def test_baseline_gathers(env):
     def bare(x, w, b, r):
         _, mean, rstd = reference.layernorm_fwd(x, w, b)
         kernel = jax_lnbwd.KERNELS[jax_lnbwd.DEFAULT_KERNEL]
-        return _local_op(r.astype(x.dtype), x, w, mean, rstd, 0, kernel.id, kernel.default_block_size)
+        return backward_op._local(False, r.astype(x.dtype), x, w, mean, rstd, 0, kernel.id, kernel.default_block_size)
     args = inputs((2 * env.n, 16, 256))
     jitted, _ = env.sharded(bare, env.mesh1, P("data"), *args)
     ops = collectives(jitted.lower(*args).compile().as_text())
@@ -390,10 +391,10 @@ def test_gspmd_partitioner(env):
 @pytest.mark.parametrize("residual", [False, True], ids=["no-residual", "residual"])
 @pytest.mark.parametrize("shardy", [True, False], ids=["shardy", "gspmd"])
 def test_v2_mixed_precision_and_residual_rows_sharded(env, residual, shardy):
-    """Target v2 (sharding.layernorm_bwd_segments_v2) with bf16 data, a float32 weight and a
+    """Target v2 (ops.backward.partitioned_call) with bf16 data, a float32 weight and a
     residual gradient, rows over both mesh axes: equal to one device's, dx keeps x's sharding,
     dweight/dbias are float32, and the one psum is f32[2, C]; with both partitioners."""
-    from jax_lnbwd import sharding
+    from jax_lnbwd.ops import backward as backward_op
     rng = np.random.default_rng(3)
     shape, C = env.grid(128), 128
     x, dy, res = (rng.standard_normal(shape).astype(jnp.bfloat16) for _ in range(3))
@@ -401,8 +402,8 @@ def test_v2_mixed_precision_and_residual_rows_sharded(env, residual, shardy):
     _, mean, rstd = reference.layernorm_fwd(jnp.asarray(x), None, None)
 
     def f(dy, x, w, mean, rstd, res):
-        return sharding.layernorm_bwd_segments_v2(dy, x, w, mean, rstd, 0, 12, 0,
-                                                  dresidual=res if residual else None)
+        return backward_op.partitioned_call(dy, x, w, mean, rstd, *((res,) if residual else ()), seg_dims=0,
+                                            kernel=12, block_size=0, v2=True)
     args = (dy, x, w, mean, rstd, res)
     want = env.one_device(f, *args)
     rows, rep = NamedSharding(env.mesh2, P("a", "b")), NamedSharding(env.mesh2, P())

@@ -17,8 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import reference
-from ..add_layernorm import add_layernorm
-from ..layernorm import layernorm
+from ..layernorm import add_layernorm, layernorm
 
 
 def check_options(module, x, mask) -> None:

@@ -1,0 +1,168 @@
+"""Every argument check of the public functions and the FFI ops, written once.
+
+All checks run at trace time, so a bad input raises TypeError/ValueError before any kernel can
+see it. `fn` is the public function called; every message starts with it and names the
+argument, its shape or dtype, and what was expected, e.g.
+    layernorm_bwd: 'dy' has shape (4, 9) but x has shape (4, 8)
+"""
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from . import reference
+from .kernels import DEFAULT_KERNEL, KERNELS, v2_refusal
+
+SUPPORTED = ("float32", "bfloat16", "float16", "float64")
+SIXTEEN_BIT = ("bfloat16", "float16")
+
+
+def dtype_name(a) -> str:
+    return str(jnp.dtype(a.dtype))
+
+
+def array(fn: str, name: str, a, *, optional: bool = False) -> None:
+    """`a` is an array (or, with optional, None) of a supported float dtype."""
+    if not hasattr(a, "dtype") or not hasattr(a, "shape"):
+        what = "an array or None" if optional else "an array"
+        raise TypeError(f"{fn}: '{name}' must be {what}, got {type(a).__name__}")
+    if dtype_name(a) not in SUPPORTED:
+        raise TypeError(f"{fn}: '{name}' has dtype {dtype_name(a)} but expected one of {', '.join(SUPPORTED)}")
+
+
+def eps(fn: str, value) -> float:
+    """eps as a float: a positive finite number (not a bool or a string)."""
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{fn}: eps must be a positive finite float, got {value!r}") from None
+    if isinstance(value, (bool, str, bytes)) or not math.isfinite(f) or f <= 0.0:
+        raise ValueError(f"{fn}: eps must be a positive finite float, got {value!r}")
+    return f
+
+
+def x(fn: str, a) -> None:
+    """x: a float array of rank >= 1 whose last axis (C, the one normalized over) is not empty.
+
+    Rows may be empty (a batch of none: empty results), C may not: a row of no elements has
+    no statistics, so C = 0 is refused rather than returning an empty result."""
+    array(fn, "x", a)
+    if a.ndim < 1:
+        raise ValueError(f"{fn}: 'x' must have rank >= 1 (normalization is over the last axis)")
+    if a.shape[-1] < 1:
+        raise ValueError(f"{fn}: 'x' has shape {tuple(a.shape)} but its last axis (C, the one "
+                         "normalized over) must have at least 1 element: an empty row has no mean")
+
+
+def is_mixed(x, *params) -> bool:
+    """Whether a parameter is float32 beside bfloat16/float16 x (mixed precision: target v2)."""
+    return dtype_name(x) in SIXTEEN_BIT and any(p is not None and dtype_name(p) == "float32" for p in params)
+
+
+def param(fn: str, name: str, p, x) -> None:
+    """A parameter (weight, bias, x_bias): None (absent) or a (C,) array of x's dtype, or float32
+    beside bfloat16/float16 x (mixed precision: the parameter is never rounded to 16 bits)."""
+    if p is None:
+        return
+    array(fn, name, p, optional=True)
+    C = x.shape[-1]
+    if tuple(p.shape) != (C,):
+        raise ValueError(f"{fn}: '{name}' has shape {tuple(p.shape)} but expected ({C},) "
+                         f"for x of shape {tuple(x.shape)}")
+    if p.dtype != x.dtype and not is_mixed(x, p):
+        allowed = f"{dtype_name(x)} or float32" if dtype_name(x) in SIXTEEN_BIT else dtype_name(x)
+        raise TypeError(f"{fn}: '{name}' has dtype {dtype_name(p)} but expected {allowed} for x of "
+                        f"dtype {dtype_name(x)}")
+
+
+def forward_args(fn: str, x_, params: dict, eps_) -> float:
+    """A forward's arguments: x, the named parameters (None: absent), eps; returns eps as a float."""
+    eps_ = eps(fn, eps_)
+    x(fn, x_)
+    for name, p in params.items():
+        param(fn, name, p, x_)
+    return eps_
+
+
+def fused_forward_args(fn: str, x_, weight, bias, eps_, x_bias=None):
+    """The fused FFI forward's arguments; returns (eps as float, weight, bias, x_bias) with a
+    16-bit parameter next to a float32 one upcast to float32 (exact), so that all reach the
+    kernel in one dtype."""
+    eps_ = forward_args(fn, x_, {"weight": weight, "bias": bias, "x_bias": x_bias}, eps_)
+    present = [p for p in (weight, bias, x_bias) if p is not None]
+    if len({jnp.dtype(p.dtype) for p in present}) > 1:   # exact: bf16/f16 -> f32
+        weight, bias, x_bias = (None if p is None else p.astype(jnp.float32) for p in (weight, bias, x_bias))
+    return eps_, weight, bias, x_bias
+
+
+def like_x(fn: str, name: str, a, x) -> None:
+    """An array of x's shape and dtype (dy, residual)."""
+    array(fn, name, a)
+    if tuple(a.shape) != tuple(x.shape):
+        raise ValueError(f"{fn}: '{name}' has shape {tuple(a.shape)} but x has shape {tuple(x.shape)}")
+    if a.dtype != x.dtype:
+        raise TypeError(f"{fn}: '{name}' has dtype {dtype_name(a)} but x has dtype {dtype_name(x)}; "
+                        "cast them to one dtype")
+
+
+def residual(fn: str, r, x) -> None:
+    like_x(fn, "residual", r, x)
+
+
+def stats(fn: str, x, **saved) -> None:
+    """The forward's saved statistics (mean, rstd): x.shape[:-1], float32 (float64 for float64 x)."""
+    stat = reference.acc_dtype(x.dtype)
+    for name, s in saved.items():
+        if not hasattr(s, "shape"):
+            raise TypeError(f"{fn}: '{name}' must be an array, got {type(s).__name__}")
+        if tuple(s.shape) != tuple(x.shape[:-1]):
+            raise ValueError(f"{fn}: '{name}' has shape {tuple(s.shape)} but expected "
+                             f"{tuple(x.shape[:-1])} for x of shape {tuple(x.shape)}")
+        if s.dtype != stat:
+            raise TypeError(f"{fn}: '{name}' has dtype {dtype_name(s)} but expected {stat} "
+                            f"for x of dtype {dtype_name(x)}")
+
+
+def kernel(fn: str, kernel_, block_size, dtype: str, C: int, *, mixed: bool = False,
+           residual: bool = False) -> tuple[int, int]:
+    """(kernel id, block size) for the backward, checked against x's dtype and C, and against
+    target v2's additions the call needs (mixed precision, a residual gradient)."""
+    if kernel_ is None:
+        kernel_ = DEFAULT_KERNEL
+    if isinstance(kernel_, bool) or not isinstance(kernel_, (int, np.integer)) or int(kernel_) not in KERNELS:
+        raise ValueError(f"{fn}: unknown kernel {kernel_!r}; known kernels are {sorted(KERNELS)} "
+                         "(see jax_lnbwd.KERNELS) or None for the default")
+    info = KERNELS[int(kernel_)]
+    if dtype not in info.dtypes:
+        raise ValueError(f"{fn}: kernel {info.id} supports dtypes {', '.join(info.dtypes)}, not {dtype}")
+    if block_size is None:
+        block_size = info.default_block_size
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) \
+            or int(block_size) not in info.block_sizes:
+        if tuple(info.block_sizes) == (0,):
+            raise ValueError(f"{fn}: kernel {info.id} picks its own block size; pass block_size=None "
+                             f"(or 0), got {block_size!r}")
+        raise ValueError(f"{fn}: kernel {info.id} accepts block_size in {list(info.block_sizes)} "
+                         f"or None, got {block_size!r}")
+    why = info.refuse(C, dtype, int(block_size)) or v2_refusal(info.id, mixed=mixed, residual=residual)
+    if why is not None:
+        raise ValueError(f"{fn}: {why}")
+    return info.id, int(block_size)
+
+
+def v2_args(x, weight, dresidual) -> None:
+    """What backward target v2 adds, checked where the FFI call is made: the weight's dtype and
+    dresidual's shape and dtype (the public functions have checked them already)."""
+    fn = "layernorm_bwd"
+    x_dtype, w_dtype = np.dtype(x.dtype), np.dtype(weight.dtype)
+    sixteen = str(jnp.dtype(x_dtype)) in SIXTEEN_BIT
+    if w_dtype != x_dtype and not (sixteen and w_dtype == np.float32):
+        allowed = f"{x_dtype} or float32" if sixteen else str(x_dtype)
+        raise TypeError(f"{fn}: 'weight' has dtype {w_dtype} but expected {allowed} for x of dtype {x_dtype}")
+    if dresidual is not None:
+        if tuple(dresidual.shape) != tuple(x.shape):
+            raise ValueError(f"{fn}: 'dresidual' has shape {tuple(dresidual.shape)} but x has shape {tuple(x.shape)}")
+        if np.dtype(dresidual.dtype) != x_dtype:
+            raise TypeError(f"{fn}: 'dresidual' has dtype {np.dtype(dresidual.dtype)} but x has dtype {x_dtype}")

@@ -1,0 +1,161 @@
+"""The norms' forward and their custom_jvps: the one place a public op's value and derivative meet.
+
+`forward` is THE forward of a norm, (y, *stats), for checked inputs, and `add_forward` add_*'s
+(y, s, *stats); every path computes them here. The fused FFI forward (ops/forward.py: reads x
+once) runs on CUDA and jnp's (reference.py) elsewhere, chosen per platform by
+jax.lax.platform_dependent when the program is lowered (so an export for cpu and cuda carries
+both); the switch in config.py (JAX_LNBWD_FORWARD, use_ffi_forward) forces either on every
+platform. The two compute the same numbers (statistics in fp32, centered variance, y rounded
+once).
+
+The public functions are jax.custom_jvps (`norm`, `add_norm`). Their JVP rule computes the
+forward once and the tangent by a linear primitive whose transpose is the FFI backward
+(tangent.py). So:
+  * forward mode (jax.jvp, jax.linearize, jacfwd) evaluates the tangent map in jnp;
+  * reverse mode (jax.grad, vjp, jacrev) linearizes and transposes: one FFI call per norm,
+    with the op's own vmap, sharding and derivative rules (ops/backward.py, ops/partition.py);
+  * any order of either (hessian, check_grads order 2) composes the rules of both.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from . import _checks, config, reference, tangent
+from .ops import ffi, forward as forward_op
+
+# Where the default forward is the fused FFI op (jax.lax.platform_dependent's platform names).
+FFI_FORWARD_PLATFORMS = ("cuda",)
+
+
+def _fused_platforms() -> list[str]:
+    """The platforms of FFI_FORWARD_PLATFORMS where this build has the fused forward. A build
+    without the CUDA handler has none for CUDA; the jnp forward needs no handler, so inference
+    still runs there (only the backward raises, ops/ffi.py)."""
+    return [p for p in FFI_FORWARD_PLATFORMS if p != "cuda" or ffi.WITH_CUDA]
+
+
+def _explicitly_sharded(*arrays) -> bool:
+    """Whether any array's type names mesh axes (jax.sharding.AxisType.Explicit)."""
+    for a in arrays:
+        sharding = None if a is None else jax.typeof(a).sharding
+        if sharding is not None and any(e is not None for e in getattr(sharding, "spec", ())):
+            return True
+    return False
+
+
+def forward(x, weight, bias, eps: float):
+    """(y, mean, rstd) for checked inputs, by the fused FFI forward or jnp (see above).
+
+    Under Explicit mesh axes (sharding in types) the FFI forward's results would be typed without
+    a sharding, which platform_dependent's branches must agree on: the jnp forward runs there."""
+    mode = config.ffi_forward_mode()
+    if mode == "xla":
+        return reference.layernorm_fwd(x, weight, bias, eps)
+    if mode == "ffi":
+        return forward_op.layernorm_fwd_op(x, weight, bias, eps)
+    platforms = _fused_platforms()
+    if not platforms or _explicitly_sharded(x, weight, bias):
+        return reference.layernorm_fwd(x, weight, bias, eps)
+    fused = lambda x, w, b: forward_op.layernorm_fwd_op(x, w, b, eps)  # noqa: E731
+    return jax.lax.platform_dependent(
+        x, weight, bias, **{p: fused for p in platforms},
+        default=lambda x, w, b: reference.layernorm_fwd(x, w, b, eps))
+
+
+def add_forward(x, residual, weight, bias, eps: float, x_bias=None):
+    """(y, s, mean, rstd) with s = x + residual in x's dtype (with x_bias: (x + x_bias) +
+    residual, reference.add_residual), for checked inputs. Where `forward` would run the fused
+    forward (same switch, same platforms), the residual-fused FFI forward computes all four in one
+    kernel that reads x and residual once; elsewhere, and in the same fallbacks (no CUDA handler,
+    Explicit mesh axes), jnp's add followed by `forward`'s path. Both normalize the rounded s."""
+    mode = config.ffi_forward_mode()
+    if mode == "ffi":
+        return forward_op.add_layernorm_fwd_op(x, residual, weight, bias, eps, x_bias)
+    platforms = _fused_platforms()
+    if mode == "xla" or not platforms or _explicitly_sharded(x, residual, weight, bias, x_bias):
+        s = reference.add_residual(x, residual, x_bias)
+        y, mean, rstd = forward(s, weight, bias, eps)
+        return y, s, mean, rstd
+
+    def unfused(x, r, w, b, xb):
+        s = reference.add_residual(x, r, xb)
+        y, mean, rstd = reference.layernorm_fwd(s, w, b, eps)
+        return y, s, mean, rstd
+
+    fused = lambda x, r, w, b, xb: forward_op.add_layernorm_fwd_op(x, r, w, b, eps, xb)  # noqa: E731
+    return jax.lax.platform_dependent(x, residual, weight, bias, x_bias, **{p: fused for p in platforms},
+                                      default=unfused)
+
+
+def fill_params(x, weight, bias, dweight, dbias):
+    """(weight, dweight, dbias) with an absent weight as ones and absent tangents as zeros, in the
+    parameters' dtype (float32 beside 16-bit x when either present parameter is: then the
+    backward runs target v2 and the other parameter's gradient is summed in float32 too)."""
+    C = x.shape[-1]
+    dtype = jnp.float32 if _checks.is_mixed(x, weight, bias) else x.dtype
+    if weight is None:
+        weight, dweight = jnp.ones((C,), dtype), jnp.zeros((C,), dtype)
+    elif weight.dtype != dtype:   # a 16-bit weight beside a float32 bias: exact upcast
+        weight, dweight = weight.astype(dtype), dweight.astype(dtype)
+    if bias is None:
+        dbias = jnp.zeros((C,), dtype)
+    return weight, dweight, dbias
+
+
+def vary_all(*arrays):
+    """The arrays (None stays None) typed as varying along every shard_map mesh axis any of them
+    varies along. Inside shard_map, x usually varies along mesh axes along which a replicated
+    weight and bias do not; jnp's `x * weight` would cast weight to varying, and so do we,
+    before the custom_jvp, so that its tangents and cotangents have matching types. The cast's
+    transpose is a psum: the gradient of a replicated weight is summed over the shards, exactly
+    as for jnp code."""
+    axes = ffi.varying_axes(*(a for a in arrays if a is not None))
+    return tuple(None if a is None else ffi.vary(a, axes) for a in arrays)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5))
+def norm(x, weight, bias, eps, kernel, block_size):
+    return forward(x, weight, bias, eps)[0]
+
+
+@norm.defjvp
+def _norm_jvp(eps, kernel, block_size, primals, tangents):
+    """y and its tangent dy = tangent_map(x, weight, mean, rstd; dx, dweight, dbias).
+
+    An absent weight is a scale of ones with a zero tangent, an absent bias a zero tangent:
+    both are constants here, not tangents, so reverse mode returns no gradient for them."""
+    x, weight, bias = primals
+    dx, dweight, dbias = tangents
+    y, mean, rstd = forward(x, weight, bias, eps)
+    weight, dweight, dbias = fill_params(x, weight, bias, dweight, dbias)
+    dy = tangent.tangent_map(x, weight, mean, rstd, dx, dweight, dbias,
+                             seg_dims=0, kernel=kernel, block_size=block_size)
+    return y, dy
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(5, 6, 7))
+def add_norm(x, residual, weight, bias, x_bias, eps, kernel, block_size):
+    y, s, _, _ = add_forward(x, residual, weight, bias, eps, x_bias)
+    return y, s
+
+
+@add_norm.defjvp
+def _add_norm_jvp(eps, kernel, block_size, primals, tangents):
+    """(y, s) and their tangents (dy, ds) = add_tangent_map(...; dx, dresidual, dweight, dbias).
+
+    With x_bias, s = (x + x_bias) + residual is linear in (x, x_bias, residual): x_bias's tangent
+    is added to x's, in fp32 (fp64) and rounded to x's dtype, so that in reverse mode x_bias's
+    cotangent is the fp32 column sum of ds (JAX transposes the broadcast into that sum)."""
+    x, residual, weight, bias, x_bias = primals
+    dx, dresidual, dweight, dbias, dx_bias = tangents
+    y, s, mean, rstd = add_forward(x, residual, weight, bias, eps, x_bias)
+    weight, dweight, dbias = fill_params(s, weight, bias, dweight, dbias)
+    if x_bias is not None:
+        acc = reference.acc_dtype(x.dtype)
+        dx = (dx.astype(acc) + jnp.broadcast_to(dx_bias.astype(acc), dx.shape)).astype(x.dtype)
+    dy, ds = tangent.add_tangent_map(s, weight, mean, rstd, dx, dresidual, dweight, dbias,
+                                     seg_dims=0, kernel=kernel, block_size=block_size)
+    return (y, s), (dy, ds)

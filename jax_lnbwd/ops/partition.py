@@ -1,0 +1,252 @@
+"""The ops under sharding: every device runs the kernel on its own rows.
+
+XLA's SPMD partitioner cannot see into a custom call, so by default it replicates one: it
+all-gathers the inputs onto every device and each device computes the whole op. The forward
+and backward ops are therefore `jax.experimental.custom_partitioning` functions, made by
+`forward_partitioned` and `backward_partitioned` below from the op on local arrays, which tell
+the partitioner how to split them. Their arrays keep x's leading axes (flattening (batch, seq,
+C) sharded over batch and seq into rows would need a transpose across devices); for `seg_dims`
+= k the layout is
+  x (and dy, residual, dresidual, y, s, dx):  (*segments, *rows, C)  k segment axes (vmap's
+                                              batch axes: per-example parameters and sums),
+                                              then row axes;
+  statistics (mean, rstd):                    (*segments, *rows);
+  parameters and their gradients:             (*segments, C), each segment axis as in x or 1
+                                              (shared by the segments).
+The rule, per axis:
+  * row axes may be sharded over any mesh axes, and stay so: each device runs the FFI op on its
+    own rows; the forward needs no communication at all (each row is normalized by itself),
+    and the backward's parameter gradients, the device's partial sums, are added up over the
+    mesh axes that split the rows with ONE psum (stacked, in float32; float64 for float64);
+  * segment axes may be sharded too: a device then holds whole examples, computes their sums
+    itself, and the sums come out sharded like the segments; only row axes call for the psum;
+    parameters follow x's segment axes where they have them and are replicated otherwise;
+  * C must be whole on every device (each row's statistics and gradient need all of its
+    columns): a C-sharded input is gathered along C, with a ShardingFallbackWarning;
+  * an axis whose size does not divide evenly over its mesh axes (a padded sharding) is
+    gathered too, with a ShardingFallbackWarning: padding rows would enter the sums.
+
+Inside a shard_map over all mesh axes the ops never reach this rule: JAX lowers them as the
+plain FFI call on the local arrays, so the backward returns the local rows' sums, like any jnp
+code would (see the README's "Flax and sharding"). On one device it is the plain FFI call too.
+A shard_map over only some mesh axes is the one case left to XLA (`partly_manual`).
+
+The rule is given twice: `sharding_rule` (Shardy, JAX's default partitioner) names the factor
+of every dimension, for propagation; `infer_sharding_from_operands` does the same for the older
+GSPMD partitioner (jax_use_shardy_partitioner=False). `partition` serves both.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.extend.mlir import ir
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from .. import reference
+
+
+class ShardingFallbackWarning(UserWarning):
+    """A jax_lnbwd op gathers an input because it cannot use its sharding as it is."""
+
+
+def partly_manual(op: str, gathered: str) -> bool:
+    """Whether we are inside a shard_map over some mesh axes with the others automatic
+    (shard_map(..., axis_names=...)); warns if so. custom_partitioning cannot name the automatic
+    axes there, so the caller runs the plain FFI call and XLA gathers `gathered` along them.
+    op: e.g. "the layernorm backward"; gathered: e.g. "dy and x"."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not (mesh.manual_axes and set(mesh.manual_axes) != set(mesh.axis_names)):
+        return False
+    them = "them" if " and " in gathered else "it"
+    warnings.warn(f"jax_lnbwd: inside a shard_map over mesh axes {mesh.manual_axes} of "
+                  f"{mesh.axis_names}, {op} gathers {gathered} along the others; "
+                  f"shard_map over all axes, or jit with shardings, keeps {them} sharded.",
+                  ShardingFallbackWarning)
+    return True
+
+
+def axes_of(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry: None -> (), 'a' -> ('a',), ('a', 'b') -> itself."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def usable_spec(x, op: str, c_needs: str, warn: bool) -> list:
+    """x's sharding as a spec the op can keep, one entry per axis of x: C (each row needs all of
+    its columns) and axes that do not split evenly (padding rows would enter the row sums) are
+    replaced by None, i.e. gathered, with a ShardingFallbackWarning each when `warn`.
+
+    op names the op for errors ("the layernorm backward"); c_needs says what a row needs C for
+    and what is gathered ("each row's gradient needs all of its columns: dy and x are")."""
+    sharding = x.sharding
+    if not isinstance(sharding, NamedSharding):
+        # JAX hands the rule NamedShardings whenever the program has a mesh (any NamedSharding
+        # in it); without one there would be no axis names to psum over.
+        raise NotImplementedError(f"jax_lnbwd: {op} can only be partitioned over a mesh (NamedSharding), "
+                                  f"got {sharding!r}")
+    spec = list(sharding.spec) + [None] * (x.ndim - len(sharding.spec))
+    notes = []
+    if spec[-1] is not None:
+        notes.append(f"x's last axis (C={x.shape[-1]}) is sharded over mesh axes {axes_of(spec[-1])}, "
+                     f"but {c_needs} gathered along C. Shard the leading axes instead.")
+        spec[-1] = None
+    for i, size in enumerate(x.shape[:-1]):
+        devices = math.prod(sharding.mesh.shape[a] for a in axes_of(spec[i]))
+        if size % devices:
+            notes.append(f"axis {i} of x (size {size}) does not split evenly over mesh axes "
+                         f"{axes_of(spec[i])} ({devices} devices): it is gathered.")
+            spec[i] = None
+    if warn:
+        for note in notes:
+            warnings.warn(f"jax_lnbwd: {note}", ShardingFallbackWarning)
+    return spec
+
+
+def _param_sharding(mesh, spec, seg_dims, p, x) -> NamedSharding:
+    """A parameter's (or its gradient's) sharding: its segment axes follow x's where they are
+    not broadcast (size 1); C is whole."""
+    return NamedSharding(mesh, P(*[spec[i] if p.shape[i] == x.shape[i] else None for i in range(seg_dims)], None))
+
+
+def _factors(x_shape, seg_dims: int) -> tuple[list[str], str]:
+    """Shardy's factor names for x's leading axes: (segment factors s<i>, 's0 .. r0 r1 ..')."""
+    segs = [f"s{i}" for i in range(seg_dims)]
+    return segs, " ".join(segs + [f"r{i}" for i in range(len(x_shape) - 1 - seg_dims)])
+
+
+# --- the backward: (dy, x, weight, mean, rstd, [dresidual]) -> (dx, dweight, dbias) --------------
+
+_BWD_OP = "the layernorm backward"
+_BWD_C_NEEDS = "each row's gradient needs all of its columns: dy and x are"
+
+
+def _bwd_specs(seg_dims, arg_shapes, warn: bool):
+    """(x's usable spec as a tuple, the mesh axes that split its rows), from x's sharding."""
+    x = arg_shapes[1]
+    spec = usable_spec(x, _BWD_OP, _BWD_C_NEEDS, warn)
+    # The psum's axes; an axis of size 1 splits nothing (and would cost an all-reduce).
+    row_axes = tuple(a for entry in spec[seg_dims:-1] for a in axes_of(entry) if x.sharding.mesh.shape[a] > 1)
+    return tuple(spec), row_axes
+
+
+def _bwd_shardings(seg_dims, mesh, arg_shapes, spec):
+    """(argument shardings, result shardings); dresidual, where present, is sharded like dy."""
+    x, weight = arg_shapes[1], arg_shapes[2]
+    rows, sums = NamedSharding(mesh, P(*spec)), NamedSharding(mesh, P(*spec[:seg_dims], None))
+    stats = NamedSharding(mesh, P(*spec[:-1]))
+    args = (rows, rows, _param_sharding(mesh, spec, seg_dims, weight, x), stats, stats) + (rows,) * (len(arg_shapes) - 5)
+    return args, (rows, sums, sums)
+
+
+def _bwd_partition(local, seg_dims, kernel, block_size, mesh, arg_shapes, result_shape):
+    """What each device runs, on the shardings it needs (the partitioner reshards to them)."""
+    spec, row_axes = _bwd_specs(seg_dims, arg_shapes, warn=True)
+    arg_shardings, result_shardings = _bwd_shardings(seg_dims, mesh, arg_shapes, spec)
+    acc = reference.acc_dtype(arg_shapes[1].dtype)
+    sums_dtype = arg_shapes[2].dtype   # weight's: x's, or float32 beside 16-bit x (v2)
+
+    def per_device(*arrays):
+        dx, dweight, dbias = local(*arrays, seg_dims, kernel, block_size)
+        if row_axes:
+            # One psum for both sums, in the accumulation dtype: adding n devices' 16-bit
+            # partial sums in 16 bits would round n times.
+            sums = jax.lax.psum(jnp.stack([dweight, dbias]).astype(acc), row_axes)
+            dweight, dbias = sums[0].astype(sums_dtype), sums[1].astype(sums_dtype)
+        return dx, dweight, dbias
+
+    return mesh, per_device, result_shardings, arg_shardings
+
+
+def _bwd_infer(seg_dims, kernel, block_size, mesh, arg_shapes, result_shape):
+    spec, _ = _bwd_specs(seg_dims, arg_shapes, warn=False)
+    return _bwd_shardings(seg_dims, mesh, arg_shapes, spec)[1]
+
+
+def _bwd_rule(seg_dims, kernel, block_size, mesh, value_types, result_types):
+    """Shardy's factors: s<i> segment axes, r<i> row axes, c columns, w<i> a weight axis of
+    size 1 (broadcast over its segment axis). E.g. one segment axis and two row axes:
+    's0 r0 r1 c, s0 r0 r1 c, s0 c, s0 r0 r1, s0 r0 r1 -> s0 r0 r1 c, s0 c, s0 c'. The row
+    factors are absent from dweight/dbias: our partition sums over them. A sixth operand
+    (dresidual, target v2) has dy's factors."""
+    x_shape = ir.RankedTensorType(value_types[1]).shape
+    w_shape = ir.RankedTensorType(value_types[2]).shape
+    segs, lead = _factors(x_shape, seg_dims)
+    weight = " ".join(s if w_shape[i] == x_shape[i] else f"w{i}" for i, s in enumerate(segs))
+    sums = " ".join(segs + ["c"])
+    residual = f", {lead} c" * (len(value_types) - 5)
+    return f"{lead} c, {lead} c, {weight} c, {lead}, {lead}{residual} -> {lead} c, {sums}, {sums}"
+
+
+def backward_partitioned(local, n_arrays: int):
+    """local(*arrays, seg_dims, kernel, block_size) -> (dx, dweight, dbias), partitioned by the
+    rule above; n_arrays = 5, or 6 with dresidual. The three settings are static."""
+    op = custom_partitioning(local, static_argnums=(n_arrays, n_arrays + 1, n_arrays + 2))
+    op.def_partition(partition=functools.partial(_bwd_partition, local), infer_sharding_from_operands=_bwd_infer,
+                     sharding_rule=_bwd_rule)
+    return op
+
+
+# --- the fused forward: (x, [residual], *params) -> (y, [s], mean, rstd) ------------------------
+
+_FWD_OP = "the layernorm forward"
+_FWD_C_NEEDS = "each row's mean and variance need all of its columns: x is"
+
+
+def _fwd_specs(arg_shapes, warn: bool):
+    """x's usable spec, one entry per axis: C and unevenly split axes replaced by None."""
+    return tuple(usable_spec(arg_shapes[0], _FWD_OP, _FWD_C_NEEDS, warn))
+
+
+def _fwd_shardings(seg_dims, has_res, mesh, arg_shapes, spec):
+    """(argument shardings, result shardings); residual and s are sharded like x."""
+    x = arg_shapes[0]
+    rows, stats = NamedSharding(mesh, P(*spec)), NamedSharding(mesh, P(*spec[:-1]))
+    n_rows = 2 if has_res else 1
+    return ((rows,) * n_rows + tuple(_param_sharding(mesh, spec, seg_dims, p, x) for p in arg_shapes[n_rows:]),
+            (rows,) * n_rows + (stats, stats))
+
+
+def _fwd_partition(local, seg_dims, has_w, has_b, eps, has_res, mesh, arg_shapes, result_shape):
+    spec = _fwd_specs(arg_shapes, warn=True)
+    arg_shardings, result_shardings = _fwd_shardings(seg_dims, has_res, mesh, arg_shapes, spec)
+
+    def per_device(*arrays):
+        return local(*arrays, seg_dims, has_w, has_b, eps, has_res)
+
+    return mesh, per_device, result_shardings, arg_shardings
+
+
+def _fwd_infer(seg_dims, has_w, has_b, eps, has_res, mesh, arg_shapes, result_shape):
+    return _fwd_shardings(seg_dims, has_res, mesh, arg_shapes, _fwd_specs(arg_shapes, warn=False))[1]
+
+
+def _fwd_rule(seg_dims, has_w, has_b, eps, has_res, mesh, value_types, result_types):
+    """Shardy's factors: s<i> segment axes, r<i> row axes, c columns, w<k>_<i> a parameter axis
+    of size 1 (broadcast over its segment axis). E.g. one segment axis, one row axis, weight and
+    bias per segment: 's0 r0 c, s0 c, s0 c -> s0 r0 c, s0 r0, s0 r0'; with a residual (it and s
+    are factored like x): 's0 r0 c, s0 r0 c, s0 c, s0 c -> s0 r0 c, s0 r0 c, s0 r0, s0 r0'."""
+    x_shape = ir.RankedTensorType(value_types[0]).shape
+    segs, lead = _factors(x_shape, seg_dims)
+    n_rows = 2 if has_res else 1
+    params = []
+    for k, t in enumerate(value_types[n_rows:]):
+        p_shape = ir.RankedTensorType(t).shape
+        params.append(" ".join([s if p_shape[i] == x_shape[i] else f"w{k}_{i}" for i, s in enumerate(segs)] + ["c"]))
+    rows = [f"{lead} c"] * n_rows
+    return ", ".join([*rows, *params]) + " -> " + ", ".join([*rows, lead, lead])
+
+
+def forward_partitioned(local, n_arrays: int):
+    """local(*arrays, seg_dims, has_w, has_b, eps, has_res) -> (y, [s], mean, rstd), partitioned
+    by the rule above; n_arrays = x, [residual] and the present parameters. The five settings
+    are static."""
+    op = custom_partitioning(local, static_argnums=tuple(range(n_arrays, n_arrays + 5)))
+    op.def_partition(partition=functools.partial(_fwd_partition, local), infer_sharding_from_operands=_fwd_infer,
+                     sharding_rule=_fwd_rule)
+    return op
