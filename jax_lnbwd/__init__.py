@@ -3,7 +3,8 @@ from . import reference
 from .config import use_ffi_forward, use_xla_backward
 from .kernels import DEFAULT_KERNEL, KERNELS, KernelInfo
 from .layernorm import add_layernorm, layernorm, layernorm_bwd, layernorm_fwd
-from .norms import LAYERNORM, TARGETS
+from .rmsnorm import add_rmsnorm, rmsnorm, rmsnorm_bwd, rmsnorm_fwd
+from .norms import LAYERNORM, RMSNORM, TARGETS
 from .ops.ffi import WITH_CUDA
 from .ops.partition import ShardingFallbackWarning
 
@@ -12,8 +13,13 @@ from .ops.partition import ShardingFallbackWarning
 TARGET, TARGET_V2 = LAYERNORM.bwd_target, LAYERNORM.bwd_target_v2
 TARGET_FWD, TARGET_ADD_FWD, TARGET_ADD_FWD_V2 = (LAYERNORM.fwd_target, LAYERNORM.add_fwd_target,
                                                  LAYERNORM.add_bias_fwd_target)
+# RMSNorm's: the fused forward, add_rmsnorm's forward (x_bias optional) and the backward.
+TARGET_RMS_FWD, TARGET_ADD_RMS_FWD, TARGET_RMS_BWD = (RMSNORM.fwd_target, RMSNORM.add_fwd_target,
+                                                      RMSNORM.bwd_target_v2)
 
-__all__ = ["layernorm", "add_layernorm", "layernorm_fwd", "layernorm_bwd", "reference", "KERNELS", "KernelInfo",
-           "DEFAULT_KERNEL", "TARGET", "TARGET_V2", "TARGET_FWD", "TARGET_ADD_FWD", "TARGET_ADD_FWD_V2", "TARGETS",
+__all__ = ["layernorm", "add_layernorm", "layernorm_fwd", "layernorm_bwd",
+           "rmsnorm", "add_rmsnorm", "rmsnorm_fwd", "rmsnorm_bwd", "reference", "KERNELS", "KernelInfo",
+           "DEFAULT_KERNEL", "TARGET", "TARGET_V2", "TARGET_FWD", "TARGET_ADD_FWD", "TARGET_ADD_FWD_V2",
+           "TARGET_RMS_FWD", "TARGET_ADD_RMS_FWD", "TARGET_RMS_BWD", "TARGETS",
            "WITH_CUDA", "ShardingFallbackWarning", "use_xla_backward", "use_ffi_forward"]
 __version__ = "0.1.0"

@@ -126,7 +126,7 @@ def stats(fn: str, x, **saved) -> None:
 
 
 def kernel(fn: str, kernel_, block_size, dtype: str, C: int, *, mixed: bool = False,
-           residual: bool = False) -> tuple[int, int]:
+           residual: bool = False, norm: str = "layernorm") -> tuple[int, int]:
     """(kernel id, block size) for the backward, checked against x's dtype and C, and against
     target v2's additions the call needs (mixed precision, a residual gradient)."""
     if kernel_ is None:
@@ -146,16 +146,15 @@ def kernel(fn: str, kernel_, block_size, dtype: str, C: int, *, mixed: bool = Fa
                              f"(or 0), got {block_size!r}")
         raise ValueError(f"{fn}: kernel {info.id} accepts block_size in {list(info.block_sizes)} "
                          f"or None, got {block_size!r}")
-    why = info.refuse(C, dtype, int(block_size)) or v2_refusal(info.id, mixed=mixed, residual=residual)
+    why = info.refuse(C, dtype, int(block_size)) or v2_refusal(info.id, mixed=mixed, residual=residual, norm=norm)
     if why is not None:
         raise ValueError(f"{fn}: {why}")
     return info.id, int(block_size)
 
 
-def v2_args(x, weight, dresidual) -> None:
+def v2_args(fn: str, x, weight, dresidual) -> None:
     """What backward target v2 adds, checked where the FFI call is made: the weight's dtype and
     dresidual's shape and dtype (the public functions have checked them already)."""
-    fn = "layernorm_bwd"
     x_dtype, w_dtype = np.dtype(x.dtype), np.dtype(weight.dtype)
     sixteen = str(jnp.dtype(x_dtype)) in SIXTEEN_BIT
     if w_dtype != x_dtype and not (sixteen and w_dtype == np.float32):
@@ -166,3 +165,18 @@ def v2_args(x, weight, dresidual) -> None:
             raise ValueError(f"{fn}: 'dresidual' has shape {tuple(dresidual.shape)} but x has shape {tuple(x.shape)}")
         if np.dtype(dresidual.dtype) != x_dtype:
             raise TypeError(f"{fn}: 'dresidual' has dtype {np.dtype(dresidual.dtype)} but x has dtype {x_dtype}")
+
+
+def offset(fn: str, value, weight) -> float:
+    """rmsnorm's offset (added to the weight: Gemma's zero-centred scale is offset=1.0) as a
+    float: finite, and 0 when there is no weight (there is no scale to shift)."""
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{fn}: offset must be a finite float, got {value!r}") from None
+    if isinstance(value, (bool, str, bytes)) or not math.isfinite(f):
+        raise ValueError(f"{fn}: offset must be a finite float, got {value!r}")
+    if weight is None and f != 0.0:
+        raise ValueError(f"{fn}: offset={value!r} shifts the weight, but weight is None (no scale); "
+                         "pass a weight or offset=0")
+    return f

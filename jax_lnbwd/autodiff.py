@@ -18,12 +18,14 @@ forward once and the tangent by a linear primitive whose transpose is the FFI ba
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
 from . import _checks, config, reference, tangent
+from .norms import LAYERNORM, Norm
 from .ops import ffi, forward as forward_op
 
 # Where the default forward is the fused FFI op (jax.lax.platform_dependent's platform names).
@@ -46,60 +48,63 @@ def _explicitly_sharded(*arrays) -> bool:
     return False
 
 
-def forward(x, weight, bias, eps: float):
-    """(y, mean, rstd) for checked inputs, by the fused FFI forward or jnp (see above).
+def forward(x, weight, bias, eps: float, norm: Norm = LAYERNORM, offset: float = 0.0):
+    """(y, *stats) for checked inputs, by the fused FFI forward or jnp (see above).
 
     Under Explicit mesh axes (sharding in types) the FFI forward's results would be typed without
     a sharding, which platform_dependent's branches must agree on: the jnp forward runs there."""
     mode = config.ffi_forward_mode()
     if mode == "xla":
-        return reference.layernorm_fwd(x, weight, bias, eps)
+        return reference.norm_fwd(norm, x, weight, bias, eps, offset)
     if mode == "ffi":
-        return forward_op.layernorm_fwd_op(x, weight, bias, eps)
+        return forward_op.norm_fwd_op(norm, x, weight, bias, eps, offset)
     platforms = _fused_platforms()
     if not platforms or _explicitly_sharded(x, weight, bias):
-        return reference.layernorm_fwd(x, weight, bias, eps)
-    fused = lambda x, w, b: forward_op.layernorm_fwd_op(x, w, b, eps)  # noqa: E731
+        return reference.norm_fwd(norm, x, weight, bias, eps, offset)
+    fused = lambda x, w, b: forward_op.norm_fwd_op(norm, x, w, b, eps, offset)  # noqa: E731
     return jax.lax.platform_dependent(
         x, weight, bias, **{p: fused for p in platforms},
-        default=lambda x, w, b: reference.layernorm_fwd(x, w, b, eps))
+        default=lambda x, w, b: reference.norm_fwd(norm, x, w, b, eps, offset))
 
 
-def add_forward(x, residual, weight, bias, eps: float, x_bias=None):
-    """(y, s, mean, rstd) with s = x + residual in x's dtype (with x_bias: (x + x_bias) +
-    residual, reference.add_residual), for checked inputs. Where `forward` would run the fused
-    forward (same switch, same platforms), the residual-fused FFI forward computes all four in one
+def add_forward(x, residual, weight, bias, eps: float, x_bias=None, norm: Norm = LAYERNORM, offset: float = 0.0):
+    """(y, s, *stats) with s = x + residual in x's dtype (with x_bias: (x + x_bias) + residual,
+    reference.add_residual), for checked inputs. Where `forward` would run the fused forward
+    (same switch, same platforms), the residual-fused FFI forward computes them all in one
     kernel that reads x and residual once; elsewhere, and in the same fallbacks (no CUDA handler,
     Explicit mesh axes), jnp's add followed by `forward`'s path. Both normalize the rounded s."""
     mode = config.ffi_forward_mode()
     if mode == "ffi":
-        return forward_op.add_layernorm_fwd_op(x, residual, weight, bias, eps, x_bias)
+        return forward_op.add_norm_fwd_op(norm, x, residual, weight, bias, eps, x_bias, offset)
     platforms = _fused_platforms()
     if mode == "xla" or not platforms or _explicitly_sharded(x, residual, weight, bias, x_bias):
         s = reference.add_residual(x, residual, x_bias)
-        y, mean, rstd = forward(s, weight, bias, eps)
-        return y, s, mean, rstd
+        y, *stats = forward(s, weight, bias, eps, norm, offset)
+        return (y, s, *stats)
 
     def unfused(x, r, w, b, xb):
         s = reference.add_residual(x, r, xb)
-        y, mean, rstd = reference.layernorm_fwd(s, w, b, eps)
-        return y, s, mean, rstd
+        y, *stats = reference.norm_fwd(norm, s, w, b, eps, offset)
+        return (y, s, *stats)
 
-    fused = lambda x, r, w, b, xb: forward_op.add_layernorm_fwd_op(x, r, w, b, eps, xb)  # noqa: E731
+    fused = lambda x, r, w, b, xb: forward_op.add_norm_fwd_op(norm, x, r, w, b, eps, xb, offset)  # noqa: E731
     return jax.lax.platform_dependent(x, residual, weight, bias, x_bias, **{p: fused for p in platforms},
                                       default=unfused)
 
 
-def fill_params(x, weight, bias, dweight, dbias):
-    """(weight, dweight, dbias) with an absent weight as ones and absent tangents as zeros, in the
-    parameters' dtype (float32 beside 16-bit x when either present parameter is: then the
-    backward runs target v2 and the other parameter's gradient is summed in float32 too)."""
+def fill_params(norm: Norm, x, weight, bias, dweight, dbias):
+    """(weight, *parameter tangents) with an absent weight as ones and absent tangents as zeros,
+    in the parameters' dtype (float32 beside 16-bit x when either present parameter is: then the
+    backward runs target v2 and the other parameter's gradient is summed in float32 too).
+    layernorm: (weight, dweight, dbias); rmsnorm: (weight, dweight)."""
     C = x.shape[-1]
     dtype = jnp.float32 if _checks.is_mixed(x, weight, bias) else x.dtype
     if weight is None:
         weight, dweight = jnp.ones((C,), dtype), jnp.zeros((C,), dtype)
     elif weight.dtype != dtype:   # a 16-bit weight beside a float32 bias: exact upcast
         weight, dweight = weight.astype(dtype), dweight.astype(dtype)
+    if not norm.centered:
+        return weight, dweight
     if bias is None:
         dbias = jnp.zeros((C,), dtype)
     return weight, dweight, dbias
@@ -116,46 +121,63 @@ def vary_all(*arrays):
     return tuple(None if a is None else ffi.vary(a, axes) for a in arrays)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5))
-def norm(x, weight, bias, eps, kernel, block_size):
-    return forward(x, weight, bias, eps)[0]
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What a norm's custom_jvp holds static: the norm, eps, the backward's kernel and block
+    size, and rmsnorm's offset."""
+    norm: Norm
+    eps: float
+    kernel: int
+    block_size: int
+    offset: float = 0.0
+
+    def backward(self) -> dict:
+        """The static parameters of the tangent-map primitive (tangent.py)."""
+        params = dict(seg_dims=0, kernel=self.kernel, block_size=self.block_size)
+        if self.norm.offset:
+            params["offset"] = self.offset
+        return params
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
+def norm(x, weight, bias, settings: Settings):
+    return forward(x, weight, bias, settings.eps, settings.norm, settings.offset)[0]
 
 
 @norm.defjvp
-def _norm_jvp(eps, kernel, block_size, primals, tangents):
-    """y and its tangent dy = tangent_map(x, weight, mean, rstd; dx, dweight, dbias).
+def _norm_jvp(settings, primals, tangents):
+    """y and its tangent dy = tangent_map(x, weight, *stats; dx, dweight[, dbias]).
 
     An absent weight is a scale of ones with a zero tangent, an absent bias a zero tangent:
     both are constants here, not tangents, so reverse mode returns no gradient for them."""
     x, weight, bias = primals
     dx, dweight, dbias = tangents
-    y, mean, rstd = forward(x, weight, bias, eps)
-    weight, dweight, dbias = fill_params(x, weight, bias, dweight, dbias)
-    dy = tangent.tangent_map(x, weight, mean, rstd, dx, dweight, dbias,
-                             seg_dims=0, kernel=kernel, block_size=block_size)
+    y, *stats = forward(x, weight, bias, settings.eps, settings.norm, settings.offset)
+    weight, *ptangents = fill_params(settings.norm, x, weight, bias, dweight, dbias)
+    dy = tangent.tangent_map(settings.norm, x, weight, stats, ptangents, dx, **settings.backward())
     return y, dy
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(5, 6, 7))
-def add_norm(x, residual, weight, bias, x_bias, eps, kernel, block_size):
-    y, s, _, _ = add_forward(x, residual, weight, bias, eps, x_bias)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(5,))
+def add_norm(x, residual, weight, bias, x_bias, settings: Settings):
+    y, s, *_ = add_forward(x, residual, weight, bias, settings.eps, x_bias, settings.norm, settings.offset)
     return y, s
 
 
 @add_norm.defjvp
-def _add_norm_jvp(eps, kernel, block_size, primals, tangents):
-    """(y, s) and their tangents (dy, ds) = add_tangent_map(...; dx, dresidual, dweight, dbias).
+def _add_norm_jvp(settings, primals, tangents):
+    """(y, s) and their tangents (dy, ds) = add_tangent_map(...; dx, dresidual, dweight[, dbias]).
 
     With x_bias, s = (x + x_bias) + residual is linear in (x, x_bias, residual): x_bias's tangent
     is added to x's, in fp32 (fp64) and rounded to x's dtype, so that in reverse mode x_bias's
     cotangent is the fp32 column sum of ds (JAX transposes the broadcast into that sum)."""
     x, residual, weight, bias, x_bias = primals
     dx, dresidual, dweight, dbias, dx_bias = tangents
-    y, s, mean, rstd = add_forward(x, residual, weight, bias, eps, x_bias)
-    weight, dweight, dbias = fill_params(s, weight, bias, dweight, dbias)
+    y, s, *stats = add_forward(x, residual, weight, bias, settings.eps, x_bias, settings.norm, settings.offset)
+    weight, *ptangents = fill_params(settings.norm, s, weight, bias, dweight, dbias)
     if x_bias is not None:
         acc = reference.acc_dtype(x.dtype)
         dx = (dx.astype(acc) + jnp.broadcast_to(dx_bias.astype(acc), dx.shape)).astype(x.dtype)
-    dy, ds = tangent.add_tangent_map(s, weight, mean, rstd, dx, dresidual, dweight, dbias,
-                                     seg_dims=0, kernel=kernel, block_size=block_size)
+    dy, ds = tangent.add_tangent_map(settings.norm, s, weight, stats, ptangents, dx, dresidual,
+                                     **settings.backward())
     return (y, s), (dy, ds)

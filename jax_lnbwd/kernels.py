@@ -187,11 +187,13 @@ def workspace_bytes(kernel: int, rows: int, C: int, dtype: str, block_size: int,
 V2_KERNELS = frozenset({11, 12})
 
 
-def v2_refusal(kernel: int, *, mixed: bool, residual: bool) -> str | None:
-    """None if `kernel` can run what target v2 adds that this call needs, else why not."""
-    if kernel in V2_KERNELS or not (mixed or residual):
+def v2_refusal(kernel: int, *, mixed: bool, residual: bool, norm: str = "layernorm") -> str | None:
+    """None if `kernel` can run what target v2 adds that this call needs (and rmsnorm, whose
+    backward is v2's form), else why not."""
+    if kernel in V2_KERNELS or not (mixed or residual or norm != "layernorm"):
         return None
-    what = ("a float32 weight/bias beside 16-bit x (mixed precision)" if mixed
+    what = (f"{norm} (its backward)" if norm != "layernorm"
+            else "a float32 weight/bias beside 16-bit x (mixed precision)" if mixed
             else "an added residual gradient (add_layernorm)")
     return (f"kernel {kernel} does not support {what}; kernels "
             f"{' and '.join(map(str, sorted(V2_KERNELS)))} do (kernel=None picks the default, {DEFAULT_KERNEL})")

@@ -32,6 +32,7 @@ the column sum of ds, summed by XLA in fp32 from the kernel's ds.
 from __future__ import annotations
 
 from . import _checks, autodiff, config, reference
+from .norms import LAYERNORM
 from .ops import backward as backward_op
 
 
@@ -60,7 +61,7 @@ def layernorm(x, weight, bias, *, eps: float = 1e-5, kernel: int | None = None, 
     if config.xla_backward_enabled():
         return reference.layernorm(x, weight, bias, eps)
     x, weight, bias = autodiff.vary_all(x, weight, bias)
-    return autodiff.norm(x, weight, bias, eps, kernel, block_size)
+    return autodiff.norm(x, weight, bias, autodiff.Settings(LAYERNORM, eps, kernel, block_size))
 
 
 def layernorm_fwd(x, weight, bias, *, eps: float = 1e-5):
@@ -121,4 +122,4 @@ def add_layernorm(x, residual, weight, bias, *, x_bias=None, eps: float = 1e-5, 
         s = reference.add_residual(x, residual, x_bias)
         return reference.layernorm(s, weight, bias, eps), s
     x, residual, weight, bias, x_bias = autodiff.vary_all(x, residual, weight, bias, x_bias)
-    return autodiff.add_norm(x, residual, weight, bias, x_bias, eps, kernel, block_size)
+    return autodiff.add_norm(x, residual, weight, bias, x_bias, autodiff.Settings(LAYERNORM, eps, kernel, block_size))

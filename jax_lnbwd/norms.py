@@ -4,7 +4,8 @@ A norm normalizes each row of x over its last axis (C elements) and saves fp32 s
 (fp64 for fp64 x) for the backward. Its row says what differs between norms:
   * which FFI targets run it: the fused forward, add_*'s residual-fused forward (without and
     with x's own bias), and the backward's versions;
-  * which statistics it saves and which parameters it has.
+  * which statistics it saves and which parameters it has (so which gradients the backward
+    returns), and whether the kernels add an offset to the weight (Gemma's zero-centred scale).
 The mechanisms (the forward and backward FFI ops in ops/, their vmap, derivative and
 partitioning rules, the tangent-map primitive in tangent.py) take the row as a static
 parameter, so a new norm is a new row plus its reference math and kernels, not a copy of them.
@@ -20,22 +21,31 @@ import dataclasses
 @dataclasses.dataclass(frozen=True)
 class Norm:
     name: str                 # the public function, e.g. "layernorm"; errors start with it
-    fwd_target: str           # fused forward: x, [weight], [bias] -> y, stats
-    add_fwd_target: str       # add_*'s forward: x, residual, params -> y, s, stats
-    add_bias_fwd_target: str  # ... with x's own bias: x, x_bias, residual, params -> y, s, stats
-    bwd_target: str           # backward v1: a weight of x's dtype, nothing added to dx
-    bwd_target_v2: str        # backward v2: v1 plus a float32 weight beside 16-bit x and a
-                              # residual gradient added to dx
+    centered: bool            # x̂ = (x - mean) * rstd (layernorm), or x * rstd (rmsnorm)
+    fwd_target: str           # fused forward: x, [params] -> y, stats
+    add_fwd_target: str       # add_*'s forward: x, residual, params -> y, s, stats (rmsnorm's takes
+                              # x_bias too, zero-size when absent)
+    add_bias_fwd_target: str | None  # ... with x's own bias, where that is a target of its own
+    bwd_target: str | None    # backward v1 (layernorm only): a weight of x's dtype, nothing added to dx
+    bwd_target_v2: str        # backward with a float32 weight beside 16-bit x and a residual
+                              # gradient added to dx (attribute has_residual)
     stats: tuple[str, ...]    # the saved statistics, per row
     params: tuple[str, ...]   # the parameters, each (C,), scale first
+    offset: bool = False      # takes `offset`, added to the weight by the kernels
+
+    @property
+    def add_name(self) -> str:
+        return "add_" + self.name
 
     @property
     def targets(self) -> tuple[str, ...]:
-        return (self.bwd_target, self.bwd_target_v2, self.fwd_target, self.add_fwd_target, self.add_bias_fwd_target)
+        return tuple(t for t in (self.bwd_target, self.bwd_target_v2, self.fwd_target, self.add_fwd_target,
+                                 self.add_bias_fwd_target) if t is not None)
 
 
 LAYERNORM = Norm(
     name="layernorm",
+    centered=True,
     fwd_target="jax_lnbwd_layernorm_fwd_v1",
     add_fwd_target="jax_lnbwd_add_layernorm_fwd_v1",
     add_bias_fwd_target="jax_lnbwd_add_layernorm_fwd_v2",
@@ -45,7 +55,20 @@ LAYERNORM = Norm(
     params=("weight", "bias"),
 )
 
-NORMS = (LAYERNORM,)
+RMSNORM = Norm(
+    name="rmsnorm",
+    centered=False,
+    fwd_target="jax_lnbwd_rmsnorm_fwd_v1",
+    add_fwd_target="jax_lnbwd_add_rmsnorm_fwd_v1",
+    add_bias_fwd_target=None,
+    bwd_target=None,
+    bwd_target_v2="jax_lnbwd_rmsnorm_bwd_v1",
+    stats=("rstd",),
+    params=("weight",),
+    offset=True,
+)
+
+NORMS = (LAYERNORM, RMSNORM)
 
 # Every FFI target a program traced with jax_lnbwd may call: what jax.export must be told to
 # allow, e.g. disabled_checks=[export.DisabledSafetyCheck.custom_call(t) for t in TARGETS].

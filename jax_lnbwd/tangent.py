@@ -35,15 +35,21 @@ these primitives (autodiff.py). What each transformation then sees:
     JVP rule is the primitive again for the tangent operands (it is linear in them) plus the jnp
     JVP of the formula for x, weight, mean and rstd.
 
-Every primitive here is bound to (x, weight, mean, rstd, *tangents) with static parameters
-seg_dims, kernel and block_size. The tangents are one or more data tangents shaped like x (dx;
-dx and dresidual) followed by dweight and dbias. Operand layout, for `seg_dims` = k:
-    x and the data tangents:  (*segments, *rows, C)  (k segment axes, then any row axes);
-    mean, rstd:               (*segments, *rows), float32 (float64 for float64 x);
-    weight, dweight, dbias:   (*segments', C) where each segment axis is as in x or 1 (shared).
+rmsnorm (x̂ = x * rstd, y = x̂ * (offset + weight), norms.RMSNORM) is the same with no mean and
+no bias: dx̂ = rstd * (dx - x̂ * mean(x̂ * dx)), dy = (offset + weight) * dx̂ + x̂ * dweight, and
+its transpose is rmsnorm's backward, dx = rstd * (g - x̂ * mean(g * x̂)), g = (offset + weight) * dy.
+
+Every primitive here is bound to (x, weight, *stats, *tangents) with static parameters
+seg_dims, kernel and block_size (and rmsnorm's offset). stats are the norm's saved statistics
+(layernorm: mean, rstd; rmsnorm: rstd). The tangents are one or more data tangents shaped like x
+(dx; dx and dresidual) followed by the parameters' (dweight, dbias; rmsnorm: dweight). Operand
+layout, for `seg_dims` = k:
+    x and the data tangents:      (*segments, *rows, C)  (k segment axes, then any row axes);
+    stats:                        (*segments, *rows), float32 (float64 for float64 x);
+    weight and its tangents:      (*segments', C) where each segment axis is as in x or 1 (shared).
 Every result has x's shape and dtype. `define` makes such a primitive from its jnp formula and
 its transpose and writes once what all have in common (evaluation, lowering, abstract
-evaluation, JVP, vmap, and the refusal to transpose in x, weight, mean or rstd).
+evaluation, JVP, vmap, and the refusal to transpose in x, weight or the stats).
 """
 from __future__ import annotations
 
@@ -56,31 +62,30 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from . import reference
+from .norms import LAYERNORM, RMSNORM
 from .ops import backward as backward_op, ffi
 
-# x, weight, mean, rstd: the operands the map is not linear in.
-N_NONLINEAR = 4
-WEIGHT = 1
+WEIGHT = 1   # the weight's operand index
 STATIC = ("seg_dims", "kernel", "block_size")
 
 
-def bind(p: Primitive, *args, seg_dims: int, kernel: int, block_size: int):
+def bind(p: Primitive, *args, **params):
     """p bound to args. Inside shard_map every operand is first typed as varying along the same
     mesh axes (a replicated weight next to sharded rows, say), so that the results' type is x's."""
     axes = ffi.varying_axes(*args)
-    return p.bind(*(ffi.vary(a, axes) for a in args), seg_dims=seg_dims, kernel=kernel, block_size=block_size)
+    return p.bind(*(ffi.vary(a, axes) for a in args), **params)
 
 
-def ffi_backward(ct, x, weight, mean, rstd, dweight, dbias, dresidual, *, seg_dims, kernel, block_size):
-    """(gx, gweight, gbias): the FFI op on cotangent ct, with dweight/dbias's cotangents (None where
-    they are not being transposed) summed to their shapes. dresidual (None or x's shape) is
+def ffi_backward(norm, ct, x, weight, stats, ptangents, dresidual, *, seg_dims, kernel, block_size, offset=0.0):
+    """(gx, *gparams): the FFI op on cotangent ct, with the parameter tangents' cotangents (None
+    where they are not being transposed) summed to their shapes. dresidual (None or x's shape) is
     added to gx in the kernel (target v2)."""
     segs, C = x.shape[:seg_dims], x.shape[-1]
     # A segment axis along which the weight is shared and no per-segment sum is wanted (every
     # parameter tangent being transposed is shared too: grad of vmap with shared parameters)
     # is just more rows: the innermost such axes fold into the rows. Fewer segments, and the
     # op sums over those axes itself.
-    wanted = [p for p in (dweight, dbias) if ad.is_undefined_primal(p)]
+    wanted = [p for p in ptangents if ad.is_undefined_primal(p)]
     k = seg_dims
     while k > 0 and weight.shape[k - 1] == 1 and all(p.aval.shape[k - 1] == 1 for p in wanted):
         k -= 1
@@ -88,8 +93,8 @@ def ffi_backward(ct, x, weight, mean, rstd, dweight, dbias, dresidual, *, seg_di
     # The op takes one weight shared by all segments, or one per segment.
     if math.prod(weight.shape[:-1]) != 1:
         weight = jnp.broadcast_to(weight, (*segs[:k], C))
-    gx, gweight, gbias = backward_op.backward(ct, x, weight, mean, rstd, seg_dims=k, kernel=kernel,
-                                              block_size=block_size, caller="layernorm", dresidual=dresidual)
+    gx, *grads = backward_op.backward(ct, x, weight, *stats, seg_dims=k, kernel=kernel, block_size=block_size,
+                                      caller=norm.name, dresidual=dresidual, norm=norm, offset=offset)
 
     def summed(g, p):
         """Per-segment sums -> p's shape: a parameter shared by segments gets their total."""
@@ -100,32 +105,34 @@ def ffi_backward(ct, x, weight, mean, rstd, dweight, dbias, dresidual, *, seg_di
             g = jnp.sum(g.astype(reference.acc_dtype(g.dtype)), axis=axes, keepdims=True)
         return g.reshape(p.aval.shape).astype(p.aval.dtype)
 
-    return gx, summed(gweight, dweight), summed(gbias, dbias)
+    return (gx, *(summed(g, p) for g, p in zip(grads, ptangents)))
 
 
-def _abstract_eval(x, weight, mean, rstd, *tangents, seg_dims, kernel, block_size, n_out):
-    *data, dweight, dbias = tangents
+def _abstract_eval(x, weight, *rest, n_stats, n_params, n_out, **params):
+    seg_dims = params["seg_dims"]
+    stats, tangents = rest[:n_stats], rest[n_stats:]
+    data, ptangents = tangents[:-n_params], tangents[-n_params:]
     segs, C = x.shape[:seg_dims], x.shape[-1]
     for d in data:
         assert d.shape == x.shape and d.dtype == x.dtype, (d, x)
-    assert mean.shape == rstd.shape == x.shape[:-1], (mean, rstd, x)
-    for p in (weight, dweight, dbias):
+    for s in stats:
+        assert s.shape == x.shape[:-1], (s, x)
+    for p in (weight, *ptangents):
         assert p.ndim == seg_dims + 1 and p.shape[-1] == C, (p, x, seg_dims)
         assert all(n in (s, 1) for n, s in zip(p.shape, segs)), (p, x, seg_dims)
     out = x.update(weak_type=False)
     return [out] * n_out if n_out > 1 else out
 
 
-def _jvp(p, formula, primals, tangents, *, seg_dims, kernel, block_size):
-    params = dict(seg_dims=seg_dims, kernel=kernel, block_size=block_size)
+def _jvp(p, formula, n_nonlinear, primals, tangents, **params):
     out = p.bind(*primals, **params)
-    nonlinear, linear = primals[:N_NONLINEAR], primals[N_NONLINEAR:]
-    t_nonlinear, t_linear = tangents[:N_NONLINEAR], tangents[N_NONLINEAR:]
+    nonlinear, linear = primals[:n_nonlinear], primals[n_nonlinear:]
+    t_nonlinear, t_linear = tangents[:n_nonlinear], tangents[n_nonlinear:]
     parts = []
     if any(type(t) is not ad.Zero for t in t_linear):
         parts.append(bind(p, *nonlinear, *map(ad.instantiate_zeros, t_linear), **params))
     if any(type(t) is not ad.Zero for t in t_nonlinear):
-        f = lambda *a: formula(*a, *linear, seg_dims=seg_dims)  # noqa: E731
+        f = lambda *a: formula(*a, *linear, **params)  # noqa: E731
         parts.append(jax.jvp(f, nonlinear, tuple(map(ad.instantiate_zeros, t_nonlinear)))[1])
     # One result or several: summed as tuples, returned as the primitive returns them.
     pack, unpack = ((tuple, list) if p.multiple_results else (lambda v: (v,), lambda v: v[0]))
@@ -134,59 +141,62 @@ def _jvp(p, formula, primals, tangents, *, seg_dims, kernel, block_size):
     return out, unpack(functools.reduce(lambda a, b: tuple(map(jnp.add, a, b)), map(pack, parts)))
 
 
-def _batch(p, n_out, args, dims, *, seg_dims, kernel, block_size):
+def _batch(p, n_out, n_params, args, dims, **params):
     B = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    shared = (WEIGHT, len(args) - 2, len(args) - 1)   # weight, dweight, dbias
+    shared = (WEIGHT, *range(len(args) - n_params, len(args)))   # weight and its tangents
     out = []
     for i, (a, d) in enumerate(zip(args, dims)):
         if d is not None:
             a = jnp.moveaxis(a, d, 0)
         elif i in shared:       # shared by the new segments
             a = a[None]
-        else:                   # x, mean, rstd, the data tangents: the same for every example
+        else:                   # x, the stats, the data tangents: the same for every example
             a = jnp.broadcast_to(a, (B, *a.shape))
         out.append(a)
-    result = bind(p, *out, seg_dims=seg_dims + 1, kernel=kernel, block_size=block_size)
+    result = bind(p, *out, **{**params, "seg_dims": params["seg_dims"] + 1})
     return result, ((0,) * n_out if n_out > 1 else 0)
 
 
-def _transpose(fn: str, tangent_names, linear_transpose, cts, *args, seg_dims, kernel, block_size):
-    if any(ad.is_undefined_primal(a) for a in args[:N_NONLINEAR]):
+def _transpose(fn: str, tangent_names, linear_transpose, nonlinear_names, cts, *args, **params):
+    n = len(nonlinear_names)
+    if any(ad.is_undefined_primal(a) for a in args[:n]):
         names = ", ".join(tangent_names[:-1]) + " and " + tangent_names[-1]
         raise ValueError(f"jax_lnbwd: the {fn} tangent map is linear in {names} only; it cannot be "
-                         "transposed in x, weight, mean or rstd")
-    cotangents = linear_transpose(cts, *args, seg_dims=seg_dims, kernel=kernel, block_size=block_size)
-    return (None,) * N_NONLINEAR + tuple(cotangents)
+                         f"transposed in {', '.join(nonlinear_names[:-1])} or {nonlinear_names[-1]}")
+    cotangents = linear_transpose(cts, *args, **params)
+    return (None,) * n + tuple(cotangents)
 
 
-def define(name: str, formula, linear_transpose, *, fn: str, tangent_names: tuple[str, ...],
-           n_out: int = 1) -> Primitive:
-    """The primitive `name`, a tangent map of `fn` with the rules above.
+def define(name: str, formula, linear_transpose, *, fn: str, tangent_names: tuple[str, ...], n_out: int = 1,
+           norm=LAYERNORM, static: tuple[str, ...] = STATIC) -> Primitive:
+    """The primitive `name`, a tangent map of `fn` (a function of `norm`) with the rules above.
 
-    formula(x, weight, mean, rstd, *tangents, seg_dims) -> its n_out results in jnp.
-    linear_transpose(cts, x, weight, mean, rstd, *tangents, seg_dims, kernel, block_size) -> the
-    cotangents of the tangent operands (named `tangent_names`, None where not transposed).
+    formula(x, weight, *stats, *tangents, **static) -> its n_out results in jnp.
+    linear_transpose(cts, x, weight, *stats, *tangents, **static) -> the cotangents of the
+    tangent operands (named `tangent_names`, None where not transposed).
     """
     p = Primitive(name)
     p.multiple_results = n_out > 1
+    n_stats, n_params = len(norm.stats), len(norm.params)
 
-    def impl(*args, seg_dims, kernel, block_size):
-        out = formula(*args, seg_dims=seg_dims)
+    def impl(*args, **params):
+        out = formula(*args, **params)
         return list(out) if p.multiple_results else out
 
-    p.def_impl(jax.jit(impl, static_argnames=STATIC))
-    p.def_abstract_eval(functools.partial(_abstract_eval, n_out=n_out))
+    p.def_impl(jax.jit(impl, static_argnames=static))
+    p.def_abstract_eval(functools.partial(_abstract_eval, n_stats=n_stats, n_params=n_params, n_out=n_out))
     mlir.register_lowering(p, mlir.lower_fun(impl, multiple_results=p.multiple_results))
-    ad.primitive_jvps[p] = functools.partial(_jvp, p, formula)
-    ad.primitive_transposes[p] = functools.partial(_transpose, fn, tangent_names, linear_transpose)
-    batching.primitive_batchers[p] = functools.partial(_batch, p, n_out)
+    ad.primitive_jvps[p] = functools.partial(_jvp, p, formula, 2 + n_stats)
+    ad.primitive_transposes[p] = functools.partial(_transpose, fn, tangent_names, linear_transpose,
+                                                   ("x", "weight", *norm.stats))
+    batching.primitive_batchers[p] = functools.partial(_batch, p, n_out, n_params)
     return p
 
 
 # --- layernorm ------------------------------------------------------------------------------
 
-def tangent_reference(x, weight, mean, rstd, dx, dweight, dbias, *, seg_dims: int):
-    """dy, the formula above in jnp, accumulated in float32 (float64 for float64)."""
+def tangent_reference(x, weight, mean, rstd, dx, dweight, dbias, *, seg_dims: int, **_):
+    """dy, layernorm's formula above in jnp, accumulated in float32 (float64 for float64)."""
     acc = reference.acc_dtype(x.dtype)
     rows = x.ndim - 1 - seg_dims
 
@@ -206,7 +216,7 @@ def _layernorm_transpose(ct, x, weight, mean, rstd, dx, dweight, dbias, *, seg_d
     linear = (dx, dweight, dbias)
     if type(ct) is ad.Zero or not any(ad.is_undefined_primal(t) for t in linear):
         return (None,) * 3
-    gx, gweight, gbias = ffi_backward(ct, x, weight, mean, rstd, dweight, dbias, None,
+    gx, gweight, gbias = ffi_backward(LAYERNORM, ct, x, weight, (mean, rstd), (dweight, dbias), None,
                                       seg_dims=seg_dims, kernel=kernel, block_size=block_size)
     return gx if ad.is_undefined_primal(dx) else None, gweight, gbias
 
@@ -215,19 +225,7 @@ tangent_p = define("jax_lnbwd_layernorm_tangent", tangent_reference, _layernorm_
                    fn="layernorm", tangent_names=("dx", "dweight", "dbias"))
 
 
-def tangent_map(x, weight, mean, rstd, dx, dweight, dbias, *, seg_dims: int, kernel: int, block_size: int):
-    """dy = the tangent map at (x, weight, mean, rstd) applied to (dx, dweight, dbias).
-
-    Operands in the layout above; kernel and block_size are those of the FFI backward that the
-    transpose runs.
-    """
-    return bind(tangent_p, x, weight, mean, rstd, dx, dweight, dbias,
-                seg_dims=seg_dims, kernel=kernel, block_size=block_size)
-
-
-# --- add_layernorm ---------------------------------------------------------------------------
-
-def add_tangent_reference(s, weight, mean, rstd, dx, dresidual, dweight, dbias, *, seg_dims: int):
+def add_tangent_reference(s, weight, mean, rstd, dx, dresidual, dweight, dbias, *, seg_dims: int, **_):
     """(dy, ds) in jnp: ds = dx + dresidual in s's dtype (as jnp's x + residual), dy from ds."""
     ds = dx + dresidual
     return tangent_reference(s, weight, mean, rstd, ds, dweight, dbias, seg_dims=seg_dims), ds
@@ -241,7 +239,7 @@ def _add_transpose(cts, s, weight, mean, rstd, dx, dresidual, dweight, dbias, *,
             return (None,) * 4
         g, gweight, gbias = gs, None, None
     else:
-        g, gweight, gbias = ffi_backward(gy, s, weight, mean, rstd, dweight, dbias,
+        g, gweight, gbias = ffi_backward(LAYERNORM, gy, s, weight, (mean, rstd), (dweight, dbias),
                                          None if type(gs) is ad.Zero else gs,
                                          seg_dims=seg_dims, kernel=kernel, block_size=block_size)
     return tuple(g if ad.is_undefined_primal(t) else None for t in (dx, dresidual)) + (gweight, gbias)
@@ -251,8 +249,75 @@ add_tangent_p = define("jax_lnbwd_add_layernorm_tangent", add_tangent_reference,
                        fn="add_layernorm", tangent_names=("dx", "dresidual", "dweight", "dbias"), n_out=2)
 
 
-def add_tangent_map(s, weight, mean, rstd, dx, dresidual, dweight, dbias, *, seg_dims: int, kernel: int,
-                    block_size: int):
-    """(dy, ds), the tangents of add_layernorm's (y, s); kernel and block_size are the backward's."""
-    return bind(add_tangent_p, s, weight, mean, rstd, dx, dresidual, dweight, dbias,
-                seg_dims=seg_dims, kernel=kernel, block_size=block_size)
+# --- rmsnorm --------------------------------------------------------------------------------
+
+RMS_STATIC = STATIC + ("offset",)
+
+
+def rms_tangent_reference(x, weight, rstd, dx, dweight, *, seg_dims: int, offset: float, **_):
+    """dy, rmsnorm's formula above in jnp, accumulated in float32 (float64 for float64)."""
+    acc = reference.acc_dtype(x.dtype)
+    rows = x.ndim - 1 - seg_dims
+
+    def per_column(p):  # (*segments', C) -> (*segments', 1 per row axis, C): broadcasts against x
+        return p.reshape(p.shape[:-1] + (1,) * rows + p.shape[-1:])
+
+    r = rstd.astype(acc)[..., None]
+    xhat = x.astype(acc) * r
+    d = dx.astype(acc)
+    dxhat = (d - xhat * jnp.mean(xhat * d, axis=-1, keepdims=True)) * r
+    dy = dxhat * per_column(reference.scale(weight, offset, acc)) + xhat * per_column(dweight.astype(acc))
+    return dy.astype(x.dtype)
+
+
+def _rms_transpose(ct, x, weight, rstd, dx, dweight, *, seg_dims, kernel, block_size, offset):
+    """(dx, dweight) cotangents by the FFI op: dy -> the rmsnorm backward."""
+    if type(ct) is ad.Zero or not any(ad.is_undefined_primal(t) for t in (dx, dweight)):
+        return (None,) * 2
+    gx, gweight = ffi_backward(RMSNORM, ct, x, weight, (rstd,), (dweight,), None, seg_dims=seg_dims,
+                               kernel=kernel, block_size=block_size, offset=offset)
+    return gx if ad.is_undefined_primal(dx) else None, gweight
+
+
+rms_tangent_p = define("jax_lnbwd_rmsnorm_tangent", rms_tangent_reference, _rms_transpose, fn="rmsnorm",
+                       tangent_names=("dx", "dweight"), norm=RMSNORM, static=RMS_STATIC)
+
+
+def add_rms_tangent_reference(s, weight, rstd, dx, dresidual, dweight, **params):
+    """(dy, ds) in jnp: ds = dx + dresidual in s's dtype, dy from ds."""
+    ds = dx + dresidual
+    return rms_tangent_reference(s, weight, rstd, ds, dweight, **params), ds
+
+
+def _add_rms_transpose(cts, s, weight, rstd, dx, dresidual, dweight, *, seg_dims, kernel, block_size, offset):
+    """(gy, gs) -> (dx, dresidual, dweight) cotangents: one FFI call, gs added to dx in it."""
+    gy, gs = cts
+    if type(gy) is ad.Zero:
+        if type(gs) is ad.Zero:
+            return (None,) * 3
+        g, gweight = gs, None
+    else:
+        g, gweight = ffi_backward(RMSNORM, gy, s, weight, (rstd,), (dweight,), None if type(gs) is ad.Zero else gs,
+                                  seg_dims=seg_dims, kernel=kernel, block_size=block_size, offset=offset)
+    return tuple(g if ad.is_undefined_primal(t) else None for t in (dx, dresidual)) + (gweight,)
+
+
+add_rms_tangent_p = define("jax_lnbwd_add_rmsnorm_tangent", add_rms_tangent_reference, _add_rms_transpose,
+                           fn="add_rmsnorm", tangent_names=("dx", "dresidual", "dweight"), n_out=2,
+                           norm=RMSNORM, static=RMS_STATIC)
+
+
+# --- bound by the norms' custom_jvps (autodiff.py) ---------------------------------------------
+
+def tangent_map(norm, x, weight, stats, ptangents, dx, **params):
+    """dy = `norm`'s tangent map at (x, weight, *stats) applied to (dx, *ptangents). Operands in
+    the layout above; params: seg_dims, kernel and block_size of the FFI backward that the
+    transpose runs (and rmsnorm's offset)."""
+    p = tangent_p if norm.centered else rms_tangent_p
+    return bind(p, x, weight, *stats, dx, *ptangents, **params)
+
+
+def add_tangent_map(norm, s, weight, stats, ptangents, dx, dresidual, **params):
+    """(dy, ds), the tangents of add_*'s (y, s)."""
+    p = add_tangent_p if norm.centered else add_rms_tangent_p
+    return bind(p, s, weight, *stats, dx, dresidual, *ptangents, **params)

@@ -1,4 +1,4 @@
-"""The backward FFI op, made batchable, differentiable and partitionable: op(dy, x, weight, mean, rstd).
+"""The backward FFI op of any norm, made batchable, differentiable and partitionable: op(dy, x, weight, *stats).
 
 The op keeps x's leading axes instead of flattening them into rows, so that a sharding of any
 of them reaches the partitioning rule (ops/partition.py) as it is. For `seg_dims` = k
@@ -6,8 +6,10 @@ of them reaches the partitioning rule (ops/partition.py) as it is. For `seg_dims
   dy, x:        (*segments, *rows, C)  k segment axes, then at least one row axis;
   weight:       (*segments, C), all segment axes as in x (one weight per segment), or all 1
                 (one weight shared by every segment);
-  mean, rstd:   (*segments, *rows);
-  dx:           like x;  dweight, dbias: (*segments, C), sums over each segment's rows.
+  stats:        (*segments, *rows) each: the norm's saved statistics (layernorm: mean, rstd;
+                rmsnorm: rstd; norms.py);
+  dx:           like x;  the parameter gradients (layernorm: dweight, dbias; rmsnorm: dweight):
+                (*segments, C), sums over each segment's rows.
 Segment axes are the batch axes that vmap added (one per vmap level): per-example sums.
 
 Three wrappers around the FFI call (`ffi_call`), from the inside out (see `segmented_op`):
@@ -42,16 +44,17 @@ from . import ffi, partition
 SEGMENT_KERNELS = frozenset(k for k, info in KERNELS.items() if info.segments)
 
 
-def ffi_call(dy, x, weight, mean, rstd, *, segments: int, kernel: int, block_size: int, workspace_bytes: int,
-             v2: bool, dresidual=None, alias_residual: bool = False, norm: Norm = LAYERNORM):
-    """The FFI target on (rows, C) arrays: (dx, dweight, dbias). weight is (1, C) shared by all
-    rows, or (segments, C); the rows form `segments` equal contiguous segments and dweight,
-    dbias have shape (segments, C): the sums over each segment's rows.
+def ffi_call(dy, x, weight, *stats, segments: int, kernel: int, block_size: int, workspace_bytes: int,
+             v2: bool, dresidual=None, alias_residual: bool = False, norm: Norm = LAYERNORM, offset: float = 0.0):
+    """The FFI target on (rows, C) arrays: (dx, *grads) (layernorm: dx, dweight, dbias; rmsnorm:
+    dx, dweight). stats are the norm's saved statistics, (rows,) each. weight is (1, C) shared by
+    all rows, or (segments, C); the rows form `segments` equal contiguous segments and the
+    parameter gradients have shape (segments, C): the sums over each segment's rows.
 
-    v1 (v2=False): weight of x's dtype, nothing added to dx. v2 adds
+    v1 (v2=False, layernorm only): weight of x's dtype, nothing added to dx. v2 adds
       * mixed precision: weight may be float32 beside bfloat16/float16 dy and x. g = weight * dy
-        is then formed in fp32 from the float32 weight (never rounded to 16 bits), and dweight,
-        dbias have weight's dtype: the fp32 sums, stored as float32. One pass, no cast of x.
+        is then formed in fp32 from the float32 weight (never rounded to 16 bits), and the
+        gradients have weight's dtype: the fp32 sums, stored as float32. One pass, no cast of x.
       * dresidual (rows, C) of x's dtype: a gradient added to dx inside the kernel,
         dx = the norm's dx + dresidual, summed in fp32 and rounded once: the residual stream's
         gradient of a fused add + norm. The kernel reads each element of it once and writes dx
@@ -63,103 +66,109 @@ def ffi_call(dy, x, weight, mean, rstd, *, segments: int, kernel: int, block_siz
         buffer, which saves that buffer where dresidual is dead after the call. The kernels
         take either (each element of dresidual is read by the thread that then writes it as dx).
     An absent dresidual is a zero-size placeholder with the attribute has_residual=False (one
-    target, no aliasing then). Kernels 1-10 refuse both additions.
+    target, no aliasing then). Kernels 1-10 refuse both additions, and rmsnorm. rmsnorm's target
+    is v2's form, with `offset` (added to the weight by the kernel) as one more attribute.
 
     The bare call: no batching rule (no `vmap_method`, which newer JAX may not accept), no
     derivative and no sharding rule; the wrappers below add them.
     """
     rows, C = x.shape
     attributes = dict(kernel=np.int32(kernel), block_size=np.int32(block_size))
-    operands = (dy, x, weight, mean, rstd)
+    operands = (dy, x, weight, *stats)
     aliases = None
     if v2:
-        ffi.check_handler_for_default_platform()
-        _checks.v2_args(x, weight, dresidual)
+        ffi.check_handler_for_default_platform(norm.name + "_bwd")
+        _checks.v2_args(norm.name + "_bwd", x, weight, dresidual)
         has_residual = dresidual is not None
         operands += (dresidual if has_residual else jnp.zeros((0,), x.dtype),)
         attributes["has_residual"] = has_residual
-        aliases = {5: 0} if has_residual and alias_residual else None
-    results = (((rows, C), x.dtype),                               # dx
-               ((segments, C), weight.dtype),                      # dweight
-               ((segments, C), weight.dtype),                      # dbias
-               ((workspace_bytes,), np.uint8))                     # workspace (flags, partial sums)
+        aliases = {len(operands) - 1: 0} if has_residual and alias_residual else None
+    if norm.offset:
+        attributes["offset"] = np.float64(offset)
+    grads = tuple(((segments, C), weight.dtype) for _ in norm.params)     # dweight[, dbias]
+    results = (((rows, C), x.dtype), *grads,                               # dx
+               ((workspace_bytes,), np.uint8))                             # workspace (flags, partial sums)
     target = norm.bwd_target_v2 if v2 else norm.bwd_target
-    dx, dweight, dbias, _ = ffi.call(target, operands, results, op="layernorm_bwd", aliases=aliases, **attributes)
-    return dx, dweight, dbias
+    dx, *out, _ = ffi.call(target, operands, results, op=norm.name + "_bwd", aliases=aliases, **attributes)
+    return (dx, *out)
 
 
-def _local(v2: bool, dy, x, weight, mean, rstd, *rest):
+def _local(norm: Norm, v2: bool, offset: float, dy, x, weight, *rest):
     """The op on the arrays it is given: whole arrays, or one device's block when partitioned.
 
-    rest = ([dresidual,] seg_dims, kernel, block_size). Flattens the layout to the FFI's
+    rest = (*stats, [dresidual,] seg_dims, kernel, block_size). Flattens the layout to the FFI's
     (rows, C), segments = product of the segment axes, and sizes the workspace from these
     shapes: a device's call gets a workspace for its own rows.
     """
-    *dresidual, seg_dims, kernel, block_size = rest
+    *arrays, seg_dims, kernel, block_size = rest
+    stats, dresidual = arrays[:len(norm.stats)], arrays[len(norm.stats):]
     segs, C = x.shape[:seg_dims], x.shape[-1]
     segments, rows = math.prod(segs), math.prod(x.shape[:-1])
     ws = workspace_bytes(kernel, rows, C, str(jnp.dtype(x.dtype)), block_size, segments)
     args = (dy.reshape(rows, C), x.reshape(rows, C), weight.reshape(math.prod(weight.shape[:-1]), C),
-            mean.reshape(rows), rstd.reshape(rows))
+            *(s.reshape(rows) for s in stats))
     res = dresidual[0].reshape(rows, C) if dresidual else None
-    dx, dweight, dbias = ffi_call(*args, segments=segments, kernel=kernel, block_size=block_size,
-                                  workspace_bytes=ws, v2=v2, dresidual=res)
-    return dx.reshape(x.shape), dweight.reshape(*segs, C), dbias.reshape(*segs, C)
+    dx, *grads = ffi_call(*args, segments=segments, kernel=kernel, block_size=block_size,
+                          workspace_bytes=ws, v2=v2, dresidual=res, norm=norm, offset=offset)
+    return (dx.reshape(x.shape), *(g.reshape(*segs, C) for g in grads))
 
 
 @functools.cache
-def _partitioned(v2: bool, residual: bool):
-    """(dy, x, weight, mean, rstd, [dresidual,] seg_dims, kernel, block_size) -> (dx, dweight,
-    dbias), partitioned (ops/partition.py); one per target and residual."""
+def _partitioned(norm: Norm, v2: bool, residual: bool, offset: float):
+    """(dy, x, weight, *stats, [dresidual,] seg_dims, kernel, block_size) -> (dx, *grads),
+    partitioned (ops/partition.py); one per norm, target, residual and offset."""
     def local(*args):
-        return _local(v2, *args)
+        return _local(norm, v2, offset, *args)
 
-    return partition.backward_partitioned(local, 6 if residual else 5)
-
-
-def partitioned_call(dy, x, weight, mean, rstd, *dresidual, seg_dims: int, kernel: int, block_size: int,
-                     v2: bool):
-    """The op, partitioned wherever XLA partitions it. A shard_map over some mesh axes with the
-    others automatic is left to XLA: the plain FFI call runs and XLA gathers its inputs along the
-    automatic axes (partition.partly_manual warns)."""
-    args = (dy, x, weight, mean, rstd, *dresidual, seg_dims, kernel, block_size)
-    if partition.partly_manual("the layernorm backward", "dy and x"):
-        return _local(v2, *args)
-    return _partitioned(v2, bool(dresidual))(*args)
+    return partition.backward_partitioned(local, 3 + len(norm.stats) + residual, n_stats=len(norm.stats),
+                                          n_grads=len(norm.params), op=f"the {norm.name} backward")
 
 
-def reference_segments(dy, x, weight, mean, rstd, *dresidual, seg_dims: int):
-    """What the op computes, in jnp: reference.layernorm_bwd on each segment of rows, plus the
-    residual gradient (if given) added to dx in fp32 and rounded once, as target v2 does."""
+def partitioned_call(dy, x, weight, *arrays, seg_dims: int, kernel: int, block_size: int, v2: bool,
+                     norm: Norm = LAYERNORM, offset: float = 0.0):
+    """The op on (dy, x, weight, *stats, [dresidual]), partitioned wherever XLA partitions it. A
+    shard_map over some mesh axes with the others automatic is left to XLA: the plain FFI call
+    runs and XLA gathers its inputs along the automatic axes (partition.partly_manual warns)."""
+    args = (dy, x, weight, *arrays, seg_dims, kernel, block_size)
+    if partition.partly_manual(f"the {norm.name} backward", "dy and x"):
+        return _local(norm, v2, offset, *args)
+    return _partitioned(norm, v2, len(arrays) > len(norm.stats), offset)(*args)
+
+
+def reference_segments(norm: Norm, offset: float, dy, x, weight, *arrays, seg_dims: int):
+    """What the op computes, in jnp: the norm's reference backward on each segment of rows, plus
+    the residual gradient (if given) added to dx in fp32 and rounded once, as target v2 does."""
+    stats, dresidual = arrays[:len(norm.stats)], arrays[len(norm.stats):]
     segs, C = x.shape[:seg_dims], x.shape[-1]
     S, rows = math.prod(segs), math.prod(x.shape[seg_dims:-1])
     per_segment_weight = jnp.broadcast_to(weight.reshape(math.prod(weight.shape[:-1]), C), (S, C))
-    dx, dweight, dbias = jax.vmap(reference.layernorm_bwd)(
-        dy.reshape(S, rows, C), x.reshape(S, rows, C), per_segment_weight,
-        mean.reshape(S, rows), rstd.reshape(S, rows))
+    dx, *grads = jax.vmap(lambda dy, x, w, *st: reference.norm_bwd(norm, dy, x, w, st, offset))(
+        dy.reshape(S, rows, C), x.reshape(S, rows, C), per_segment_weight, *(s.reshape(S, rows) for s in stats))
     dx = dx.reshape(x.shape)
     if dresidual:
         acc = reference.acc_dtype(x.dtype)
         dx = (dx.astype(acc) + dresidual[0].astype(acc)).astype(x.dtype)
-    return dx, dweight.reshape(*segs, C), dbias.reshape(*segs, C)
+    return (dx, *(g.reshape(*segs, C) for g in grads))
 
 
-def _vmap_rule(seg_dims, kernel, block_size, caller, axis_size, in_batched, dy, x, weight, mean, rstd, *dresidual):
+def _vmap_rule(seg_dims, kernel, block_size, caller, norm, offset, axis_size, in_batched, dy, x, weight, *arrays):
     """custom_vmap rule: a batch of B problems is one problem with one more segment axis.
 
     custom_vmap has moved every batched argument's batch axis to the front, which is exactly
-    where a new (outermost) segment axis goes: example b's rows are segment b's, and dweight/
-    dbias come out per example, (B, *segments, C). An unbatched argument is the same for every
-    example and is broadcast. The call goes through segmented_op again, so a further (outer)
-    vmap applies this rule once more: nested vmaps still make one FFI call. A residual gradient
-    (add_layernorm's) is batched like dy.
+    where a new (outermost) segment axis goes: example b's rows are segment b's, and the
+    parameter gradients come out per example, (B, *segments, C). An unbatched argument is the
+    same for every example and is broadcast. The call goes through segmented_op again, so a
+    further (outer) vmap applies this rule once more: nested vmaps still make one FFI call. The
+    stats and a residual gradient (add_*'s) are batched like dy.
     """
     B = axis_size
-    dy_b, x_b, weight_b, mean_b, rstd_b, *res_b = in_batched
+    dy_b, x_b, weight_b, *arrays_b = in_batched
     example = x.shape[1:] if x_b else x.shape
     segs, C = example[:seg_dims], example[-1]
+    n_out = 1 + len(norm.params)
     if B == 0:  # an empty batch: nothing to compute
-        return (jnp.zeros((0, *example), x.dtype),) + (jnp.zeros((0, *segs, C), weight.dtype),) * 2, (True,) * 3
+        return ((jnp.zeros((0, *example), x.dtype),) + (jnp.zeros((0, *segs, C), weight.dtype),) * (n_out - 1),
+                (True,) * n_out)
 
     def batch(a, batched):
         return a if batched else jnp.broadcast_to(a, (B, *a.shape))
@@ -170,24 +179,26 @@ def _vmap_rule(seg_dims, kernel, block_size, caller, axis_size, in_batched, dy, 
         weight = jnp.broadcast_to(weight, (B, *segs, C))
     else:  # one weight shared by all segments, old and new
         weight = weight.reshape((1,) * (seg_dims + 1) + (C,))
-    out = segmented_op(seg_dims + 1, kernel, block_size, caller, bool(dresidual))(
-        batch(dy, dy_b), batch(x, x_b), weight, batch(mean, mean_b), batch(rstd, rstd_b),
-        *(batch(r, b) for r, b in zip(dresidual, res_b)))
-    return out, (True, True, True)
+    residual = len(arrays) > len(norm.stats)
+    out = segmented_op(seg_dims + 1, kernel, block_size, caller, residual, norm, offset)(
+        batch(dy, dy_b), batch(x, x_b), weight, *(batch(a, b) for a, b in zip(arrays, arrays_b)))
+    return out, (True,) * n_out
 
 
 @functools.cache
-def segmented_op(seg_dims: int, kernel: int, block_size: int, caller: str, residual: bool = False):
-    """The FFI op for these static settings: op(dy, x, weight, mean, rstd) -> (dx, dweight, dbias),
-    or with `residual` op(dy, x, weight, mean, rstd, dresidual), whose dx is the norm's dx +
-    dresidual (add_layernorm's backward).
+def segmented_op(seg_dims: int, kernel: int, block_size: int, caller: str, residual: bool = False,
+                 norm: Norm = LAYERNORM, offset: float = 0.0):
+    """The FFI op for these static settings: op(dy, x, weight, *stats) -> (dx, *grads), or with
+    `residual` op(dy, x, weight, *stats, dresidual), whose dx is the norm's dx + dresidual
+    (add_*'s backward).
 
-    Which target runs is decided by what it must do: v1 for a weight of x's dtype and no
-    residual (so programs and tests that used v1 still see v1), else v2 (a float32 weight
-    beside 16-bit x: float32 dweight/dbias; or a residual gradient added to dx).
-    Shapes as above; `caller` is the public function that errors name. The wrappers:
+    Which target runs is decided by what it must do: for layernorm v1 for a weight of x's dtype
+    and no residual (so programs and tests that used v1 still see v1), else v2 (a float32
+    weight beside 16-bit x: float32 gradients; or a residual gradient added to dx); rmsnorm has
+    the one target. Shapes as above; `caller` is the public function that errors name. The
+    wrappers:
       * custom_partitioning (partitioned_call): under a sharded jit each device runs the FFI on
-        its own rows and dweight/dbias are summed with one psum;
+        its own rows and the parameter gradients are summed with one psum;
       * custom_vmap (`run`): vmap of the op is _vmap_rule, one FFI call with more segments;
       * custom_jvp (outer, so that it, not custom_vmap's generic rule, defines derivatives):
         the op's tangents are the JVP of reference_segments (pure jnp), its value the FFI's.
@@ -200,38 +211,41 @@ def segmented_op(seg_dims: int, kernel: int, block_size: int, caller: str, resid
     differentiated. Cached, so equal settings give the same function (and jit caches hit).
     """
     @jax.custom_batching.custom_vmap
-    def run(dy, x, weight, mean, rstd, *dresidual):
+    def run(dy, x, weight, *arrays):
         if math.prod(x.shape[:seg_dims]) > 1 and kernel not in SEGMENT_KERNELS:
             raise ValueError(
                 f"{caller}: kernel {kernel} sums dweight/dbias over all rows and cannot keep one sum "
                 f"per example: per-example (vmapped) dweight/dbias need kernel "
                 f"{' or '.join(map(str, sorted(SEGMENT_KERNELS)))} or kernel=None")
-        return partitioned_call(dy, x, weight, mean, rstd, *dresidual, seg_dims=seg_dims, kernel=kernel,
-                                block_size=block_size, v2=residual or weight.dtype != x.dtype)
+        v2 = residual or weight.dtype != x.dtype or norm.bwd_target is None
+        return partitioned_call(dy, x, weight, *arrays, seg_dims=seg_dims, kernel=kernel, block_size=block_size,
+                                v2=v2, norm=norm, offset=offset)
 
-    run.def_vmap(functools.partial(_vmap_rule, seg_dims, kernel, block_size, caller))
+    run.def_vmap(functools.partial(_vmap_rule, seg_dims, kernel, block_size, caller, norm, offset))
     op = jax.custom_jvp(run)
 
     @op.defjvp
     def op_jvp(primals, tangents):
-        _, tangents_out = jax.jvp(functools.partial(reference_segments, seg_dims=seg_dims), primals, tangents)
+        _, tangents_out = jax.jvp(functools.partial(reference_segments, norm, offset, seg_dims=seg_dims),
+                                  primals, tangents)
         return op(*primals), tangents_out
 
     return op
 
 
-def backward(dy, x, weight, mean, rstd, *, seg_dims: int, kernel: int, block_size: int, caller: str,
-             dresidual=None):
-    """(dx, dweight, dbias) by the op, for the layout above with possibly NO row axis.
+def backward(dy, x, weight, *stats, seg_dims: int, kernel: int, block_size: int, caller: str,
+             dresidual=None, norm: Norm = LAYERNORM, offset: float = 0.0):
+    """(dx, *grads) by the op, for the layout above with possibly NO row axis.
 
     (x of shape (*segments, C): one row per segment; the op needs a row axis, so one is added.)
     dresidual (x's shape and dtype), if given, is added to dx in the kernel (target v2).
     """
     if x.ndim == seg_dims + 1:
         expand = lambda a: None if a is None else jnp.expand_dims(a, seg_dims)  # noqa: E731
-        dx, dweight, dbias = backward(
-            expand(dy), expand(x), weight, expand(mean), expand(rstd), seg_dims=seg_dims, kernel=kernel,
-            block_size=block_size, caller=caller, dresidual=expand(dresidual))
-        return jnp.squeeze(dx, seg_dims), dweight, dbias
+        dx, *grads = backward(
+            expand(dy), expand(x), weight, *map(expand, stats), seg_dims=seg_dims, kernel=kernel,
+            block_size=block_size, caller=caller, dresidual=expand(dresidual), norm=norm, offset=offset)
+        return (jnp.squeeze(dx, seg_dims), *grads)
     residual = () if dresidual is None else (dresidual,)
-    return segmented_op(seg_dims, kernel, block_size, caller, bool(residual))(dy, x, weight, mean, rstd, *residual)
+    op = segmented_op(seg_dims, kernel, block_size, caller, bool(residual), norm, offset)
+    return op(dy, x, weight, *stats, *residual)

@@ -1,7 +1,9 @@
-"""The fused forward FFI op: one call that reads x once and writes y, mean and rstd.
+"""The fused forward FFI op of any norm: one call that reads x once and writes y and the stats.
 
     y, mean, rstd = layernorm_fwd_op(x, weight, bias, eps=1e-5)
     y, s, mean, rstd = add_layernorm_fwd_op(x, residual, weight, bias, eps=1e-5, x_bias=None)
+    y, rstd = rmsnorm_fwd_op(x, weight, eps=1e-6, offset=0.0)
+    y, s, rstd = add_rmsnorm_fwd_op(x, residual, weight, eps=1e-6, x_bias=None, offset=0.0)
 
 x has any rank >= 1 and dtype float32, bfloat16, float16 or float64; normalization is over the
 last axis (C). weight and bias are (C,) arrays or None (no scale / no shift). Their dtype is x's,
@@ -44,37 +46,45 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _checks, reference
-from ..norms import LAYERNORM
+from ..norms import LAYERNORM, RMSNORM, Norm
 from . import ffi, partition
 
-__all__ = ["layernorm_fwd_op", "add_layernorm_fwd_op"]
+__all__ = ["layernorm_fwd_op", "add_layernorm_fwd_op", "rmsnorm_fwd_op", "add_rmsnorm_fwd_op"]
 
 
-def ffi_call(x, weight, bias, eps: float, residual=None, x_bias=None, norm=LAYERNORM):
-    """The FFI target on (rows, C) x and (W, C) weight/bias: (y, mean, rstd); with a (rows, C)
-    residual of x's dtype, the residual variant: (y, s, mean, rstd), s = x + residual rounded to
-    x's dtype and y, mean, rstd those of s; with a (W, C) x_bias (W >= 1) too, s = (x + x_bias) +
-    residual.
+def ffi_call(x, weight, bias, eps: float, residual=None, x_bias=None, norm: Norm = LAYERNORM, offset: float = 0.0):
+    """The FFI target on (rows, C) x and (W, C) parameters: (y, *stats); with a (rows, C)
+    residual of x's dtype, the residual variant: (y, s, *stats), s = x + residual rounded to x's
+    dtype and y, stats those of s; with a (W, C) x_bias (W >= 1) too, s = (x + x_bias) + residual.
 
     W is 0 (absent), 1 (shared) or S dividing rows (rows form S equal segments, segment s uses
-    parameter row s). The bare call: no checks, batching, derivative or sharding rule.
+    parameter row s). rmsnorm has no bias (None), its residual target always takes x_bias (a
+    zero-size (0, C) array when absent), and `offset` is its attribute. The bare call: no
+    checks, batching, derivative or sharding rule.
     """
     has_res = residual is not None
+    params = (weight,) if bias is None and not norm.centered else (weight, bias)
+    if not norm.centered and has_res and x_bias is None:
+        x_bias = jnp.zeros((0, x.shape[1]), weight.dtype)
     if x_bias is not None:
-        operands, target = (x, x_bias, residual, weight, bias), norm.add_bias_fwd_target
+        operands = (x, x_bias, residual, *params)
+        target = norm.add_bias_fwd_target or norm.add_fwd_target
     elif has_res:
-        operands, target = (x, residual, weight, bias), norm.add_fwd_target
+        operands, target = (x, residual, *params), norm.add_fwd_target
     else:
-        operands, target = (x, weight, bias), norm.fwd_target
+        operands, target = (x, *params), norm.fwd_target
     rows, C = x.shape
     stat = reference.acc_dtype(x.dtype)
-    row, stats = ((rows, C), x.dtype), (((rows,), stat),) * 2   # y (and s); mean, rstd
+    row, stats = ((rows, C), x.dtype), (((rows,), stat),) * len(norm.stats)   # y (and s); stats
     results = (row, row, *stats) if has_res else (row, *stats)
-    op = "add_layernorm_fwd_op" if has_res else "layernorm_fwd_op"
-    return ffi.call(target, operands, results, op=op, eps=np.float64(eps))
+    op = f"add_{norm.name}_fwd_op" if has_res else f"{norm.name}_fwd_op"
+    attributes = dict(eps=np.float64(eps))
+    if norm.offset:
+        attributes["offset"] = np.float64(offset)
+    return ffi.call(target, operands, results, op=op, **attributes)
 
 
-def _local(has_xb: bool, x, *rest):
+def _local(norm: Norm, offset: float, has_xb: bool, x, *rest):
     """The op on the arrays it is given (whole, or one device's block): flattens the layout to
     the FFI's (rows, C), with an empty (0, C) array for an absent parameter.
     rest = ([residual,] *params, seg_dims, has_w, has_b, eps, has_res)."""
@@ -92,37 +102,41 @@ def _local(has_xb: bool, x, *rest):
         return p.reshape(math.prod(p.shape[:-1]), C)
 
     xb = flat(True) if has_xb else None
-    w, b = flat(has_w), flat(has_b)
+    w = flat(has_w)
+    b = flat(has_b) if norm.centered else None
     res = None if residual is None else residual.reshape(rows, C)
-    *rows_out, mean, rstd = ffi_call(x.reshape(rows, C), w, b, eps, res, xb)
-    return (*(a.reshape(x.shape) for a in rows_out), mean.reshape(x.shape[:-1]), rstd.reshape(x.shape[:-1]))
+    out = ffi_call(x.reshape(rows, C), w, b, eps, res, xb, norm, offset)
+    n_rows = 2 if has_res else 1
+    return (*(a.reshape(x.shape) for a in out[:n_rows]), *(st.reshape(x.shape[:-1]) for st in out[n_rows:]))
 
 
 @functools.cache
-def _partitioned(n_params: int, has_res: bool, has_xb: bool = False):
+def _partitioned(n_params: int, has_res: bool, has_xb: bool = False, norm: Norm = LAYERNORM, offset: float = 0.0):
     """The partitioned op for n_params present parameters (x_bias first with has_xb)."""
     def local(x, *rest):
-        return _local(has_xb, x, *rest)
+        return _local(norm, offset, has_xb, x, *rest)
 
-    return partition.forward_partitioned(local, 1 + has_res + n_params)
+    return partition.forward_partitioned(local, 1 + has_res + n_params, n_stats=len(norm.stats),
+                                         op=f"the {norm.name} forward")
 
 
 def partitioned_call(x, params, seg_dims: int, has_w: bool, has_b: bool, eps: float, residual=None,
-                     has_xb: bool = False):
+                     has_xb: bool = False, norm: Norm = LAYERNORM, offset: float = 0.0):
     """The op, partitioned wherever XLA partitions it. A shard_map over only some mesh axes is
     left to XLA (partition.partly_manual): the plain FFI call runs there and XLA gathers x along
     the automatic axes."""
     has_res = residual is not None
     arrays = (x, residual, *params) if has_res else (x, *params)
     statics = (seg_dims, has_w, has_b, eps, has_res)
-    if partition.partly_manual("the layernorm forward", "x"):
-        return _local(has_xb, *arrays, *statics)
-    return _partitioned(len(params), has_res, has_xb)(*arrays, *statics)
+    if partition.partly_manual(f"the {norm.name} forward", "x"):
+        return _local(norm, offset, has_xb, *arrays, *statics)
+    return _partitioned(len(params), has_res, has_xb, norm, offset)(*arrays, *statics)
 
 
-def _reference(seg_dims: int, has_w: bool, has_b: bool, eps: float, has_res: bool, has_xb: bool, x, *operands):
-    """What the op computes, in jnp: reference.layernorm_fwd with each parameter broadcast over
-    its segment's rows (of s = reference.add_residual(x, residual[, x_bias]) for has_res)."""
+def _reference(seg_dims: int, has_w: bool, has_b: bool, eps: float, has_res: bool, has_xb: bool, norm: Norm,
+               offset: float, x, *operands):
+    """What the op computes, in jnp: the norm's reference forward with each parameter broadcast
+    over its segment's rows (of s = reference.add_residual(x, residual[, x_bias]) for has_res)."""
     residual, params = (operands[0], operands[1:]) if has_res else (None, operands)
     row_axes = x.ndim - 1 - seg_dims
     it = iter(params)
@@ -136,11 +150,11 @@ def _reference(seg_dims: int, has_w: bool, has_b: bool, eps: float, has_res: boo
     xb = widen(has_xb)
     s = reference.add_residual(x, residual, xb) if has_res else x
     w, b = widen(has_w), widen(has_b)
-    y, mean, rstd = reference.layernorm_fwd(s, w, b, eps)
-    return (y, s, mean, rstd) if has_res else (y, mean, rstd)
+    y, *stats = reference.norm_fwd(norm, s, w, b, eps, offset)
+    return (y, s, *stats) if has_res else (y, *stats)
 
 
-def _vmap_rule(seg_dims, has_w, has_b, eps, has_res, has_xb, axis_size, in_batched, x, *operands):
+def _vmap_rule(seg_dims, has_w, has_b, eps, has_res, has_xb, norm, offset, axis_size, in_batched, x, *operands):
     """custom_vmap rule: B problems are one problem whose rows are the examples' rows.
 
     custom_vmap has moved every batched argument's batch axis to the front. x becomes
@@ -155,9 +169,10 @@ def _vmap_rule(seg_dims, has_w, has_b, eps, has_res, has_xb, axis_size, in_batch
     example = x.shape[1:] if rows_b[0] else x.shape
     segs, C = example[:seg_dims], example[-1]
     stat = reference.acc_dtype(x.dtype)
-    n_out = n_rows + 2
+    n_stats = len(norm.stats)
+    n_out = n_rows + n_stats
     if B == 0:  # an empty batch: nothing to compute
-        return ((jnp.zeros((0, *example), x.dtype),) * n_rows + (jnp.zeros((0, *example[:-1]), stat),) * 2,
+        return ((jnp.zeros((0, *example), x.dtype),) * n_rows + (jnp.zeros((0, *example[:-1]), stat),) * n_stats,
                 (True,) * n_out)
     rows_in = tuple(a if b else jnp.broadcast_to(a, (B, *a.shape)) for a, b in zip(rows_in, rows_b))
 
@@ -168,41 +183,58 @@ def _vmap_rule(seg_dims, has_w, has_b, eps, has_res, has_xb, axis_size, in_batch
         return p.reshape((1,) * (seg_dims + 1) + (C,))
 
     params = tuple(batch(p, b) for p, b in zip(params, p_b))
-    out = _op(seg_dims + 1, has_w, has_b, eps, has_res, has_xb)(*rows_in, *params)
+    out = _op(seg_dims + 1, has_w, has_b, eps, has_res, has_xb, norm, offset)(*rows_in, *params)
     return out, (True,) * n_out
 
 
 @functools.cache
-def _op(seg_dims: int, has_w: bool, has_b: bool, eps: float, has_res: bool = False, has_xb: bool = False):
-    """op(x, *params) -> (y, mean, rstd), or with has_res op(x, residual, *params) -> (y, s, mean,
-    rstd) (params = (x_bias, weight, bias)'s present ones with has_xb), for these static settings
+def _op(seg_dims: int, has_w: bool, has_b: bool, eps: float, has_res: bool = False, has_xb: bool = False,
+        norm: Norm = LAYERNORM, offset: float = 0.0):
+    """op(x, *params) -> (y, *stats), or with has_res op(x, residual, *params) -> (y, s, *stats)
+    (params = (x_bias, weight, bias)'s present ones with has_xb), for these static settings
     (cached: equal settings give the same function, so jit caches hit)."""
     @jax.custom_batching.custom_vmap
     def run(x, *operands):
         residual, params = (operands[0], operands[1:]) if has_res else (None, operands)
-        return partitioned_call(x, params, seg_dims, has_w, has_b, eps, residual, has_xb)
+        return partitioned_call(x, params, seg_dims, has_w, has_b, eps, residual, has_xb, norm, offset)
 
-    run.def_vmap(functools.partial(_vmap_rule, seg_dims, has_w, has_b, eps, has_res, has_xb))
+    run.def_vmap(functools.partial(_vmap_rule, seg_dims, has_w, has_b, eps, has_res, has_xb, norm, offset))
     op = jax.custom_jvp(run)
 
     @op.defjvp
     def op_jvp(primals, tangents):
-        _, tangents_out = jax.jvp(functools.partial(_reference, seg_dims, has_w, has_b, eps, has_res, has_xb),
-                                  primals, tangents)
+        ref = functools.partial(_reference, seg_dims, has_w, has_b, eps, has_res, has_xb, norm, offset)
+        _, tangents_out = jax.jvp(ref, primals, tangents)
         return op(*primals), tangents_out
 
     return op
+
+
+def norm_fwd_op(norm: Norm, x, weight, bias, eps: float, offset: float = 0.0):
+    """(y, *stats) of `norm` over the last axis by the fused FFI forward, for any rank >= 1
+    (checked by the caller's public function or fused_forward_args)."""
+    params = tuple(p for p in (weight, bias) if p is not None)
+    op = _op(0, weight is not None, bias is not None, eps, False, False, norm, offset)
+    if x.ndim == 1:  # one row: the op needs a row axis
+        return tuple(o[0] for o in op(x[None], *params))
+    return op(x, *params)
+
+
+def add_norm_fwd_op(norm: Norm, x, residual, weight, bias, eps: float, x_bias=None, offset: float = 0.0):
+    """(y, s, *stats): s = x + residual rounded to x's dtype (with x_bias, (x + x_bias) +
+    residual), and `norm`'s (y, *stats) of s, by the residual-fused FFI forward."""
+    params = tuple(p for p in (x_bias, weight, bias) if p is not None)
+    op = _op(0, weight is not None, bias is not None, eps, True, x_bias is not None, norm, offset)
+    if x.ndim == 1:  # one row: the op needs a row axis
+        return tuple(o[0] for o in op(x[None], residual[None], *params))
+    return op(x, residual, *params)
 
 
 def layernorm_fwd_op(x, weight, bias, eps: float = 1e-5):
     """(y, mean, rstd) of layernorm over the last axis, by the fused FFI forward (see the module
     docstring for shapes and dtypes)."""
     eps, weight, bias, _ = _checks.fused_forward_args("layernorm_fwd", x, weight, bias, eps)
-    params = tuple(p for p in (weight, bias) if p is not None)
-    if x.ndim == 1:  # one row: the op needs a row axis
-        y, mean, rstd = _op(0, weight is not None, bias is not None, eps)(x[None], *params)
-        return y[0], mean[0], rstd[0]
-    return _op(0, weight is not None, bias is not None, eps)(x, *params)
+    return norm_fwd_op(LAYERNORM, x, weight, bias, eps)
 
 
 def add_layernorm_fwd_op(x, residual, weight, bias, eps: float = 1e-5, x_bias=None):
@@ -212,8 +244,19 @@ def add_layernorm_fwd_op(x, residual, weight, bias, eps: float = 1e-5, x_bias=No
     fn = "add_layernorm_fwd"
     eps, weight, bias, x_bias = _checks.fused_forward_args(fn, x, weight, bias, eps, x_bias)
     _checks.residual(fn, residual, x)
-    params = tuple(p for p in (x_bias, weight, bias) if p is not None)
-    op = _op(0, weight is not None, bias is not None, eps, True, x_bias is not None)
-    if x.ndim == 1:  # one row: the op needs a row axis
-        return tuple(o[0] for o in op(x[None], residual[None], *params))
-    return op(x, residual, *params)
+    return add_norm_fwd_op(LAYERNORM, x, residual, weight, bias, eps, x_bias)
+
+
+def rmsnorm_fwd_op(x, weight, eps: float = 1e-6, offset: float = 0.0):
+    """(y, rstd) of rmsnorm over the last axis, by the fused FFI forward."""
+    eps, weight, _, _ = _checks.fused_forward_args("rmsnorm_fwd", x, weight, None, eps)
+    return norm_fwd_op(RMSNORM, x, weight, None, eps, _checks.offset("rmsnorm_fwd", offset, weight))
+
+
+def add_rmsnorm_fwd_op(x, residual, weight, eps: float = 1e-6, x_bias=None, offset: float = 0.0):
+    """(y, s, rstd): s = x + residual (with x_bias, (x + x_bias) + residual) rounded to x's
+    dtype, and rmsnorm's (y, rstd) of s, by the residual-fused FFI forward."""
+    fn = "add_rmsnorm_fwd"
+    eps, weight, _, x_bias = _checks.fused_forward_args(fn, x, weight, None, eps, x_bias)
+    _checks.residual(fn, residual, x)
+    return add_norm_fwd_op(RMSNORM, x, residual, weight, None, eps, x_bias, _checks.offset(fn, offset, weight))

@@ -120,101 +120,98 @@ def _factors(x_shape, seg_dims: int) -> tuple[list[str], str]:
     return segs, " ".join(segs + [f"r{i}" for i in range(len(x_shape) - 1 - seg_dims)])
 
 
-# --- the backward: (dy, x, weight, mean, rstd, [dresidual]) -> (dx, dweight, dbias) --------------
+# --- the backward: (dy, x, weight, *stats, [dresidual]) -> (dx, *grads) ----------------------------
+# grads: the parameter gradients (layernorm: dweight, dbias; rmsnorm: dweight), one per segment.
 
-_BWD_OP = "the layernorm backward"
-_BWD_C_NEEDS = "each row's gradient needs all of its columns: dy and x are"
-
-
-def _bwd_specs(seg_dims, arg_shapes, warn: bool):
+def _bwd_specs(seg_dims, arg_shapes, warn: bool, op: str):
     """(x's usable spec as a tuple, the mesh axes that split its rows), from x's sharding."""
     x = arg_shapes[1]
-    spec = usable_spec(x, _BWD_OP, _BWD_C_NEEDS, warn)
+    spec = usable_spec(x, op, "each row's gradient needs all of its columns: dy and x are", warn)
     # The psum's axes; an axis of size 1 splits nothing (and would cost an all-reduce).
     row_axes = tuple(a for entry in spec[seg_dims:-1] for a in axes_of(entry) if x.sharding.mesh.shape[a] > 1)
     return tuple(spec), row_axes
 
 
-def _bwd_shardings(seg_dims, mesh, arg_shapes, spec):
+def _bwd_shardings(n_stats, n_grads, seg_dims, mesh, arg_shapes, spec):
     """(argument shardings, result shardings); dresidual, where present, is sharded like dy."""
     x, weight = arg_shapes[1], arg_shapes[2]
     rows, sums = NamedSharding(mesh, P(*spec)), NamedSharding(mesh, P(*spec[:seg_dims], None))
     stats = NamedSharding(mesh, P(*spec[:-1]))
-    args = (rows, rows, _param_sharding(mesh, spec, seg_dims, weight, x), stats, stats) + (rows,) * (len(arg_shapes) - 5)
-    return args, (rows, sums, sums)
+    n_res = len(arg_shapes) - 3 - n_stats
+    args = (rows, rows, _param_sharding(mesh, spec, seg_dims, weight, x)) + (stats,) * n_stats + (rows,) * n_res
+    return args, (rows,) + (sums,) * n_grads
 
 
-def _bwd_partition(local, seg_dims, kernel, block_size, mesh, arg_shapes, result_shape):
+def _bwd_partition(local, n_stats, n_grads, op, seg_dims, kernel, block_size, mesh, arg_shapes, result_shape):
     """What each device runs, on the shardings it needs (the partitioner reshards to them)."""
-    spec, row_axes = _bwd_specs(seg_dims, arg_shapes, warn=True)
-    arg_shardings, result_shardings = _bwd_shardings(seg_dims, mesh, arg_shapes, spec)
+    spec, row_axes = _bwd_specs(seg_dims, arg_shapes, True, op)
+    arg_shardings, result_shardings = _bwd_shardings(n_stats, n_grads, seg_dims, mesh, arg_shapes, spec)
     acc = reference.acc_dtype(arg_shapes[1].dtype)
     sums_dtype = arg_shapes[2].dtype   # weight's: x's, or float32 beside 16-bit x (v2)
 
     def per_device(*arrays):
-        dx, dweight, dbias = local(*arrays, seg_dims, kernel, block_size)
+        dx, *grads = local(*arrays, seg_dims, kernel, block_size)
         if row_axes:
-            # One psum for both sums, in the accumulation dtype: adding n devices' 16-bit
+            # One psum for all the sums, in the accumulation dtype: adding n devices' 16-bit
             # partial sums in 16 bits would round n times.
-            sums = jax.lax.psum(jnp.stack([dweight, dbias]).astype(acc), row_axes)
-            dweight, dbias = sums[0].astype(sums_dtype), sums[1].astype(sums_dtype)
-        return dx, dweight, dbias
+            sums = jax.lax.psum(jnp.stack(grads).astype(acc), row_axes)
+            grads = [sums[i].astype(sums_dtype) for i in range(n_grads)]
+        return (dx, *grads)
 
     return mesh, per_device, result_shardings, arg_shardings
 
 
-def _bwd_infer(seg_dims, kernel, block_size, mesh, arg_shapes, result_shape):
-    spec, _ = _bwd_specs(seg_dims, arg_shapes, warn=False)
-    return _bwd_shardings(seg_dims, mesh, arg_shapes, spec)[1]
+def _bwd_infer(n_stats, n_grads, op, seg_dims, kernel, block_size, mesh, arg_shapes, result_shape):
+    spec, _ = _bwd_specs(seg_dims, arg_shapes, False, op)
+    return _bwd_shardings(n_stats, n_grads, seg_dims, mesh, arg_shapes, spec)[1]
 
 
-def _bwd_rule(seg_dims, kernel, block_size, mesh, value_types, result_types):
+def _bwd_rule(n_stats, n_grads, seg_dims, kernel, block_size, mesh, value_types, result_types):
     """Shardy's factors: s<i> segment axes, r<i> row axes, c columns, w<i> a weight axis of
-    size 1 (broadcast over its segment axis). E.g. one segment axis and two row axes:
+    size 1 (broadcast over its segment axis). E.g. layernorm, one segment axis and two row axes:
     's0 r0 r1 c, s0 r0 r1 c, s0 c, s0 r0 r1, s0 r0 r1 -> s0 r0 r1 c, s0 c, s0 c'. The row
-    factors are absent from dweight/dbias: our partition sums over them. A sixth operand
-    (dresidual, target v2) has dy's factors."""
+    factors are absent from the parameter gradients: our partition sums over them. A dresidual
+    operand (after the stats) has dy's factors."""
     x_shape = ir.RankedTensorType(value_types[1]).shape
     w_shape = ir.RankedTensorType(value_types[2]).shape
     segs, lead = _factors(x_shape, seg_dims)
     weight = " ".join(s if w_shape[i] == x_shape[i] else f"w{i}" for i, s in enumerate(segs))
     sums = " ".join(segs + ["c"])
-    residual = f", {lead} c" * (len(value_types) - 5)
-    return f"{lead} c, {lead} c, {weight} c, {lead}, {lead}{residual} -> {lead} c, {sums}, {sums}"
+    stats = f", {lead}" * n_stats
+    residual = f", {lead} c" * (len(value_types) - 3 - n_stats)
+    return f"{lead} c, {lead} c, {weight} c{stats}{residual} -> {lead} c" + f", {sums}" * n_grads
 
 
-def backward_partitioned(local, n_arrays: int):
-    """local(*arrays, seg_dims, kernel, block_size) -> (dx, dweight, dbias), partitioned by the
-    rule above; n_arrays = 5, or 6 with dresidual. The three settings are static."""
-    op = custom_partitioning(local, static_argnums=(n_arrays, n_arrays + 1, n_arrays + 2))
-    op.def_partition(partition=functools.partial(_bwd_partition, local), infer_sharding_from_operands=_bwd_infer,
-                     sharding_rule=_bwd_rule)
-    return op
+def backward_partitioned(local, n_arrays: int, *, n_stats: int = 2, n_grads: int = 2,
+                         op: str = "the layernorm backward"):
+    """local(*arrays, seg_dims, kernel, block_size) -> (dx, *grads), partitioned by the rule
+    above; arrays = (dy, x, weight, *stats, [dresidual]). The three settings are static."""
+    cp = custom_partitioning(local, static_argnums=(n_arrays, n_arrays + 1, n_arrays + 2))
+    cp.def_partition(partition=functools.partial(_bwd_partition, local, n_stats, n_grads, op),
+                     infer_sharding_from_operands=functools.partial(_bwd_infer, n_stats, n_grads, op),
+                     sharding_rule=functools.partial(_bwd_rule, n_stats, n_grads))
+    return cp
 
 
-# --- the fused forward: (x, [residual], *params) -> (y, [s], mean, rstd) ------------------------
+# --- the fused forward: (x, [residual], *params) -> (y, [s], *stats) ----------------------------
 
-_FWD_OP = "the layernorm forward"
-_FWD_C_NEEDS = "each row's mean and variance need all of its columns: x is"
-
-
-def _fwd_specs(arg_shapes, warn: bool):
+def _fwd_specs(arg_shapes, warn: bool, op: str):
     """x's usable spec, one entry per axis: C and unevenly split axes replaced by None."""
-    return tuple(usable_spec(arg_shapes[0], _FWD_OP, _FWD_C_NEEDS, warn))
+    return tuple(usable_spec(arg_shapes[0], op, "each row's statistics need all of its columns: x is", warn))
 
 
-def _fwd_shardings(seg_dims, has_res, mesh, arg_shapes, spec):
+def _fwd_shardings(n_stats, seg_dims, has_res, mesh, arg_shapes, spec):
     """(argument shardings, result shardings); residual and s are sharded like x."""
     x = arg_shapes[0]
     rows, stats = NamedSharding(mesh, P(*spec)), NamedSharding(mesh, P(*spec[:-1]))
     n_rows = 2 if has_res else 1
     return ((rows,) * n_rows + tuple(_param_sharding(mesh, spec, seg_dims, p, x) for p in arg_shapes[n_rows:]),
-            (rows,) * n_rows + (stats, stats))
+            (rows,) * n_rows + (stats,) * n_stats)
 
 
-def _fwd_partition(local, seg_dims, has_w, has_b, eps, has_res, mesh, arg_shapes, result_shape):
-    spec = _fwd_specs(arg_shapes, warn=True)
-    arg_shardings, result_shardings = _fwd_shardings(seg_dims, has_res, mesh, arg_shapes, spec)
+def _fwd_partition(local, n_stats, op, seg_dims, has_w, has_b, eps, has_res, mesh, arg_shapes, result_shape):
+    spec = _fwd_specs(arg_shapes, True, op)
+    arg_shardings, result_shardings = _fwd_shardings(n_stats, seg_dims, has_res, mesh, arg_shapes, spec)
 
     def per_device(*arrays):
         return local(*arrays, seg_dims, has_w, has_b, eps, has_res)
@@ -222,15 +219,15 @@ def _fwd_partition(local, seg_dims, has_w, has_b, eps, has_res, mesh, arg_shapes
     return mesh, per_device, result_shardings, arg_shardings
 
 
-def _fwd_infer(seg_dims, has_w, has_b, eps, has_res, mesh, arg_shapes, result_shape):
-    return _fwd_shardings(seg_dims, has_res, mesh, arg_shapes, _fwd_specs(arg_shapes, warn=False))[1]
+def _fwd_infer(n_stats, op, seg_dims, has_w, has_b, eps, has_res, mesh, arg_shapes, result_shape):
+    return _fwd_shardings(n_stats, seg_dims, has_res, mesh, arg_shapes, _fwd_specs(arg_shapes, False, op))[1]
 
 
-def _fwd_rule(seg_dims, has_w, has_b, eps, has_res, mesh, value_types, result_types):
+def _fwd_rule(n_stats, seg_dims, has_w, has_b, eps, has_res, mesh, value_types, result_types):
     """Shardy's factors: s<i> segment axes, r<i> row axes, c columns, w<k>_<i> a parameter axis
-    of size 1 (broadcast over its segment axis). E.g. one segment axis, one row axis, weight and
-    bias per segment: 's0 r0 c, s0 c, s0 c -> s0 r0 c, s0 r0, s0 r0'; with a residual (it and s
-    are factored like x): 's0 r0 c, s0 r0 c, s0 c, s0 c -> s0 r0 c, s0 r0 c, s0 r0, s0 r0'."""
+    of size 1 (broadcast over its segment axis). E.g. layernorm, one segment axis, one row axis,
+    weight and bias per segment: 's0 r0 c, s0 c, s0 c -> s0 r0 c, s0 r0, s0 r0'; with a residual
+    (it and s are factored like x): 's0 r0 c, s0 r0 c, s0 c, s0 c -> s0 r0 c, s0 r0 c, s0 r0, s0 r0'."""
     x_shape = ir.RankedTensorType(value_types[0]).shape
     segs, lead = _factors(x_shape, seg_dims)
     n_rows = 2 if has_res else 1
@@ -239,14 +236,15 @@ def _fwd_rule(seg_dims, has_w, has_b, eps, has_res, mesh, value_types, result_ty
         p_shape = ir.RankedTensorType(t).shape
         params.append(" ".join([s if p_shape[i] == x_shape[i] else f"w{k}_{i}" for i, s in enumerate(segs)] + ["c"]))
     rows = [f"{lead} c"] * n_rows
-    return ", ".join([*rows, *params]) + " -> " + ", ".join([*rows, lead, lead])
+    return ", ".join([*rows, *params]) + " -> " + ", ".join([*rows] + [lead] * n_stats)
 
 
-def forward_partitioned(local, n_arrays: int):
-    """local(*arrays, seg_dims, has_w, has_b, eps, has_res) -> (y, [s], mean, rstd), partitioned
-    by the rule above; n_arrays = x, [residual] and the present parameters. The five settings
-    are static."""
-    op = custom_partitioning(local, static_argnums=tuple(range(n_arrays, n_arrays + 5)))
-    op.def_partition(partition=functools.partial(_fwd_partition, local), infer_sharding_from_operands=_fwd_infer,
-                     sharding_rule=_fwd_rule)
-    return op
+def forward_partitioned(local, n_arrays: int, *, n_stats: int = 2, op: str = "the layernorm forward"):
+    """local(*arrays, seg_dims, has_w, has_b, eps, has_res) -> (y, [s], *stats), partitioned by
+    the rule above; n_arrays = x, [residual] and the present parameters. The five settings are
+    static."""
+    cp = custom_partitioning(local, static_argnums=tuple(range(n_arrays, n_arrays + 5)))
+    cp.def_partition(partition=functools.partial(_fwd_partition, local, n_stats, op),
+                     infer_sharding_from_operands=functools.partial(_fwd_infer, n_stats, op),
+                     sharding_rule=functools.partial(_fwd_rule, n_stats))
+    return cp
