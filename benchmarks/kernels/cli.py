@@ -7,7 +7,6 @@ import os
 import sys
 
 import jax
-import jax.numpy as jnp
 
 from jax_lnbwd import DEFAULT_KERNEL, KERNELS
 
@@ -132,7 +131,7 @@ def parse_args(argv, on_gpu: bool):
     p.add_argument("--block-sizes", default="best",
                    help="backward: 'best' (each kernel's default), 'all' (each kernel's list) or a comma list")
     p.add_argument("--shapes", type=shapes, default=None,
-                   help=f"comma list of ROWSxC (default on GPU: per op, "
+                   help="comma list of ROWSxC (default on GPU: per op, "
                         + "; ".join(f"{n} {op.gpu_shapes}" for n, op in OPS.items())
                         + f"; on CPU: {CPU_SHAPES})")
     p.add_argument("--dtypes", default="bfloat16,float32", help=f"comma list from {','.join(DTYPES)}")
