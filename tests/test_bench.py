@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the checkout: benchmarks/
 from benchmarks import _term  # noqa: E402
 from benchmarks.kernels import cli as bench  # noqa: E402
-from benchmarks.kernels import timing  # noqa: E402
+from benchmarks.kernels import ops, timing  # noqa: E402
 
 
 def test_bench_writes_every_group_and_marks_the_run_complete(tmp_path, capsys):
@@ -94,3 +94,57 @@ def test_calls_per_run_reaches_the_minimum_despite_a_runs_fixed_cost():
     assert run(n) >= 0.02 and n == tried[-2]
     assert len(tried) <= 6  # a few runs, not a scan
     assert timing.calls_per_run(lambda n: 0.0, 0.0) == 1  # CPU: no minimum, one call
+
+
+def test_op_names_aliases_and_all():
+    names = lambda argv: [op.name for op in bench.parse_args(argv, on_gpu=False).ops]  # noqa: E731
+    assert names([]) == ["layernorm_bwd"]  # the default: the backward
+    assert names(["--op", "forward,add_forward"]) == ["layernorm_fwd", "add_layernorm_fwd"]
+    assert names(["--op", "add_layernorm_fwd,backward"]) == ["layernorm_bwd", "add_layernorm_fwd"]
+    assert names(["--op", "all"]) == list(ops.OPS)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--op", "rmsnorm_fwd"], on_gpu=False)
+
+
+def test_cpu_sized_defaults_and_gpu_defaults_per_op():
+    cpu = bench.parse_args(["--op", "all"], on_gpu=False)
+    assert cpu.cpu_sized and cpu.chain == bench.CPU_CHAIN and cpu.min_run_s == 0
+    assert all(s == [(256, 768), (64, 1601)] for s in cpu.shapes.values())
+    gpu = bench.parse_args(["--op", "all"], on_gpu=True)
+    assert not gpu.cpu_sized and gpu.chain == bench.GPU_CHAIN
+    assert (8192, 768) in gpu.shapes["layernorm_fwd"] and (1024, 768) in gpu.shapes["layernorm_bwd"]
+    assert not bench.parse_args(["--shapes", "4x8"], on_gpu=False).cpu_sized
+
+
+def test_forward_ops_validate_time_and_write_their_rows(tmp_path, capsys):
+    bench.main(["--op", "forward,add_forward", "--shapes", "4x24", "--dtypes", "bfloat16", "--params",
+                "float32", "--reps", "1", "--chain", "2", "--no-progress", "--out", str(tmp_path)])
+    out = json.loads((tmp_path / "bench.json").read_text())
+    assert out["complete"] is True and not out["failures"]
+    got = {(r["op"], r["impl"]) for r in out["rows"]}
+    assert got == {("layernorm_fwd", i) for i in ("ours", "xla", "copy")} | {
+        ("add_layernorm_fwd", i) for i in ("ours", "ours-unfus", "xla", "copy")}
+    assert all(r["params"] == "float32" and r["dtype"] == "bfloat16" for r in out["rows"])
+    add = [r for r in out["rows"] if r["op"] == "add_layernorm_fwd" and r["impl"] != "copy"]
+    assert all(r["errors"]["s"] == 0 for r in add)  # s is jnp's x + residual, bit for bit
+    table = (tmp_path / "bench.txt").read_text()
+    assert "add_layernorm_fwd" in table and "params" in table
+    assert "CPU-sized" not in capsys.readouterr().out  # shapes and chain were given
+
+
+def test_every_copy_moves_its_ops_bytes_once():
+    # The copy peer of every op reads bytes/2 and writes bytes/2 in one pass: add_layernorm_fwd's
+    # copy is one array of twice the forward's, not two arrays (a second would be stacked).
+    for nbytes in (ops.forward_bytes(64, 256, "bfloat16", "same"), ops.add_forward_bytes(64, 256, "bfloat16", "same"),
+                   ops.backward_bytes(64, 256, "float32")):
+        words = timing.copy_words(nbytes)
+        assert words.ndim == 1 and 2 * words.nbytes == nbytes - nbytes % 8
+    assert ops.add_forward_bytes(8, 16, "float32", "same") - ops.forward_bytes(8, 16, "float32", "same") == 2 * 8 * 16 * 4
+
+
+def test_shapes_that_fit_in_l2_are_marked():
+    row = {"op": "layernorm_fwd", "shape": "8x8", "dtype": "float32", "params": "float32", "impl": "copy",
+           "us": 1.0, "gbps": 1.0, "pct_copy": 100.0, "vs_xla": None, "vs_best": None}
+    marked = bench.format_table([{**row, "fits_l2": True}], l2_mb=60)
+    assert "8x8 L2" in marked and "60 MB L2" in marked
+    assert "L2" not in bench.format_table([{**row, "fits_l2": False}])

@@ -117,7 +117,7 @@ def run_e2e(tmp_path, *extra, platform="cpu", cpu_devices=1):
         f" --xla_force_host_platform_device_count={cpu_devices}" if cpu_devices > 1 else "")
     env = dict(os.environ, XLA_FLAGS=flags, NO_COLOR="",
                JAX_PLATFORMS="cuda" if platform == "gpu" else "cpu", XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    cmd = [sys.executable, "-m", "benchmarks.e2e", "--small", "--layers", "1", "--models", "vit",
+    cmd = [sys.executable, "-m", "benchmarks.e2e", "--small", "--layers", "1", "--models", "vit", "--apis", "linen,nnx",
            "--rounds", "2", "--steps", "1", "--warmup", "1", "--trace-steps", "1", "--round-seconds", "0",
            "--out", str(tmp_path), *extra]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -271,8 +271,8 @@ def test_rounds_are_sized_by_time_and_the_ratio_is_paired():
     assert rs(0.042, 0.5, 10) == 12 and rs(0.004, 0.5, 10) == 125 and rs(0.2, 0.5, 10) == 10
     assert rs(1e-6, 0.5, 10) == train.ROUND_STEPS_CAP and rs(1e-6, 0.5, 5000) == 5000  # --steps is the floor
     assert rs(None, 0.5, 10) == rs(0.004, 0, 10) == 10
-    a = cli.parse_args(["--small"])
-    assert a.rounds == 7 and a.round_seconds == 0.5
+    a = cli.parse_args([])
+    assert a.rounds == 7 and a.round_seconds == 0.5 and a.models == ["gpt", "bert", "vit"]
     with pytest.raises(SystemExit):
         cli.parse_args(["--round-seconds", "-1"])
 
@@ -287,3 +287,12 @@ def test_rounds_are_sized_by_time_and_the_ratio_is_paired():
     assert rows[1]["speedup_of_medians"] == pytest.approx(1.0 / 1.1)
     assert (rows[1]["speedup_min"], rows[1]["speedup_max"]) == pytest.approx((1 / 1.1, 1.25))
     assert rows[1]["round_steps"] == 9 and rows[0]["speedup"] == 1.0
+
+
+def test_small_is_a_short_run_unless_told_otherwise():
+    a = cli.parse_args(["--small"])
+    assert (a.models, a.apis, a.rounds, a.round_seconds, a.trace_repeats) == (["gpt"], ["linen"], 3, 0.0, 1)
+    assert a.configs[0] == dataclasses.replace(config.SMALL["gpt"], attention="xla")
+    b = cli.parse_args(["--small", "--models", "vit,bert", "--apis", "nnx", "--rounds", "5", "--round-seconds", "0.2"])
+    assert (b.models, b.apis, b.rounds, b.round_seconds) == (["vit", "bert"], ["nnx"], 5, 0.2)
+

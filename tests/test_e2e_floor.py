@@ -165,7 +165,7 @@ def test_our_kernels_at_the_floor_on_made_up_rows():
 
 def test_the_command_prints_and_writes_the_floor(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0", NO_COLOR="", JAX_PLATFORMS="cpu")
-    cmd = [sys.executable, "-m", "benchmarks.e2e", "--small", "--models", "gpt", "--apis", "linen",
+    cmd = [sys.executable, "-m", "benchmarks.e2e", "--small", "--models", "gpt", "--apis", "linen", "--layers", "2",
            "--variants", "flax,jax_lnbwd", "--rounds", "2", "--steps", "2", "--round-seconds", "0",
            "--trace-steps", "1", "--trace-repeats", "1", "--no-progress", "--out", str(tmp_path)]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -174,7 +174,7 @@ def test_the_command_prints_and_writes_the_floor(tmp_path):
     assert "byte floor of the layernorm work" in text and "+mix/fl" in text and "ceiling" in text
     assert re.search(r"^gpt +bfloat16 +5 .* fused +37 .* linen ", text, re.M), text
     (e,) = json.loads((tmp_path / "e2e.json").read_text())["floor"]
-    cfg = config.SMALL["gpt"]
+    cfg = dataclasses.replace(config.SMALL["gpt"], layers=2)
     assert (e["model"], e["dtype"], e["norms"], e["t_bytes"]) == ("gpt", "bfloat16", 5, floor.t_bytes(cfg, "bfloat16"))
     assert {f: v["t"] for f, v in e["forms"].items()} == {"unfused": 49, "fused": 37}
     assert e["copy_gbps"] > 0 and all(v["ms"] > 0 for v in e["forms"].values())

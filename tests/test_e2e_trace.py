@@ -1,4 +1,4 @@
-"""The e2e bench's trace analysis (benchmarks/e2e/trace.py, breakdown.py), on hand-made input.
+"""The e2e bench's trace analysis (benchmarks/e2e/trace/, breakdown.py), on hand-made input.
 
 No GPU and no training: the attribution rule on a hand-written HLO module, the per-step
 figures of hand-made kernel events (overlaps, idle time, collectives on two devices, layernorm's

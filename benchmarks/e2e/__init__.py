@@ -34,7 +34,7 @@ read it: docs/e2e.md.
 
 Then, if a collector is available, each run takes ``--trace-steps`` more steps under a
 kernel-level trace, ``--trace-repeats`` times (the trace whose traced step is the median
-counts), attributed to layernorm as trace.py describes: the GPU time per step that layernorm's
+counts), attributed to layernorm as trace/ describes: the GPU time per step that layernorm's
 kernels occupy (forward, backward, and the elementwise kernels XLA fused with them; kernels
 that overlap count once), all kernels, the idle time per step, and the share no HLO
 instruction could be matched to.
@@ -57,7 +57,7 @@ implementation of each form could cut it by and the step ratio it could at best 
 the configs and versions) and DIR/e2e.png (needs matplotlib: ``pip install -e ".[bench]"``).
 
 Files: config.py (models and sizes), models_linen.py, models_nnx.py, variants.py (the
-LayerNorm variants and the hook for more), train.py (the step and its timing), trace.py
+LayerNorm variants and the hook for more), train.py (the step and its timing), trace/
 (collection, attribution and kinds), report.py (table and plot), floor.py (the byte floor),
 breakdown.py (--kernels), cli.py (options and the run).
 """

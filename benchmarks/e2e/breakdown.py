@@ -1,7 +1,7 @@
 """``--kernels N``: after the table, what each run's kernels are and where its kernel time
 moved against its baseline.
 
-For every traced run: its kernel time per step by kind (trace.py's kind rule: ours, gemm,
+For every traced run: its kernel time per step by kind (trace/classify.py's kind rule: ours, gemm,
 attention, reduce fusion, loop fusion, copy/memset, comm, other), its N costliest kernels of
 the ln and mixed classes, and its N costliest XLA fusions of the other class (the fusions
 outside layernorm, which a variant can still change: XLA fuses the work around a LayerNorm

@@ -23,6 +23,13 @@ from .variants import VARIANTS
 APIS = ("linen", "nnx")
 DTYPES = ("bfloat16", "float32")
 SIZE_FIELDS = ("layers", "batch", "seq", "d_model", "heads", "vocab")
+# The run's defaults, and --small's: a smoke test of the whole command that a 2-core CPU runs in
+# under a minute (one model in one API at its config.SMALL size, a few steps and rounds, one short
+# trace; each run's compilation is most of it).
+DEFAULTS = {"models": "gpt,bert,vit", "apis": "linen,nnx", "steps": 10, "round_seconds": 0.5, "rounds": 7, "warmup": 2,
+            "trace_steps": 10, "trace_repeats": 3}
+SMALL_DEFAULTS = {"models": "gpt", "apis": "linen", "steps": 3, "round_seconds": 0.0, "rounds": 3, "warmup": 1,
+                  "trace_steps": 2, "trace_repeats": 1}
 
 
 def parse_args(argv):
@@ -32,8 +39,8 @@ def parse_args(argv):
     intro, method = METHOD.split("\n\n", 1)
     p = argparse.ArgumentParser(prog="python -m benchmarks.e2e", description=intro, epilog=method,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="gpt,bert,vit", help="comma list from gpt,bert,vit (default all)")
-    p.add_argument("--apis", default="linen,nnx", help="comma list from linen,nnx (default both)")
+    p.add_argument("--models", default=None, help="comma list from gpt,bert,vit (default all; --small: gpt)")
+    p.add_argument("--apis", default=None, help="comma list from linen,nnx (default both; --small: linen)")
     p.add_argument("--dtypes", default="bfloat16",
                    help="compute dtypes, comma list from bfloat16,float32 (default bfloat16)")
     p.add_argument("--variants", default="flax,jax_lnbwd,add_layernorm",
@@ -41,7 +48,9 @@ def parse_args(argv):
                         "(default flax,jax_lnbwd,add_layernorm)")
     p.add_argument("--variant-module", action="append", default=[], metavar="MODULE",
                    help="import MODULE first: it registers more variants (see benchmarks/e2e/variants.py)")
-    p.add_argument("--small", action="store_true", help="tiny models for a CPU smoke test")
+    p.add_argument("--small", action="store_true",
+                   help="a CPU smoke test: tiny models, and unless given otherwise " +
+                        ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in SMALL_DEFAULTS.items()))
     for field in SIZE_FIELDS:
         p.add_argument("--" + field.replace("_", "-"), type=int, default=None,
                        help=f"override every model's {field}")
@@ -49,18 +58,18 @@ def parse_args(argv):
                    help="data parallel over the first N devices: the batch (per device) is split "
                         "over a mesh axis, parameters replicated, gradients all-reduced; adds the "
                         "comm, overlap and exposed columns (default 1: one device)")
-    p.add_argument("--steps", type=int, default=10, help="steps per round per run, at least (default 10)")
-    p.add_argument("--round-seconds", type=float, default=0.5, metavar="S",
+    p.add_argument("--steps", type=int, default=None, help="steps per round per run, at least (default 10)")
+    p.add_argument("--round-seconds", type=float, default=None, metavar="S",
                    help="each round runs a run's steps for at least S seconds, as estimated from "
                         f"2 x {PROBE_STEPS} steps after its warm-up (at most {ROUND_STEPS_CAP} steps; "
                         "default 0.5; 0: --steps steps)")
-    p.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default 7)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per run after compiling (default 2)")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 7)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps per run after compiling (default 2)")
     p.add_argument("--trace", default="auto", choices=("auto", "torch", "jax", "none"),
                    help="kernel trace collector (default auto: torch on a GPU, else jax)")
-    p.add_argument("--trace-steps", type=int, default=10,
+    p.add_argument("--trace-steps", type=int, default=None,
                    help="steps per trace (default 10)")
-    p.add_argument("--trace-repeats", type=int, default=3,
+    p.add_argument("--trace-repeats", type=int, default=None,
                    help="traces per run; the one whose traced step (busy + idle) is the median counts "
                         "(default 3)")
     p.add_argument("--kernels", type=int, default=0, metavar="N",
@@ -77,6 +86,9 @@ def parse_args(argv):
     p.add_argument("--out", default=None, help="directory for e2e.txt, e2e.json and e2e.png")
     p.add_argument("--no-progress", action="store_true", help="no progress line")
     a = p.parse_args(argv)
+    for name, value in (SMALL_DEFAULTS if a.small else DEFAULTS).items():
+        if getattr(a, name) is None:
+            setattr(a, name, value)
     for mod in a.variant_module:
         importlib.import_module(mod)
     a.models, a.apis, a.dtypes, a.variants = csv(a.models), csv(a.apis), csv(a.dtypes), csv(a.variants)

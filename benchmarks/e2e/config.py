@@ -64,9 +64,9 @@ FULL = {
 
 # --small: the same three families at sizes a CPU runs in a fraction of a second a step.
 SMALL = {
-    "gpt": dataclasses.replace(FULL["gpt"], d_model=64, heads=4, layers=2, seq=32, batch=2, vocab=128),
-    "bert": dataclasses.replace(FULL["bert"], d_model=64, heads=4, layers=2, seq=32, batch=2, vocab=128),
-    "vit": dataclasses.replace(FULL["vit"], d_model=64, heads=4, layers=2, seq=17, batch=2, classes=10,
+    "gpt": dataclasses.replace(FULL["gpt"], d_model=64, heads=4, layers=1, seq=32, batch=2, vocab=128),
+    "bert": dataclasses.replace(FULL["bert"], d_model=64, heads=4, layers=1, seq=32, batch=2, vocab=128),
+    "vit": dataclasses.replace(FULL["vit"], d_model=64, heads=4, layers=1, seq=17, batch=2, classes=10,
                                patch_dim=48),
 }
 

@@ -133,7 +133,7 @@ def copy_seconds(nbytes: int, chain: int, reps: int, min_run_s: float) -> float:
     """Seconds of one pass that reads and writes nbytes, timed as the kernel bench times its copy."""
     from ..kernels.timing import copy_step, time_jax
     words = jnp.zeros((max(1, nbytes // 4),), jnp.uint32)
-    return time_jax(copy_step, (words,), (), chain, reps, min_run_s)
+    return time_jax(copy_step, words, (), chain, reps, min_run_s)
 
 
 def measure(configs, dtypes) -> list[dict]:

@@ -1,7 +1,7 @@
 """The benchmark's transformers in flax.linen (see config.py for the three families).
 
 Every LayerNorm is an add & norm of the variant (variants.py), called under
-``jax.named_scope(LN_SCOPE)``: the scope is how the trace attribution (trace.py) finds the
+``jax.named_scope(LN_SCOPE)``: the scope is how the trace attribution (trace/classify.py) finds the
 layernorm's operations, forward and backward, in the compiled step.
 """
 from __future__ import annotations

@@ -13,7 +13,7 @@ COLUMNS = """\
             round (> 1: faster than the baseline); in brackets the lowest and highest of them
   ln, +mix  GPU ms per step while kernels made only of layernorm work run, and while those or
             kernels that fuse layernorm work with other work run (a lower and an upper bound;
-            kernels running at once count once; see trace.py)
+            kernels running at once count once; see trace/summary.py)
   kernel    GPU ms per step in all kernels, memcpys and memsets (summed)
   idle      ms per step the GPU ran nothing inside a step (between its first kernel and its
             last); of --trace-repeats traces, the one whose traced step is the median

@@ -1,23 +1,34 @@
-"""Validate, then time, the layernorm backward against its peers: ``python -m benchmarks.kernels``.
+"""Validate, then time, layernorm's kernels against their peers: ``python -m benchmarks.kernels``.
 
-This reproduces and extends main() of llm.c's dev/cuda/layernorm_backward.cu. For every
-(dtype, shape, kernel, block size) the op is first checked against the pure-jnp reference
-(a failure is printed in red and that entry is not timed), then timed. Peers are timed the
-same way: ``xla`` (reference.layernorm_bwd under jit, given mean/rstd), ``autodiff`` (XLA's VJP
-of a jnp layernorm, recomputing the statistics), ``copy`` (a same-bytes device copy: the
-ceiling), and, where they import on a CUDA GPU, ``torch`` and ``liger``. Kernels come from
-jax_lnbwd.KERNELS, so new ones are benchmarked with no change here.
+``--op`` picks the ops (ops.py; a comma list, or ``all``; default layernorm_bwd):
+  layernorm_bwd (backward)          the backward kernels of jax_lnbwd.KERNELS (``--kernels``)
+  layernorm_fwd (forward)           the fused forward: y, mean, rstd
+  add_layernorm_fwd (add_forward)   s = x + residual and the forward of s, in one kernel
+Op names are ``<norm>_<fwd|bwd>``, as the public functions and FFI targets are named; a new op
+(rmsnorm_fwd, ...) is one more row of ops.OPS.
+
+The backward part reproduces and extends main() of llm.c's dev/cuda/layernorm_backward.cu.
+For every (op, dtype, shape, impl) the op is first checked against the pure-jnp reference in
+float32 (float64 for float64) (a failure is printed in red and that entry is not timed), then
+timed. Peers are timed the same way: ``xla`` (the jnp op under jit: reference.layernorm_bwd
+given mean/rstd, reference.layernorm_fwd), ``copy`` (one same-bytes device copy: the ceiling),
+for the backward ``autodiff`` (XLA's VJP of a jnp layernorm, recomputing the statistics) and,
+where they import on a CUDA GPU, ``torch`` and ``liger``; for add_layernorm_fwd ``ours-unfus``
+(jnp's add, then our fused forward of s). Backward kernels come from jax_lnbwd.KERNELS, so new
+ones are benchmarked with no change here. ``--params float32`` gives the forward ops float32
+weight and bias beside 16-bit x (mixed precision).
 
 How one op is timed (device time, never one call by wall clock)
 ---------------------------------------------------------------
 * One JAX call costs tens of µs of host dispatch, more than a small kernel runs. So one jitted
-  function applies the op k times in a chain (``--chain``; 50 on GPU, 3 on CPU): the dx of
-  step i is the dy of step i+1. Each step's outputs, and the constant inputs too, go through
+  function applies the op k times in a chain (``--chain``; 50 on GPU, 3 on CPU): the first
+  output of step i is the chained input of step i+1 (the backward's dx its dy, the forward's y
+  its x). Each step's outputs, and the constant inputs too, go through
   ``jax.lax.optimization_barrier``: XLA can then neither fuse steps, nor CSE them, nor hoist
   input-only work (the autodiff peer's statistics, x̂) out of the chain and share it between
-  steps. XLA does drop barrier outputs that nothing reads, so every step's dweight and dbias
-  are stacked into an output of the chain (one small copy per call); else the peers would
-  skip their column sums. Values drift along a chain (dx is about w*dy per column); nobody
+  steps. XLA does drop barrier outputs that nothing reads, so every step's other outputs
+  leave the chain (dweight and dbias, or mean and rstd, stacked: one small copy per call;
+  add_layernorm's s as it is); else the peers would skip their column sums or statistics. Values drift along a chain (dx is about w*dy per column); nobody
   looks at them, and GPU arithmetic runs at one speed whatever they are. Validation is
   separate: one call on the fresh inputs, before any timing.
 * On CPU, XLA removes the barriers before fusion (on GPU only after scheduling), so there the
@@ -35,34 +46,44 @@ How one op is timed (device time, never one call by wall clock)
 * torch and liger run the same k-step chain captured in a CUDA graph (eager if capture
   fails), replayed n times between two torch.cuda.Event records.
 * Nothing is rotated and no cache is flushed. Instead the data is larger than the H200's 60 MB
-  L2: a step moves 3*rows*C elements, 75-805 MB for the default GPU shapes (8192x1600 and
-  16384x768 in bf16 are the tightest, 1.3x L2). 1024x768 (4.7 MB in bf16) fits in L2 on
+  L2: a backward step moves 3*rows*C elements, 75-805 MB for its default GPU shapes (8192x1600
+  and 16384x768 in bf16 are the tightest, 1.3x L2); a forward step 2*rows*C, 25-537 MB
+  (8192x768 in bf16 fits: marked L2). 1024x768 (4.7 MB in bf16) fits in L2 on
   purpose: it shows the small, launch- and latency-bound case, where L2 flatters everyone.
 
 Bytes and the columns of the table
 ----------------------------------
-bytes = (3*rows*C + 3*C)*itemsize + 2*rows*stat_itemsize: read dy and x, write dx; read
-weight, write dweight and dbias; read mean and rstd (float32, float64 for float64). Every
-impl of a (shape, dtype) is credited with these same bytes, so GB/s ratios are speed ratios.
-The copy peer reads bytes/2 and writes bytes/2 per step: an elementwise bitwise NOT of a
-uint32 array (a real read+write pass; a plain copy or ``x * 1`` could be elided by XLA).
+Each op is credited with the bytes it must move (ops.py), the same for every impl of one
+(op, shape, dtype), so GB/s ratios are speed ratios; statistics are float32 (float64 for float64):
+  layernorm_bwd      read dy and x, write dx; read weight, write dweight and dbias; read mean, rstd
+  layernorm_fwd      read x, write y; read weight and bias; write mean and rstd
+  add_layernorm_fwd  read x and residual, write y and s; read weight and bias; write mean, rstd
+The copy peer moves those bytes once at copy speed: per step, one elementwise bitwise NOT of a
+uint32 array of bytes/8 words (reads bytes/2, writes bytes/2; a real read+write pass, where a
+plain copy or ``x * 1`` could be elided by XLA). So %copy stays at or under 100% unless the
+bytes fit in the L2, where the steps of a chain find their data: on a GPU such shapes are
+marked ``L2`` (``--l2-mb``, default 60, the H200's).
 
   µs      median device time of one op call (one chain step)
   GB/s    bytes / time
   %copy   copy_µs / µs: the share of the same-bytes copy speed reached
-  ×xla    xla_µs / µs: speed-up over the XLA-fused jnp backward
-  ×best   best_µs / µs: speed-up over the fastest non-copy peer (xla, autodiff, torch, liger)
+  ×xla    xla_µs / µs: speed-up over the XLA-fused jnp op
+  ×best   best_µs / µs: speed-up over the fastest non-copy peer (xla, autodiff, torch, liger;
+          ours-unfus is ours, not a peer)
 
-On CPU the table marks our rows ``[cpu-ref]``: the CPU handler runs the same C++ reference for
-every kernel id, so they time that reference, not a kernel.
+On CPU the table marks our rows ``[cpu-ref]``: the CPU handlers run C++ references (the same
+one for every backward kernel id), so they time that reference, not a kernel. Off a GPU the
+defaults are CPU-sized (two small shapes, a 3-step chain, one call per run): ``--op all``
+runs in well under a minute, and the run says so.
 
 ``--out DIR`` writes DIR/bench.txt (the table), DIR/bench.json (all rows and metadata) and
-DIR/bench.png (GB/s bars per shape, one panel per dtype, the copy ceiling as a dashed line;
+DIR/bench.png (GB/s bars per shape, one panel per (op, dtype), the copy ceiling as a dashed line;
 needs matplotlib: ``pip install -e ".[bench]"``). A run cut short (a time limit on a shared
-GPU) keeps what it measured: bench.json is rewritten after every (shape, dtype) group, with
+GPU) keeps what it measured: bench.json is rewritten after every (op, shape, dtype) group, with
 "complete": false until the last, and our kernels' lines are printed as each group finishes;
 the full table comes at the end. Colours are used on a terminal only, never with NO_COLOR set.
 
-Files: timing.py (inputs, validation, the chained steps and how they are timed), peers.py
-(torch and Liger), report.py (table and plot), cli.py (options and the run).
+Files: ops.py (the ops: inputs, references, steps, bytes), timing.py (validation, the chained
+steps and how they are timed), peers.py (torch and Liger), report.py (table and plot), cli.py
+(options and the run).
 """

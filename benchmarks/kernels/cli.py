@@ -7,26 +7,26 @@ import os
 import sys
 
 import jax
-import jax.numpy as jnp
 
 from jax_lnbwd import DEFAULT_KERNEL, KERNELS
 
 from .. import _term
 from .._term import Progress, paint
 from . import __doc__ as METHOD
+from .ops import OPS, Impl, resolve
 from .peers import available_peers, time_torch, torch_step
 from .report import CPU_MARK, format_table, plot
-from .timing import (TOLERANCE, autodiff_step, copy_step, json_safe, make_inputs, ours_step,
-                     reference_grads, time_jax, traffic_bytes, validate, xla_step)
+from .timing import TOLERANCE, copy_step, copy_words, json_safe, time_jax, validate
 
-GPU_SHAPES = "8192x1600,16384x768,16384x1600,16384x2048,16384x4096,8192x8192,4096x16384,1024x768"
 CPU_SHAPES = "256x768,64x1601"
+CPU_CHAIN, GPU_CHAIN = 3, 50
 DTYPES = ("float32", "bfloat16", "float16", "float64")
-PEERS = ("xla", "autodiff", "copy", "torch", "liger")
+PEERS = ("xla", "autodiff", "copy", "torch", "liger", "ours-unfus")
+L2_MB = 60  # the H200's L2
 
 
 def plan_ours(kernels, block_sizes: str, dtype: str, C: int):
-    """([(kernel, block_size)], [refusal reasons]) for one (dtype, C)."""
+    """([(kernel, block_size)], [refusal reasons]) for one (dtype, C) of the backward."""
     combos, refused = [], []
     for kid in kernels:
         info = KERNELS[kid]
@@ -49,52 +49,52 @@ def plan_ours(kernels, block_sizes: str, dtype: str, C: int):
     return combos, refused
 
 
-def bench_group(rows: int, C: int, dtype: str, combos, peers, args, key, prog: Progress, log: dict):
-    """Validate and time every impl of one (shape, dtype); returns its table rows."""
+def bench_group(op, rows: int, C: int, dtype: str, combos, peers, args, key, prog: Progress, log: dict):
+    """Validate and time every impl of one (op, shape, dtype); returns its table rows."""
     shape = f"{rows}x{C}"
-    nbytes = traffic_bytes(rows, C, dtype)
-    dy, x, w, b, mean, rstd = make_inputs(rows, C, dtype, key)
-    ref = reference_grads(dy, x, w, mean, rstd)
-    consts = (x, w, b, mean, rstd)
-    state = (dy, jnp.zeros_like(w), jnp.zeros_like(w))
-    entries = [(f"k{kid}/bs{bs}", ours_step(kid, bs), KERNELS[kid].precise) for kid, bs in combos]
-    entries += [(p, {"xla": xla_step, "autodiff": autodiff_step}.get(p), True) for p in peers]
+    case = op.prepare(rows, C, dtype, args.params, key)
+    entries = op.impls(case, args, combos)
+    entries += [Impl(p, None, True) for p in peers if p in ("copy", "torch", "liger")]
     out = []
-    for impl, step, precise in entries:
-        prog.step(f"{dtype} {shape} {impl}")
-        where = {"shape": shape, "dtype": dtype, "impl": impl}
+    for entry in entries:
+        impl = entry.name
+        prog.step(f"{op.alias} {dtype} {shape} {impl}")
+        where = {"op": op.name, "shape": shape, "dtype": dtype, "params": case.params, "impl": impl}
         try:
             extra = {}
-            if impl == "copy":  # nothing to validate; bytes/2 as uint32 words
-                words = jnp.zeros((max(1, nbytes // 8),), jnp.uint32)
-                sec = time_jax(copy_step, (words,), (), args.chain, args.reps, args.min_run_s)
-                errs = {}
+            if impl == "copy":  # nothing to validate: the op's bytes, once, at copy speed
+                sec = time_jax(copy_step, copy_words(case.nbytes), (), args.chain, args.reps, args.min_run_s)
+                ok, errs = True, {}
             elif impl in ("torch", "liger"):
-                tstep, d0 = torch_step(impl, x, w, b, dy)
-                ok, errs = validate(tstep(d0), ref, dtype)
+                tstep, d0 = torch_step(impl, *case.torch_inputs)
+                ok, errs = validate(tstep(d0), case.ref, dtype, op.outputs)
                 if ok:
                     sec, extra["cuda_graph"] = time_torch(tstep, d0, args.chain, args.reps,
                                                           args.min_run_s)
             else:
-                ok, errs = validate(jax.jit(step)(state, *consts), ref, dtype, precise)
+                outs = jax.jit(entry.step)(case.state, *case.consts)
+                ok, errs = validate(outs, case.ref, dtype, op.outputs, entry.tol)
                 if ok:
-                    sec = time_jax(step, state, consts, args.chain, args.reps, args.min_run_s)
-            if errs and not ok:
+                    sec = time_jax(entry.step, case.state, case.consts, args.chain, args.reps,
+                                   args.min_run_s)
+            if not ok:
                 msg = " ".join(f"{n}={e:.3g}" for n, e in errs.items())
-                loose = "" if precise else ", 10x that for dweight/dbias"
-                prog.write(paint(f"FAIL {dtype} {shape} {impl}: rel err {msg} "
-                                 f"(tol {TOLERANCE[dtype]:g}{loose}); not timed", "red"))
+                tols = ", ".join(f"x{f:g} for {n}" for n, f in entry.tol.items())
+                prog.write(paint(f"FAIL {op.name} {dtype} {shape} {impl}: rel err {msg} "
+                                 f"(tol {TOLERANCE[dtype]:g}{', ' + tols if tols else ''}); not timed", "red"))
                 log["failures"].append({**where, "errors": json_safe(errs)})
                 continue
             if extra.get("cuda_graph") is False:
                 prog.write(paint(f"note: {impl} {dtype} {shape} timed eagerly (no CUDA graph)", "grey"))
         except Exception as e:  # an impl that breaks (OOM, API drift) must not end the run
-            prog.write(paint(f"ERROR {dtype} {shape} {impl}: {type(e).__name__}: {str(e)[:300]}", "red"))
+            prog.write(paint(f"ERROR {op.name} {dtype} {shape} {impl}: {type(e).__name__}: "
+                             f"{str(e)[:300]}", "red"))
             log["failures"].append({**where, "error": repr(e)[:1000]})
             continue
-        # On CPU our rows all run the one C++ reference, whatever the kernel id: not kernel timings.
-        out.append({**where, "peer": impl in PEERS, "kernel_timing": impl in PEERS or args.on_gpu,
-                    "us": sec * 1e6, "gbps": nbytes / sec / 1e9, "bytes": nbytes,
+        # On CPU our rows run the C++ reference handlers (one for every kernel id): not kernel timings.
+        out.append({**where, "peer": entry.peer, "kernel_timing": entry.peer or args.on_gpu,
+                    "us": sec * 1e6, "gbps": case.nbytes / sec / 1e9, "bytes": case.nbytes,
+                    "fits_l2": args.on_gpu and case.nbytes <= args.l2_mb * 2**20,
                     "errors": json_safe(errs), **extra})
     # Relative columns: each against the same-bytes copy, xla and the fastest non-copy peer.
     us = {r["impl"]: r["us"] for r in out}
@@ -120,26 +120,48 @@ def parse_args(argv, on_gpu: bool):
         return out
 
     intro, method = METHOD.split("\n\n", 1)
+    names = ", ".join(f"{n} ({op.alias})" for n, op in OPS.items())
     p = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=intro, epilog=method,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--op", default="layernorm_bwd",
+                   help=f"comma list of ops from {names}, or 'all' (default layernorm_bwd)")
     p.add_argument("--kernels", default=str(DEFAULT_KERNEL),
-                   help=f"comma list of ids from {sorted(KERNELS)} or 'all' (default {DEFAULT_KERNEL})")
+                   help=f"backward kernels: comma list of ids from {sorted(KERNELS)} or 'all' "
+                        f"(default {DEFAULT_KERNEL})")
     p.add_argument("--block-sizes", default="best",
-                   help="'best' (each kernel's default), 'all' (each kernel's list) or a comma list")
+                   help="backward: 'best' (each kernel's default), 'all' (each kernel's list) or a comma list")
     p.add_argument("--shapes", type=shapes, default=None,
-                   help=f"comma list of ROWSxC (default: {GPU_SHAPES} on GPU, {CPU_SHAPES} on CPU)")
+                   help="comma list of ROWSxC (default on GPU: per op, "
+                        + "; ".join(f"{n} {op.gpu_shapes}" for n, op in OPS.items())
+                        + f"; on CPU: {CPU_SHAPES})")
     p.add_argument("--dtypes", default="bfloat16,float32", help=f"comma list from {','.join(DTYPES)}")
-    p.add_argument("--peers", default=None, help=f"comma list from {','.join(PEERS)} (default: all that run)")
+    p.add_argument("--params", choices=("same", "float32"), default="same",
+                   help="forward ops: weight/bias in x's dtype, or float32 beside 16-bit x (mixed "
+                        "precision; ignored for 32- and 64-bit x); the backward's are x's dtype")
+    p.add_argument("--peers", default=None,
+                   help=f"comma list from {','.join(PEERS)} (default: all that run); each op takes those "
+                        "that apply: autodiff, torch, liger the backward, ours-unfus add_layernorm_fwd")
     p.add_argument("--reps", type=int, default=7, help="timed runs; the median is reported (default 7)")
-    p.add_argument("--chain", type=int, default=None, help="op calls per chain (default 50 GPU, 3 CPU)")
+    p.add_argument("--chain", type=int, default=None,
+                   help=f"op calls per chain (default {GPU_CHAIN} GPU, {CPU_CHAIN} CPU)")
     p.add_argument("--min-run-ms", type=float, default=None,
                    help="chain calls per timed run until it lasts this long (default 20 GPU, 0 CPU)")
+    p.add_argument("--l2-mb", type=float, default=L2_MB,
+                   help=f"the GPU's L2 in MB: shapes whose bytes fit are marked L2 (default {L2_MB}, the H200's)")
     p.add_argument("--seed", type=int, default=0, help="for the random inputs (default 0)")
     p.add_argument("--out", default=None, help="directory for bench.txt, bench.json and bench.png")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
-    a.shapes = a.shapes or shapes(GPU_SHAPES if on_gpu else CPU_SHAPES)
-    a.chain = a.chain or (50 if on_gpu else 3)
+    try:
+        a.ops = resolve(csv(a.op))
+    except KeyError as e:
+        a.ops = None
+        p.error(f"--op: unknown op {e.args[0]!r}; expected a comma list from {names}, or 'all'")
+    if not a.ops:
+        p.error(f"--op: expected a comma list from {names}, or 'all'")
+    a.cpu_sized = not on_gpu and a.shapes is None and a.chain is None
+    a.shapes = {op.name: a.shapes or shapes(op.gpu_shapes if on_gpu else CPU_SHAPES) for op in a.ops}
+    a.chain = a.chain or (GPU_CHAIN if on_gpu else CPU_CHAIN)
     a.min_run_s = (a.min_run_ms if a.min_run_ms is not None else (20.0 if on_gpu else 0.0)) / 1e3
     ids = [t.strip() for t in csv(a.kernels)]
     if ids != ["all"] and not all(t.isdigit() and int(t) in KERNELS for t in ids) or not ids:
@@ -158,6 +180,19 @@ def parse_args(argv, on_gpu: bool):
     return a
 
 
+def plan(args, peers):
+    """[(op, dtype, rows, C, combos, refused, peers)]: every group to time, in order."""
+    out = []
+    for op in args.ops:
+        op_peers = [q for q in peers if q == "copy" or q in op.peers]
+        for dtype in args.dtypes:
+            for rows, C in args.shapes[op.name]:
+                combos, refused = (plan_ours(args.kernels, args.block_sizes, dtype, C) if op.kernels
+                                   else ([], []))
+                out.append((op, dtype, rows, C, combos, refused, op_peers))
+    return out
+
+
 def main(argv=None):
     jax.config.update("jax_enable_x64", True)  # float64 stays float64; before any array is made
     on_gpu = jax.default_backend() == "gpu"
@@ -166,30 +201,35 @@ def main(argv=None):
     meta = _term.machine()
     print(f"jax_lnbwd {meta['jax_lnbwd']} kernel bench  {meta['date']}  device: {meta['device']}  "
           f"jax {meta['jax']}")
-    print(f"timing: median of {args.reps} runs, each n back-to-back calls of a jitted {args.chain}-step "
-          f"chain (run >= {args.min_run_s * 1e3:g} ms), divided by n*{args.chain}", flush=True)
+    print(f"ops: {', '.join(op.name for op in args.ops)}; timing: median of {args.reps} runs, each n "
+          f"back-to-back calls of a jitted {args.chain}-step chain (run >= {args.min_run_s * 1e3:g} ms), "
+          f"divided by n*{args.chain}", flush=True)
     if not on_gpu:
         print("note: on CPU XLA drops the optimization barriers before fusion, so steps may fuse, and "
-              "every kernel id runs the same C++ reference: a smoke test, not a measurement")
+              "our ops run the C++ reference handlers: a smoke test, not a measurement")
+    if args.cpu_sized:
+        print(f"note: CPU-sized defaults (shapes {CPU_SHAPES}, chain {CPU_CHAIN}, one call per run); "
+              "on a GPU the defaults are the measurement's (--help)")
 
     why_not = available_peers(on_gpu) if any(q in args.peers for q in ("torch", "liger")) else {}
     peers = [q for q in args.peers if why_not.get(q) is None]
     for why in dict.fromkeys(why_not.get(q) for q in args.peers if why_not.get(q)):
         skipped = ", ".join(q for q in args.peers if why_not.get(q) == why)
         print(paint(f"peers skipped: {skipped}: {why}", "grey"))
-    plans = [(dtype, rows, C, *plan_ours(args.kernels, args.block_sizes, dtype, C))
-             for dtype in args.dtypes for rows, C in args.shapes]
-    prog = Progress(sum(len(p[3]) + len(peers) for p in plans), not args.no_progress)
+    plans = plan(args, peers)
+    prog = Progress(sum(len(p[4]) + len(p[6]) + (0 if p[0].kernels else 1) for p in plans),
+                    not args.no_progress)
     log = {"failures": [], "refused": []}
     table = []
-    meta.update({"argv": sys.argv[1:] if argv is None else list(argv), "chain": args.chain,
-                 "reps": args.reps, "min_run_ms": args.min_run_s * 1e3, "peers": peers,
+    meta.update({"argv": sys.argv[1:] if argv is None else list(argv), "ops": [op.name for op in args.ops],
+                 "chain": args.chain, "reps": args.reps, "min_run_ms": args.min_run_s * 1e3,
+                 "peers": peers, "params": args.params, "l2_mb": args.l2_mb,
                  "tolerance": TOLERANCE, "kernel_timings": on_gpu,
                  "kernels": {k: KERNELS[k].name for k in args.kernels}})
 
     def write_json(complete: bool):
-        # Rewritten after every (shape, dtype) group, so that a run cut short (a time limit on a
-        # shared GPU) leaves what it measured: "complete" says whether every group is in.
+        # Rewritten after every group, so that a run cut short (a time limit on a shared GPU)
+        # leaves what it measured: "complete" says whether every group is in.
         meta["torch"] = getattr(sys.modules.get("torch"), "__version__", None)
         with open(os.path.join(args.out, "bench.json"), "w") as fh:
             json.dump({"meta": meta, "complete": complete, "rows": table, **log}, fh, indent=1, default=str)
@@ -197,32 +237,32 @@ def main(argv=None):
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     key = jax.random.key(args.seed)
-    for i, (dtype, rows, C, combos, refused) in enumerate(plans):
+    for i, (op, dtype, rows, C, combos, refused, op_peers) in enumerate(plans):
         for why in refused:
             prog.write(paint(f"refused: {dtype} {rows}x{C} {why}", "grey"))
-            log["refused"].append({"shape": f"{rows}x{C}", "dtype": dtype, "reason": why})
-        group = bench_group(rows, C, dtype, combos, peers, args, jax.random.fold_in(key, i), prog, log)
+            log["refused"].append({"op": op.name, "shape": f"{rows}x{C}", "dtype": dtype, "reason": why})
+        group = bench_group(op, rows, C, dtype, combos, op_peers, args, jax.random.fold_in(key, i), prog, log)
         table += group
         for r in group:  # ours as soon as the group is done; the full table comes at the end
             if not r["peer"]:
                 mark = "" if r["kernel_timing"] else f" {CPU_MARK}"
-                prog.write(f"{dtype} {rows}x{C} {r['impl']}{mark}: {r['us']:.2f} µs" +
+                prog.write(f"{op.name} {dtype} {rows}x{C} {r['impl']}{mark}: {r['us']:.2f} µs" +
                            (f", {r['pct_copy']:.1f}% of copy" if r["pct_copy"] else "") +
                            (f", {r['vs_best']:.2f}x the best peer" if r["vs_best"] else ""))
         if args.out:
             write_json(complete=False)
     prog.close()
 
-    text = format_table(table) if table else "(nothing was timed)"
+    text = format_table(table, args.l2_mb) if table else "(nothing was timed)"
     if args.out:
         write_json(complete=True)
         with open(os.path.join(args.out, "bench.txt"), "w") as fh:
             fh.write(f"{meta['date']}  {meta['device']}  jax {meta['jax']}  jax_lnbwd {meta['jax_lnbwd']}\n"
                      f"argv: {' '.join(meta['argv'])}\n\n{text}\n")
         png = os.path.join(args.out, "bench.png")
-        title = f"layernorm backward, {meta['device']}" + ("" if on_gpu else " (CPU: not kernel timings)")
+        title = meta["device"] + ("" if on_gpu else " (CPU: not kernel timings)")
         try:
-            made = plot(table, png, title) if table else False
+            made = plot(table, png, title, {op.name: op.title for op in args.ops}) if table else False
             print(f"wrote {args.out}/bench.txt, bench.json" + (" and bench.png" if made else
                   " (no bench.png: matplotlib missing, pip install -e '.[bench]', or no rows)"))
         except Exception as e:  # a broken plot must not cost the run's numbers

@@ -4,23 +4,30 @@ from __future__ import annotations
 from .._term import aligner
 
 CPU_MARK = "[cpu-ref]"
-CPU_NOTE = (f"{CPU_MARK}: on CPU every kernel id runs the same C++ reference handler; these rows "
-            "time that reference, not a kernel")
+CPU_NOTE = (f"{CPU_MARK}: on CPU our ops run C++ reference handlers (every backward kernel id the "
+            "same one); these rows time that reference, not a kernel")
 
 
-def format_table(rows) -> str:
-    """The plain-text table: one line per timed entry, a blank line between (shape, dtype)
-    groups; rows that are not kernel timings (our rows on CPU) carry CPU_MARK and a footnote."""
+def format_table(rows, l2_mb: float = 60) -> str:
+    """The plain-text table: one line per timed entry, a blank line between (op, shape, dtype)
+    groups. An op column when there are several ops, a params column when some weight/bias
+    dtype differs from x's; rows that are not kernel timings (ours on CPU) carry CPU_MARK, and
+    shapes whose bytes fit in the L2 an "L2" mark, each with a footnote."""
     def f(v, fmt, suffix=""):
         return "-" if v is None else format(v, fmt) + suffix
-    head = ("shape", "dtype", "impl", "µs", "GB/s", "%copy", "×xla", "×best")
+    ops = len({r.get("op") for r in rows}) > 1
+    params = any(r.get("params", r["dtype"]) != r["dtype"] for r in rows)
+    head = (("op",) * ops + ("shape", "dtype") + ("params",) * params +
+            ("impl", "µs", "GB/s", "%copy", "×xla", "×best"))
     cells, groups = [], []
     for r in rows:
         impl = r["impl"] if r.get("kernel_timing", True) else f"{r['impl']} {CPU_MARK}"
-        cells.append((r["shape"], r["dtype"], impl, f(r["us"], ".2f"), f(r["gbps"], ".1f"),
-                      f(r["pct_copy"], ".1f", "%"), f(r["vs_xla"], ".2f", "x"), f(r["vs_best"], ".2f", "x")))
-        groups.append((r["shape"], r["dtype"]))
-    line = aligner(head, cells, left=range(3))
+        shape = r["shape"] + (" L2" if r.get("fits_l2") else "")
+        cells.append(((r.get("op", ""),) * ops + (shape, r["dtype"]) + (r.get("params", r["dtype"]),) * params +
+                      (impl, f(r["us"], ".2f"), f(r["gbps"], ".1f"), f(r["pct_copy"], ".1f", "%"),
+                       f(r["vs_xla"], ".2f", "x"), f(r["vs_best"], ".2f", "x"))))
+        groups.append((r.get("op"), r["shape"], r["dtype"]))
+    line = aligner(head, cells, left=range(len(head) - 5))
     lines = [line(head), "-" * len(line(head))]
     for i, c in enumerate(cells):
         if i and groups[i] != groups[i - 1]:
@@ -28,25 +35,32 @@ def format_table(rows) -> str:
         lines.append(line(c))
     if not all(r.get("kernel_timing", True) for r in rows):
         lines += ["", CPU_NOTE]
+    if any(r.get("fits_l2") for r in rows):
+        lines += ["", f"L2: the op's bytes fit in the {l2_mb:g} MB L2 (--l2-mb): steps of a "
+                      "chain find their data there, so %copy may pass 100% and means little"]
     return "\n".join(lines)
 
 
-def plot(rows, path: str, title: str) -> bool:
-    """bench.png: per dtype a panel of GB/s bars grouped by shape, the copy speed a dashed line."""
+def plot(rows, path: str, title: str, op_titles: dict | None = None) -> bool:
+    """bench.png: per (op, dtype) a panel of GB/s bars grouped by shape, the copy speed a
+    dashed line; op_titles: {op name: its title in the panels}."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
-    shapes = list(dict.fromkeys(r["shape"] for r in rows))
-    impls = list(dict.fromkeys(r["impl"] for r in rows if r["impl"] != "copy"))
-    wide = max(8.0, 2 + 1.1 * len(shapes) * max(1, len(impls)) ** 0.5)
-    fig, axes = plt.subplots(len(dtypes), 1, squeeze=False, figsize=(wide, 3.8 * len(dtypes)))
-    width = 0.8 / max(1, len(impls))
-    for ax, dtype in zip(axes[:, 0], dtypes):
-        gbps = {(r["shape"], r["impl"]): r["gbps"] for r in rows if r["dtype"] == dtype}
+    panels = list(dict.fromkeys((r.get("op"), r["dtype"]) for r in rows))
+    most = max(len({r["shape"] for r in rows if (r.get("op"), r["dtype"]) == k}) for k in panels)
+    most_impls = max(len({r["impl"] for r in rows if (r.get("op"), r["dtype"]) == k}) for k in panels)
+    wide = max(8.0, 2 + 1.1 * most * max(1, most_impls - 1) ** 0.5)
+    fig, axes = plt.subplots(len(panels), 1, squeeze=False, figsize=(wide, 3.8 * len(panels)))
+    for ax, (op, dtype) in zip(axes[:, 0], panels):
+        mine = [r for r in rows if (r.get("op"), r["dtype"]) == (op, dtype)]
+        shapes = list(dict.fromkeys(r["shape"] for r in mine))
+        impls = list(dict.fromkeys(r["impl"] for r in mine if r["impl"] != "copy"))
+        width = 0.8 / max(1, len(impls))
+        gbps = {(r["shape"], r["impl"]): r["gbps"] for r in mine}
         for j, impl in enumerate(impls):
             at = [i for i, s in enumerate(shapes) if (s, impl) in gbps]  # bars side by side per shape
             if at:
@@ -59,7 +73,7 @@ def plot(rows, path: str, title: str) -> bool:
         ax.set_xticks(range(len(shapes)))
         ax.set_xticklabels(shapes)
         ax.set_ylabel("GB/s")
-        ax.set_title(f"{title}: {dtype}")
+        ax.set_title(f"{(op_titles or {}).get(op, op or 'layernorm backward')}, {title}: {dtype}")
         ax.legend(fontsize="small", ncol=min(6, len(impls) + 1))
     fig.tight_layout()
     fig.savefig(path, dpi=120)

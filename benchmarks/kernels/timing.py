@@ -1,6 +1,7 @@
-"""How the kernel bench validates and times one op: inputs, the reference, the chained steps.
+"""How the kernel bench validates and times one op: tolerances, validation, the chained steps.
 
-The method is described in benchmarks/kernels/__init__.py (``python -m benchmarks.kernels --help``).
+The method is described in benchmarks/kernels/__init__.py (``python -m benchmarks.kernels --help``);
+each op's inputs, reference and steps are in ops.py.
 """
 from __future__ import annotations
 
@@ -12,34 +13,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_lnbwd import layernorm_bwd, layernorm_fwd, reference
-
-# Norm-wise relative error allowed against the float32 (float64) reference; kernels with
-# precise=False get 10x this for dweight and dbias.
+# Norm-wise relative error allowed against the float32 (float64) reference; an Impl's tol
+# factors scale it per output (10 for a backward kernel's dweight/dbias with precise=False,
+# 0 for add_layernorm's s, which must equal jnp's x + residual bit for bit).
 TOLERANCE = {"float32": 1e-4, "float64": 1e-10, "bfloat16": 2e-2, "float16": 5e-3}
 EPS = 1e-5
 
 
 # ---------------------------------------------------------------------------------------------
-# Inputs, reference, validation
-
-
-def make_inputs(rows: int, C: int, dtype: str, key):
-    """Random (dy, x, w, b, mean, rstd) for one (shape, dtype); mean/rstd from layernorm_fwd."""
-    kx, kdy, kw, kb = jax.random.split(key, 4)
-    x = jax.random.normal(kx, (rows, C), dtype)
-    dy = jax.random.normal(kdy, (rows, C), dtype)
-    w = (1 + 0.1 * jax.random.normal(kw, (C,), jnp.float32)).astype(dtype)
-    b = jax.random.normal(kb, (C,), dtype)
-    _, mean, rstd = jax.jit(lambda x, w, b: layernorm_fwd(x, w, b, eps=EPS))(x, w, b)
-    return dy, x, w, b, mean, rstd
-
-
-def reference_grads(dy, x, w, mean, rstd):
-    """(dx, dweight, dbias) from the jnp reference on upcast inputs, as float64 numpy."""
-    acc = reference.acc_dtype(x.dtype)
-    out = jax.jit(reference.layernorm_bwd)(dy.astype(acc), x.astype(acc), w.astype(acc), mean, rstd)
-    return [np.asarray(o, np.float64) for o in out]
+# Validation
 
 
 def to_f64(a) -> np.ndarray:
@@ -62,37 +44,30 @@ def json_safe(errs: dict) -> dict:
     return {n: e if math.isfinite(e) else str(e) for n, e in errs.items()}
 
 
-def validate(outs, ref, dtype: str, precise: bool = True):
-    """(ok, {name: error}) for outs = (dx, dweight, dbias). `not e <= tol` fails NaN too."""
+def validate(outs, ref, dtype: str, names, tol: dict | None = None):
+    """(ok, {name: error}) for an op's outputs against its float64 reference; tol: a factor
+    per output name (default 1). `not e <= tol` fails NaN too."""
     errs, ok = {}, True
-    for name, o, r in zip(("dx", "dweight", "dbias"), outs, ref):
-        tol = TOLERANCE[dtype] * (10 if name != "dx" and not precise else 1)
+    for name, o, r in zip(names, outs, ref):
         errs[name] = rel_err(o, r)
-        ok = ok and errs[name] <= tol
+        ok = ok and errs[name] <= TOLERANCE[dtype] * (tol or {}).get(name, 1)
     return ok, errs
 
 
 # ---------------------------------------------------------------------------------------------
-# The chained steps. Each maps (state, *consts) -> new state, state = (dy, dweight, dbias).
+# The chained steps. Each maps (state, *consts) -> outputs; outputs[0] is the next state.
 
 
-def ours_step(kernel: int, block_size: int):
-    def step(state, x, w, b, mean, rstd):
-        return layernorm_bwd(state[0], x, w, mean, rstd, kernel=kernel, block_size=block_size)
-    return step
+def copy_step(words):
+    """The copy peer: a bitwise NOT of uint32 words (copy_words()): a real read + write pass
+    (a plain copy or ``x * 1`` could be elided by XLA)."""
+    return (jnp.bitwise_not(words),)
 
 
-def xla_step(state, x, w, b, mean, rstd):
-    return reference.layernorm_bwd(state[0], x, w, mean, rstd)
-
-
-def autodiff_step(state, x, w, b, mean, rstd):
-    _, vjp = jax.vjp(lambda x, w, b: reference.layernorm(x, w, b, EPS), x, w, b)
-    return vjp(state[0])  # the statistics are recomputed from x inside every step
-
-
-def copy_step(state, *consts):
-    return (jnp.bitwise_not(state[0]),)  # read bytes/2, write bytes/2
+def copy_words(nbytes: int):
+    """The copy peer's input for an op that moves nbytes: nbytes/8 uint32 words, so that one
+    step reads nbytes/2 and writes nbytes/2, one pass over the op's bytes at copy speed."""
+    return jnp.zeros((max(1, nbytes // 8),), jnp.uint32)
 
 
 def time_jax(step, state, consts, k: int, reps: int, min_run_s: float) -> float:
@@ -102,11 +77,14 @@ def time_jax(step, state, consts, k: int, reps: int, min_run_s: float) -> float:
         for _ in range(k):  # unrolled in the HLO: no while-loop overhead between steps
             # The barrier makes this step's outputs and the inputs opaque to XLA, so step i+1
             # can be neither fused with, nor CSE'd against, nor hoisted out of, step i.
-            state, consts = jax.lax.optimization_barrier((step(state, *consts), consts))
-            kept += state[1:]
-        # XLA drops barrier outputs that nothing reads, so every step's dweight and dbias leave
-        # as an output (one small stacking copy per call) or XLA would skip computing them.
-        return state, (jnp.stack(kept) if kept else None)
+            (state, *rest), consts = jax.lax.optimization_barrier((step(state, *consts), consts))
+            kept += rest
+        # XLA drops barrier outputs that nothing reads, so every step's other outputs leave the
+        # chain: stacked when they share a shape (dweight and dbias, mean and rstd: one small
+        # copy per call), else as they are (add_layernorm's s is a full tensor: no copy).
+        if len({a.shape for a in kept}) == 1:
+            return state, jnp.stack(kept)
+        return state, tuple(kept)
     fn = jax.jit(chain)
 
     def run(n: int) -> float:
@@ -131,8 +109,3 @@ def calls_per_run(run, min_run_s: float) -> int:
     while (t := run(n)) < min_run_s:
         n = max(n + 1, min(10 * n, math.ceil(1.2 * n * min_run_s / max(t, 1e-9))))
     return n
-
-
-def traffic_bytes(rows: int, C: int, dtype: str) -> int:
-    item = jnp.dtype(dtype).itemsize
-    return (3 * rows * C + 3 * C) * item + 2 * rows * reference.acc_dtype(dtype).itemsize
