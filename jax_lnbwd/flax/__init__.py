@@ -1,8 +1,9 @@
-"""Flax LayerNorms whose backward is jax_lnbwd's FFI op: drop-in replacements for Flax's own.
+"""Flax LayerNorms and RMSNorms whose passes are jax_lnbwd's FFI ops: drop-in replacements for Flax's own.
 
     from jax_lnbwd.flax import LayerNorm        # in place of flax.linen.LayerNorm
-    from jax_lnbwd.flax import nnx              # nnx.LayerNorm in place of flax.nnx.LayerNorm
+    from jax_lnbwd.flax import nnx as lnbwd_nnx # lnbwd_nnx.LayerNorm in place of flax.nnx.LayerNorm
     from jax_lnbwd.flax import AddLayerNorm     # y, s = AddLayerNorm()(x, residual): s = x + residual
+    from jax_lnbwd.flax import RMSNorm          # in place of flax.linen.RMSNorm (AddRMSNorm too)
 
 AddLayerNorm (linen, and nnx.AddLayerNorm) fuses a block's residual add with its LayerNorm:
 the backward adds the residual stream's gradient inside the one kernel call.
@@ -12,6 +13,6 @@ Each is a subclass of the Flax class it replaces: the same constructor, attribut
 unchanged; only __call__ differs, normalizing with jax_lnbwd.layernorm. What is and is not
 supported is in _options.py and the README ("Flax and sharding").
 """
-from .linen import AddLayerNorm, LayerNorm
+from .linen import AddLayerNorm, AddRMSNorm, LayerNorm, RMSNorm
 
-__all__ = ["LayerNorm", "AddLayerNorm"]
+__all__ = ["LayerNorm", "AddLayerNorm", "RMSNorm", "AddRMSNorm"]

@@ -1,10 +1,10 @@
-"""What the Flax LayerNorms share: the options they refuse, and the call to jax_lnbwd.layernorm.
+"""What the Flax norms share: the options they refuse, and the call to jax_lnbwd.layernorm / rmsnorm.
 
 Supported as in Flax: epsilon, dtype, param_dtype, use_bias, use_scale, bias_init, scale_init.
-Refused with a ValueError, because jax_lnbwd.layernorm cannot do them:
+Refused with a ValueError, because our ops cannot do them:
   * reduction_axes and feature_axes other than the last axis (-1 or x.ndim - 1);
   * axis_name / axis_index_groups (statistics averaged across devices): with jit and shardings
-    a normalized axis is never split (see jax_lnbwd/sharding.py), so they are not needed there;
+    a normalized axis is never split (see jax_lnbwd/ops/partition.py), so they are not needed there;
   * mask (statistics over some of the features);
   * linen's force_float32_reductions=False: our statistics are always float32 or wider.
 Accepted and ignored: use_fast_variance. Flax's default (True) computes the variance as
@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from .. import reference
 from ..layernorm import add_layernorm, layernorm
+from ..rmsnorm import add_rmsnorm, rmsnorm
 
 
 def check_options(module, x, mask) -> None:
@@ -81,15 +82,20 @@ def _param_as_op_takes(p, compute):
     return p.astype(jnp.float32 if sixteen else compute)
 
 
-def normalize(module_kind: str, x, scale, bias, *, epsilon: float, dtype):
-    """jax_lnbwd.layernorm of x, scale and bias with Flax's dtypes (the rule above)."""
+def normalize(module_kind: str, x, scale, bias, *, epsilon: float, dtype, rms: bool = False, offset: float = 0.0):
+    """jax_lnbwd.layernorm of x, scale and bias (rms: jax_lnbwd.rmsnorm of x and scale, with
+    `offset` added to the scale) with Flax's dtypes (the rule above)."""
     out, compute = dtypes_for(module_kind, x, scale, bias, dtype)
     x = jnp.asarray(x, compute)
-    y = layernorm(x, _param_as_op_takes(scale, compute), _param_as_op_takes(bias, compute), eps=epsilon)
+    if rms:
+        y = rmsnorm(x, _param_as_op_takes(scale, compute), eps=epsilon, offset=offset)
+    else:
+        y = layernorm(x, _param_as_op_takes(scale, compute), _param_as_op_takes(bias, compute), eps=epsilon)
     return y.astype(out)
 
 
-def add_normalize(module_kind: str, x, residual, scale, bias, *, epsilon: float, dtype, x_bias=None):
+def add_normalize(module_kind: str, x, residual, scale, bias, *, epsilon: float, dtype, x_bias=None,
+                  rms: bool = False, offset: float = 0.0):
     """(y, s): s = x + residual with jnp's promotion (what `x + residual` gives in a Flax block),
     y = normalize(s) by the rule above. When s already has the compute dtype (the usual case:
     all float32, or bf16 activations with dtype=bfloat16), ONE jax_lnbwd.add_layernorm does both,
@@ -99,11 +105,13 @@ def add_normalize(module_kind: str, x, residual, scale, bias, *, epsilon: float,
 
     x_bias (use_x_bias: the bias of the projection that made x, moved into the module) is added
     first, s = (x + x_bias) + residual in fp32 (fp64) and rounded once to s's dtype
-    (jax_lnbwd.reference.add_residual); in the fused call it is the kernel's x_bias."""
+    (jax_lnbwd.reference.add_residual); in the fused call it is the kernel's x_bias. rms: the
+    same with jax_lnbwd.add_rmsnorm (no bias; `offset` added to the scale)."""
+    norm = dict(epsilon=epsilon, dtype=dtype, rms=rms, offset=offset)
     x = jnp.asarray(x)
     if residual is None:
         x = reference.add_residual(x, None, x_bias)
-        return normalize(module_kind, x, scale, bias, epsilon=epsilon, dtype=dtype), x
+        return normalize(module_kind, x, scale, bias, **norm), x
     residual = jnp.asarray(residual)
     s_dtype = jnp.result_type(x, residual)
     probe = jax.ShapeDtypeStruct(x.shape, s_dtype)
@@ -111,7 +119,11 @@ def add_normalize(module_kind: str, x, residual, scale, bias, *, epsilon: float,
     x, residual = x.astype(s_dtype), residual.astype(s_dtype)
     if compute != s_dtype:
         s = reference.add_residual(x, residual, x_bias)
-        return normalize(module_kind, s, scale, bias, epsilon=epsilon, dtype=dtype), s
-    y, s = add_layernorm(x, residual, _param_as_op_takes(scale, compute), _param_as_op_takes(bias, compute),
-                         x_bias=_param_as_op_takes(x_bias, compute), eps=epsilon)
+        return normalize(module_kind, s, scale, bias, **norm), s
+    x_bias = _param_as_op_takes(x_bias, compute)
+    if rms:
+        y, s = add_rmsnorm(x, residual, _param_as_op_takes(scale, compute), x_bias=x_bias, eps=epsilon, offset=offset)
+    else:
+        y, s = add_layernorm(x, residual, _param_as_op_takes(scale, compute), _param_as_op_takes(bias, compute),
+                             x_bias=x_bias, eps=epsilon)
     return y.astype(out), s

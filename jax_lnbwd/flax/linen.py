@@ -70,3 +70,55 @@ def _params(module, x):
     scale = module.param("scale", module.scale_init, features, module.param_dtype) if module.use_scale else None
     bias = module.param("bias", module.bias_init, features, module.param_dtype) if module.use_bias else None
     return scale, bias
+
+
+class RMSNorm(nn.RMSNorm):
+    """flax.linen.RMSNorm, normalizing with jax_lnbwd.rmsnorm (backward: our FFI op).
+
+    A subclass with the same fields and defaults (epsilon=1e-6, param_dtype=float32,
+    use_scale=True, ...), the same parameter `scale` of shape (features,) made by scale_init, and
+    auto-named `RMSNorm_<n>` like Flax's, so parameter trees and checkpoints are interchangeable.
+    dtypes as LayerNorm above (the rule: _options.py). One field more:
+
+    offset (default 0.0): added to the scale by the kernel, y = x * rstd * (offset + scale).
+    offset=1.0 is Gemma's zero-centred scale (store it with scale_init=zeros); the stored scale
+    is untouched and its gradient is the same as without the offset.
+    """
+    offset: float = 0.0
+
+    @nn.compact
+    def __call__(self, x, *, mask=None):
+        check_options(self, x, mask)
+        scale = _rms_scale(self, x)
+        return normalize("linen", x, scale, None, epsilon=self.epsilon, dtype=self.dtype, rms=True,
+                         offset=self.offset)
+
+
+class AddRMSNorm(RMSNorm):
+    """The residual add and an RMSNorm in one: `y, s = AddRMSNorm()(x, residual)` is
+    `s = x + residual; y = RMSNorm()(s)` with RMSNorm's fields, parameter and dtypes, through
+    jax_lnbwd.add_rmsnorm: the backward adds the residual stream's gradient (s's cotangent)
+    inside the one kernel call. For a pre-norm block (Llama):
+
+        y, h = AddRMSNorm()(attention_out, h)    # h = h + attention_out; y = RMSNorm(h)
+
+    residual=None gives (RMSNorm(x), x). use_x_bias=True adds the parameter `x_bias`
+    (features,), the bias of the projection that produced x, added by the forward kernel
+    (as AddLayerNorm's)."""
+    use_x_bias: bool = False
+    x_bias_init: Callable[..., Any] = nn.initializers.zeros
+
+    @nn.compact
+    def __call__(self, x, residual=None, *, mask=None):
+        check_options(self, x, mask)
+        scale = _rms_scale(self, x)
+        x_bias = self.param("x_bias", self.x_bias_init, (x.shape[-1],), self.param_dtype) if self.use_x_bias else None
+        return add_normalize("linen", x, residual, scale, None, epsilon=self.epsilon, dtype=self.dtype,
+                             x_bias=x_bias, rms=True, offset=self.offset)
+
+
+def _rms_scale(module, x):
+    """`scale` as linen.RMSNorm makes it (None without use_scale)."""
+    if not module.use_scale:
+        return None
+    return module.param("scale", module.scale_init, (x.shape[-1],), module.param_dtype)

@@ -56,3 +56,41 @@ def _params(module):
     scale = None if module.scale is None else module.scale[...]
     bias = None if module.bias is None else module.bias[...]
     return scale, bias
+
+
+class RMSNorm(nnx.RMSNorm):
+    """flax.nnx.RMSNorm, normalizing with jax_lnbwd.rmsnorm (backward: our FFI op).
+
+    A subclass: __init__ is Flax's own (same arguments, defaults, `scale` Param), plus `offset`
+    (default 0.0), added to the scale by the kernel (Gemma's zero-centred scale: 1.0). dtypes as
+    LayerNorm above."""
+
+    def __init__(self, num_features: int, *args, offset: float = 0.0, rngs: nnx.Rngs, **kwargs):
+        super().__init__(num_features, *args, rngs=rngs, **kwargs)
+        self.offset = offset
+
+    def __call__(self, x, *, mask=None):
+        check_options(self, x, mask)
+        return normalize("nnx", x, _scale(self), None, epsilon=self.epsilon, dtype=self.dtype, rms=True,
+                         offset=self.offset)
+
+
+class AddRMSNorm(RMSNorm):
+    """The residual add and an RMSNorm in one: `y, s = AddRMSNorm(n, rngs=rngs)(x, residual)`
+    is `s = x + residual; y = RMSNorm(n, rngs=rngs)(s)` through jax_lnbwd.add_rmsnorm (as
+    AddLayerNorm; use_x_bias adds the Param `x_bias`)."""
+
+    def __init__(self, num_features: int, *args, use_x_bias: bool = False,
+                 x_bias_init=nnx.initializers.zeros_init(), rngs: nnx.Rngs, **kwargs):
+        super().__init__(num_features, *args, rngs=rngs, **kwargs)
+        self.x_bias = nnx.Param(x_bias_init(rngs.params(), (num_features,), self.param_dtype)) if use_x_bias else None
+
+    def __call__(self, x, residual=None, *, mask=None):
+        check_options(self, x, mask)
+        x_bias = None if self.x_bias is None else self.x_bias[...]
+        return add_normalize("nnx", x, residual, _scale(self), None, epsilon=self.epsilon, dtype=self.dtype,
+                             x_bias=x_bias, rms=True, offset=self.offset)
+
+
+def _scale(module):
+    return None if module.scale is None else module.scale[...]
