@@ -146,7 +146,9 @@ def kernel(fn: str, kernel_, block_size, dtype: str, C: int, *, mixed: bool = Fa
                              f"(or 0), got {block_size!r}")
         raise ValueError(f"{fn}: kernel {info.id} accepts block_size in {list(info.block_sizes)} "
                          f"or None, got {block_size!r}")
-    why = info.refuse(C, dtype, int(block_size)) or v2_refusal(info.id, mixed=mixed, residual=residual, norm=norm)
+    # A kernel that cannot run this norm at all says so before any limit of its own.
+    why = v2_refusal(info.id, mixed=False, residual=False, norm=norm) or info.refuse(C, dtype, int(block_size)) \
+        or v2_refusal(info.id, mixed=mixed, residual=residual)
     if why is not None:
         raise ValueError(f"{fn}: {why}")
     return info.id, int(block_size)
