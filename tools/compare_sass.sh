@@ -17,11 +17,14 @@
 # WORKDIR/{base,new}.sass; the exit status is diff's, and the kernel counts are printed.
 # NVCC, CUOBJDUMP and ARCH (default nvcc, cuobjdump, 90) may be set; cuobjdump needs nvdisasm
 # on the PATH (without a toolkit: pip's nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm wheels,
-# in nvidia/cu13/bin/). KEEP_BASE=1 reuses WORKDIR/base.sass from an earlier run.
+# in nvidia/cu13/bin/). KEEP_BASE=1 reuses WORKDIR/base.sass from an earlier run. BASE_OBJS or
+# NEW_OBJS, a folder, takes that side's objects from a build made with these flags instead of
+# compiling them, e.g. CMake's BUILD/CMakeFiles/lnbwd_kernels.dir of a CUDAARCHS=90-real Release
+# build (one object per .cu file, which is checked).
 set -euo pipefail
 
 if [ $# -lt 2 ]; then
-  sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 base=$(cd "$1" && pwd)
@@ -35,17 +38,28 @@ CUOBJDUMP=${CUOBJDUMP:-cuobjdump}
 
 # Per-kernel SASS of one checkout, masked and sorted, on stdout.
 dump() {
-  local root=$1 tag=$2
+  local root=$1 tag=$2 prebuilt=$3
   local objs="$work/$tag.obj"
-  rm -rf "$objs" && mkdir -p "$objs"
   (cd "$root" && find ffi/kernels -name '*.cu' | sort) > "$work/$tag.files"
-  # shellcheck disable=SC2016
-  xargs -P "$JOBS" -I{} sh -c '
-    o="$1/$(echo "$2" | tr / _).o"
-    cd "$3" && $4 -O3 -DNDEBUG -std=c++17 -Xptxas=-warn-spills -Xcompiler=-fPIC \
-      --generate-code=arch=compute_$5,code=sm_$5 -Iffi/kernels -c "$2" -o "$o" 2>"$o.log" \
-      || { cat "$o.log" >&2; exit 255; }' _ "$objs" {} "$root" "$NVCC" "$ARCH" < "$work/$tag.files"
-  for o in "$objs"/*.o; do "$CUOBJDUMP" -sass "$o"; done | python3 -c '
+  if [ -n "$prebuilt" ]; then
+    objs=$prebuilt
+    echo "($tag: the objects in $objs)" >&2
+  else
+    rm -rf "$objs" && mkdir -p "$objs"
+    # shellcheck disable=SC2016
+    xargs -P "$JOBS" -I{} sh -c '
+      o="$1/$(echo "$2" | tr / _).o"
+      cd "$3" && $4 -O3 -DNDEBUG -std=c++17 -Xptxas=-warn-spills -Xcompiler=-fPIC \
+        --generate-code=arch=compute_$5,code=sm_$5 -Iffi/kernels -c "$2" -o "$o" 2>"$o.log" \
+        || { cat "$o.log" >&2; exit 255; }' _ "$objs" {} "$root" "$NVCC" "$ARCH" < "$work/$tag.files"
+  fi
+  local n_obj
+  n_obj=$(find "$objs" -name '*.o' | wc -l)
+  if [ "$n_obj" -ne "$(wc -l < "$work/$tag.files")" ]; then
+    echo "compare_sass: $n_obj objects in $objs for $(wc -l < "$work/$tag.files") .cu files in $root" >&2
+    exit 2
+  fi
+  find "$objs" -name '*.o' | sort | while read -r o; do "$CUOBJDUMP" -sass "$o"; done | python3 -c '
 import re, sys
 text = sys.stdin.read()
 # One entry per "Function : <name>" section (up to the next one, or the end of its ELF).
@@ -68,10 +82,10 @@ echo "base: $base" >&2
 if [ "${KEEP_BASE:-0}" = 1 ] && [ -s "$work/base.sass" ]; then
   echo "(reusing $work/base.sass)" >&2
 else
-  dump "$base" base > "$work/base.sass"
+  dump "$base" base "${BASE_OBJS:-}" > "$work/base.sass"
 fi
 echo "new:  $new" >&2
-dump "$new" new > "$work/new.sass"
+dump "$new" new "${NEW_OBJS:-}" > "$work/new.sass"
 echo "$(wc -l < "$work/base.files") and $(wc -l < "$work/new.files") .cu files;" \
      "$(grep -c '^' "$work/base.sass") and $(grep -c '^' "$work/new.sass") SASS lines in $work/{base,new}.sass" >&2
 if diff -q "$work/base.sass" "$work/new.sass" >/dev/null; then
