@@ -1,34 +1,41 @@
-// The nanobind module: the list of (target name, handler capsule, platform) that
-// jax_lnbwd/_ffi.py registers with XLA at import, and the kernel registry (registry_module.cc);
-// in a CUDA build also the device limits and the workspace size of kernels 11 and 12
-// (jax_lnbwd/kernels.py asks them at trace time).
+// The nanobind module _jax_lnbwd, the one door between Python and the C++ side:
+//   registrations()          (target name, handler capsule, platform) for every FFI target, which
+//                            jax_lnbwd/_ffi.py registers with XLA at import;
+//   kernels(), kernel_refusal(), visible_device_limits(), default_device_limits
+//                            the kernel registry (registry.h): jax_lnbwd/kernels.py builds
+//                            jax_lnbwd.KERNELS from kernels() and asks kernel_refusal() at trace
+//                            time, with the limits of the GPU (visible_device_limits(), CUDA
+//                            build) or the documented defaults;
+//   device_limits(), launch_plan()   CUDA build only: the device limits and the launch (and
+//                            workspace size) of kernels 11 and 12, which jax_lnbwd/kernels.py
+//                            asks at trace time;
+//   with_cuda                whether this build has the CUDA handlers.
 //
 // Target names carry a version because they are baked into exported programs: a new handler
 // signature gets a new name, and old names stay registered.
-#include <nanobind/nanobind.h>
+#include <string>
 
-#include "layernorm_bwd_cpu.h"
-#include "layernorm_fwd.h"
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include "handlers/handlers.h"
+#include "registry.h"
 #ifndef JAX_LNBWD_WITH_CUDA
 #define JAX_LNBWD_WITH_CUDA 0
 #endif
 #if JAX_LNBWD_WITH_CUDA
 #include <stdexcept>
-#include <string>
 
-#include <nanobind/stl/string.h>
+#include <cuda_runtime_api.h>
 
-#include "kernels/api.h"
-#include "launch_errors.h"
-#include "layernorm_bwd_cuda.h"
+#include "errors/launch_errors.h"
+#include "kernels/backward/api.h"
+#include "registry_cuda.h"
 #endif
 
 namespace nb = nanobind;
 
 namespace lnbwd {
-void BindRegistry(nb::module_& m);   // registry_module.cc
-}
-
 namespace {
 
 template <typename Fn>
@@ -36,24 +43,80 @@ nb::capsule Capsule(Fn* fn) {
   return nb::capsule(reinterpret_cast<void*>(fn));
 }
 
-#if JAX_LNBWD_WITH_CUDA
-lnbwd::Dtype DtypeFromName(const std::string& name) {
-  if (name == "float32") return lnbwd::Dtype::kF32;
-  if (name == "bfloat16") return lnbwd::Dtype::kBF16;
-  if (name == "float16") return lnbwd::Dtype::kF16;
-  if (name == "float64") return lnbwd::Dtype::kF64;
-  throw std::invalid_argument("layernorm_bwd: dtype '" + name + "' is not float32, bfloat16, float16 or float64");
+// jax's dtype name -> Dtype, for kernel_refusal and launch_plan.
+Dtype ParseDtype(const std::string& name) {
+  for (Dtype d : kAllDtypes) {
+    if (name == dtype_name(d)) return d;
+  }
+  throw nb::value_error(("unknown dtype '" + name + "' (float32, bfloat16, float16, float64)").c_str());
 }
 
+// --- The kernel registry ---------------------------------------------------------------------
+
+nb::dict RefusalLimitsDict(const RefusalLimits& l) {
+  nb::dict out;
+  out["max_smem_per_block"] = l.max_smem_per_block;
+  out["source"] = std::string(l.source);
+  return out;
+}
+
+nb::dict KernelDict(const KernelFacts& k) {
+  nb::list dtypes, sizes;
+  for (Dtype d : kAllDtypes) {
+    if (TakesDtype(k, d)) dtypes.append(std::string(dtype_name(d)));
+  }
+  for (int bs : BlockSizes(k)) sizes.append(bs);
+  nb::dict out;
+  out["id"] = k.id;
+  out["name"] = std::string(k.name);
+  out["description"] = std::string(k.description);
+  out["dtypes"] = nb::tuple(dtypes);
+  out["block_sizes"] = nb::tuple(sizes);
+  out["default_block_size"] = k.default_block_size;
+  out["deterministic"] = k.deterministic;
+  out["precise"] = k.precise;
+  out["segments"] = k.segments;
+  out["device_limited"] = k.device_limited;
+  out["constraints"] = std::string(k.constraints);
+  return out;
+}
+
+// The smallest limits over the visible GPUs (a program traced once may run on any of them), or
+// None where there is no GPU to ask (or no CUDA in this build).
+nb::object VisibleDeviceLimits() {
+#if JAX_LNBWD_WITH_CUDA
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count < 1) {
+    cudaGetLastError();   // clear the runtime's error state: no GPU is not an error here
+    return nb::none();
+  }
+  RefusalLimits out{};
+  for (int dev = 0; dev < count; ++dev) {
+    RefusalLimits l{};
+    if (QueryRefusalLimits(dev, &l) != cudaSuccess) {
+      cudaGetLastError();
+      return nb::none();
+    }
+    if (dev == 0 || l.max_smem_per_block < out.max_smem_per_block) out = l;
+  }
+  return RefusalLimitsDict(out);
+#else
+  return nb::none();
+#endif
+}
+
+// --- The CUDA build's device limits and launch plans -----------------------------------------
+
+#if JAX_LNBWD_WITH_CUDA
 void ThrowIfCudaError(cudaError_t err, const std::string& what) {
   if (err == cudaSuccess) return;
   (void)cudaGetLastError();
   throw std::runtime_error("layernorm_bwd: " + what + " failed: " + cudaGetErrorString(err));
 }
 
-nb::dict LimitsDict(int device) {
-  lnbwd::DeviceLimits l;
-  ThrowIfCudaError(lnbwd::device_limits(device, &l), "reading the limits of CUDA device " + std::to_string(device));
+nb::dict DeviceLimitsDict(int device) {
+  DeviceLimits l;
+  ThrowIfCudaError(device_limits(device, &l), "reading the limits of CUDA device " + std::to_string(device));
   nb::dict d;
   d["device"] = l.device;
   d["compute_capability"] = nb::make_tuple(l.cc_major, l.cc_minor);
@@ -66,17 +129,16 @@ nb::dict LimitsDict(int device) {
 }
 
 nb::dict PlanDict(int kernel, const std::string& dtype, int64_t rows, int64_t C, int64_t segments, int device) {
-  lnbwd::LaunchPlan plan;
-  const cudaError_t err =
-      lnbwd::layernorm_bwd_workspace_bytes(kernel, DtypeFromName(dtype), rows, C, segments, device, &plan);
+  LaunchPlan plan;
+  const cudaError_t err = layernorm_bwd_workspace_bytes(kernel, ParseDtype(dtype), rows, C, segments, device, &plan);
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
-    lnbwd::DeviceLimits lim;
-    if (lnbwd::device_limits(device, &lim) != cudaSuccess) {
+    DeviceLimits lim;
+    if (device_limits(device, &lim) != cudaSuccess) {
       (void)cudaGetLastError();
-      lim = lnbwd::DeviceLimits{};
+      lim = DeviceLimits{};
     }
-    throw std::runtime_error(lnbwd::LaunchFailure(kernel, rows, C, dtype, segments, plan, lim, err));
+    throw std::runtime_error(LaunchFailure(kernel, rows, C, dtype, segments, plan, lim, err));
   }
   nb::dict d;
   d["kernel"] = plan.kernel;
@@ -93,8 +155,10 @@ nb::dict PlanDict(int kernel, const std::string& dtype, int64_t rows, int64_t C,
 #endif
 
 }  // namespace
+}  // namespace lnbwd
 
 NB_MODULE(_jax_lnbwd, m) {
+  using lnbwd::Capsule;
   m.def("registrations", []() {
     nb::list out;
     out.append(nb::make_tuple("jax_lnbwd_layernorm_bwd_v1", Capsule(JaxLnbwdLayernormBwdCpu), "cpu"));
@@ -112,12 +176,35 @@ NB_MODULE(_jax_lnbwd, m) {
     return out;
   });
   m.attr("with_cuda") = bool(JAX_LNBWD_WITH_CUDA);
-  lnbwd::BindRegistry(m);
+
+  // The kernel registry.
+  m.def("kernels", []() {
+    nb::list out;
+    for (const lnbwd::KernelFacts& k : lnbwd::AllKernels()) out.append(lnbwd::KernelDict(k));
+    return out;
+  }, "The kernel registry: one dict per kernel id, in id order.");
+  m.def("kernel_refusal",
+        [](int kernel, const std::string& dtype, int64_t C, int block_size, int64_t max_smem_per_block,
+           const std::string& source) -> nb::object {
+          const lnbwd::KernelFacts* k = lnbwd::FindKernel(kernel);
+          if (k == nullptr) throw nb::value_error(("no kernel " + std::to_string(kernel)).c_str());
+          const std::string why = lnbwd::KernelRefusal(*k, {lnbwd::ParseDtype(dtype), C, block_size},
+                                                       lnbwd::RefusalLimits{max_smem_per_block, source.c_str()});
+          if (why.empty()) return nb::none();
+          return nb::str(why.c_str());
+        },
+        nb::arg("kernel"), nb::arg("dtype"), nb::arg("C"), nb::arg("block_size"), nb::arg("max_smem_per_block"),
+        nb::arg("source"), "None if the kernel takes one segment of this (C, dtype, block_size), else why not.");
+  m.def("visible_device_limits", &lnbwd::VisibleDeviceLimits,
+        "The GPUs' limits the kernels depend on, or None without a GPU.");
+  m.attr("default_device_limits") = lnbwd::RefusalLimitsDict(lnbwd::kDefaultRefusalLimits);
+
 #if JAX_LNBWD_WITH_CUDA
-  // The limits kernel choice follows on CUDA device `device` (api.h, DeviceLimits).
-  m.def("device_limits", &LimitsDict, nb::arg("device"));
+  // The limits kernel choice follows on CUDA device `device` (DeviceLimits,
+  // kernels/common/device_limits.h).
+  m.def("device_limits", &lnbwd::DeviceLimitsDict, nb::arg("device"));
   // The launch kernel 11 or 12 would make, and the workspace it uses (layernorm_bwd_workspace_bytes).
-  m.def("launch_plan", &PlanDict, nb::arg("kernel"), nb::arg("dtype"), nb::arg("rows"), nb::arg("C"),
+  m.def("launch_plan", &lnbwd::PlanDict, nb::arg("kernel"), nb::arg("dtype"), nb::arg("rows"), nb::arg("C"),
         nb::arg("segments"), nb::arg("device"));
 #endif
 }

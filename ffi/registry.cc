@@ -1,8 +1,9 @@
 // The kernel registry's table (see registry.h). llm.c's kernels 1-10 take their limits from
-// kernels/llmc/llmc_limits.h, which their launchers check too; kernels 11 and 12 take any C.
+// kernels/backward/llmc/llmc_limits.h, which their launchers check too; kernels 11 and 12 take any
+// C.
 #include "registry.h"
 
-#include "kernels/llmc/llmc_limits.h"
+#include "kernels/backward/llmc/llmc_limits.h"
 
 namespace lnbwd {
 namespace {

@@ -4,7 +4,7 @@ GPU only. In data-parallel training XLA runs NCCL kernels on other streams besid
 and under MPS other processes share the GPU. A launch that needs the whole GPU at once (a
 cooperative grid with a grid-wide barrier) cannot start until every SM is free, and so waits
 for such a kernel to end. Ours needs no co-residency (launch_with_partials,
-ffi/kernels/common/launch.cuh): blocks that find no room start as others finish.
+ffi/kernels/backward/launch.cuh): blocks that find no room start as others finish.
 
 A one-block spinner (torch.cuda._sleep) runs on a torch stream for about 2 s; while it runs,
 the jitted gradient (compiled before) must finish within 10 ms, and equal bit for bit the

@@ -2,7 +2,7 @@
 
 GPU only. The launchers of kernels 11 and 12 read the opt-in shared memory per block, the SM
 count, and cluster and cooperative-launch support from the device (device_limits,
-ffi/kernels/api.h). The test-only environment variable JAX_LNBWD_TEST_DEVICE_LIMITS replaces
+ffi/kernels/common/device_limits.h). The test-only environment variable JAX_LNBWD_TEST_DEVICE_LIMITS replaces
 them, so that one GPU (the H200) runs the choices an RTX 4090 or L40 (99 KB), an A100 (164 KB), a
 GPU without clusters or cooperative launch, or a partition of 1 or 8 SMs would make. It is read
 once per process, so each cap runs the kernel matrix in a subprocess, against the float64

@@ -115,7 +115,7 @@ def test_vmap_of_grad_more_examples_than_resident_blocks(platform, dtype):
     # 1500 examples: one segment each, so the GPU grid has at least 1500 blocks, more than fit on
     # the GPU at once (at most 2048 threads of 132 SMs on an H200): later blocks start as earlier
     # ones finish, and finalize_partials sums each segment's slots (launch_with_partials,
-    # ffi/kernels/common/launch.cuh).
+    # ffi/kernels/backward/launch.cuh).
     x, w, b, r = _batch((2, 64), 1500, seed=45, dtype=dtype)
     got = jax.jit(jax.vmap(_grads(layernorm)))(*put(platform, x, w, b, r))
     want = on_cpu_f64(jax.vmap(_grads(reference.layernorm)))(x, w, b, r)
@@ -129,7 +129,7 @@ def test_vmap_of_grad_more_examples_than_resident_blocks(platform, dtype):
 @pytest.mark.gpu
 def test_vmap_of_grad_over_100000_examples(platform="gpu"):
     # 100,000 segments: more than a grid's y dimension allows (65,535), so the finalize kernel's
-    # grid is one-dimensional over (segment, tile) (ffi/kernels/common/partials_finalize.cu).
+    # grid is one-dimensional over (segment, tile) (ffi/kernels/backward/partials_finalize.cu).
     # GPU only: the CPU handler loops over segments and has no such limit.
     n, rows, C = 100_000, 2, 64
     rng = np.random.default_rng(46)

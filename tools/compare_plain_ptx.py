@@ -7,7 +7,7 @@ compares the PTX of every plain instantiation in NEW with its twin in BASE, afte
 what differs between any two builds (symbol hashes, asm label numbers) and, for the row kernels,
 renumbering the parameters after the inserted `dresidual` one.
 
-    nvcc -std=c++17 -O3 -arch=sm_90 -Iffi/kernels -ptx ffi/kernels/kernel12/kernel12_bulk_copy_ring.cu -o new.ptx
+    nvcc -std=c++17 -O3 -arch=sm_90 -Iffi/kernels -ptx ffi/kernels/backward/tma_ring/kernel12_bulk_copy_ring.cu -o new.ptx
     (the same in a checkout of the base commit, -o base.ptx)
     python tools/compare_plain_ptx.py base.ptx new.ptx --inserted-param 5   # finalize: no --inserted-param
 """

@@ -1,5 +1,6 @@
-// The element types of the layernorm backward, as the kernels and the host-side registry
-// (ffi/registry.h) both name them. Plain C++: no CUDA header, so the CPU-only build uses it too.
+// The element types of the layernorm kernels (forward and backward), as the kernels and the
+// host-side registry (ffi/registry.h) both name them. Plain C++: no CUDA header, so the CPU-only
+// build uses it too.
 #pragma once
 
 namespace lnbwd {

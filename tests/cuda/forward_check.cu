@@ -36,7 +36,7 @@
 #include <string>
 #include <vector>
 
-#include "forward/forward.h"
+#include "forward/api.h"
 
 using namespace lnbwd;
 

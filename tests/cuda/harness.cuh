@@ -18,11 +18,11 @@
 #include <string>
 #include <vector>
 
-#include "api.h"
-#include "device_limits_cuda.h"
-#include "kernel11/kernel11.h"
-#include "kernel12/kernel12.h"
+#include "backward/api.h"
+#include "backward/registers/kernel11.h"
+#include "backward/tma_ring/kernel12.h"
 #include "registry.h"
+#include "registry_cuda.h"
 
 using namespace lnbwd;
 
@@ -146,7 +146,8 @@ inline const KernelFacts& facts(int kernel) {
 }
 
 // Device 0's limits, as the registry's refusals take them.
-// Device 0's limits as the launchers see them (api.h; JAX_LNBWD_TEST_DEVICE_LIMITS applies).
+// Device 0's limits as the launchers see them (common/device_limits.h; JAX_LNBWD_TEST_DEVICE_LIMITS
+// applies).
 inline DeviceLimits device0_limits() {
   DeviceLimits l;
   CHECK_CUDA(device_limits(0, &l));

@@ -31,11 +31,11 @@ controls() {
   # 1) One element past the end of dx: store the last row's vector at col + C (the next row, or
   #    past the buffer for the last row).
   sed 's|store_cs(reinterpret_cast<V\*>(dx + row \* C + col), dxv);|store_cs(reinterpret_cast<V*>(dx + row * C + col + (row + 1 == rows ? C : 0)), dxv);|' \
-    ffi/kernels/kernel11/kernel11_rows_in_registers.cu > "$ctl/kernel11_oob.cu"
+    ffi/kernels/backward/registers/kernel11_rows_in_registers.cu > "$ctl/kernel11_oob.cu"
   # 2) No barrier between posting the warps' row sums and reading them.
-  sed 's|      group_sync(1 + g, tpr);||' ffi/kernels/kernel11/kernel11_rows_in_registers.cu > "$ctl/kernel11_race.cu"
+  sed 's|      group_sync(1 + g, tpr);||' ffi/kernels/backward/registers/kernel11_rows_in_registers.cu > "$ctl/kernel11_race.cu"
   for planted in oob race; do
-    grep -q . "$ctl/kernel11_$planted.cu" && ! cmp -s "$ctl/kernel11_$planted.cu" ffi/kernels/kernel11/kernel11_rows_in_registers.cu \
+    grep -q . "$ctl/kernel11_$planted.cu" && ! cmp -s "$ctl/kernel11_$planted.cu" ffi/kernels/backward/registers/kernel11_rows_in_registers.cu \
       || { echo "control $planted: the planted change did not apply"; continue; }
     build "$ctl/check_$planted" $others "$ctl/kernel11_$planted.cu" || { continue; }
     tool=$([ $planted = oob ] && echo memcheck || echo racecheck)

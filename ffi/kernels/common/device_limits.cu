@@ -1,13 +1,12 @@
-// device_limits (api.h): a GPU's limits as the launchers need them, asked of the driver once per
-// device and remembered (the launchers ask on every call, and a driver query is host work the
-// GPU waits for when the kernel is short).
+// device_limits (common/device_limits.h): a GPU's limits as the launchers need them, asked of the
+// driver once per device and remembered (the launchers ask on every call, and a driver query is
+// host work the GPU waits for when the kernel is short).
 #include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
 #include <string>
 
-#include "api.h"
 #include "common/device_limits.h"
 
 namespace lnbwd {

@@ -1,12 +1,34 @@
-// Host-side helpers around device_limits (api.h): the cooperative-finish opt-in and a scope that
-// makes a device current.
+// A GPU's limits as the launchers need them (DeviceLimits, read by device_limits), and host-side
+// helpers around them: the cooperative-finish opt-in and a scope that makes a device current.
 #pragma once
+
+#include <cstddef>
 
 #include <cuda_runtime_api.h>
 
 #include "common/status.h"
 
 namespace lnbwd {
+
+// What the launchers need to know of a GPU, read from the device (common/device_limits.cu) and
+// remembered per device. Kernel choice and configuration follow these, never constants of one
+// GPU: e.g. 227 KB of shared memory per block on H100/H200, 163 KB on A100, 99 KB on
+// sm_86/89/120.
+// Test-only: the environment variable JAX_LNBWD_TEST_DEVICE_LIMITS, e.g.
+// "smem=101376,clusters=0,cooperative=0,sms=8", replaces smem and sms and can switch clusters
+// and cooperative launch off, so that one GPU runs the choices of smaller ones. It is read once
+// per process; a malformed value makes device_limits return cudaErrorInvalidValue.
+struct DeviceLimits {
+  int device = -1;
+  int cc_major = 0;          // compute capability
+  int cc_minor = 0;
+  int sms = 0;               // multiprocessors: persistent grids are sized from this
+  size_t smem_optin = 0;     // shared memory a block may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin)
+  bool clusters = false;     // thread-block clusters (sm_90 on)
+  bool cooperative = false;  // cooperative launch
+  bool test_caps = false;    // JAX_LNBWD_TEST_DEVICE_LIMITS changed any of the above
+};
+cudaError_t device_limits(int device, DeviceLimits* out);
 
 // JAX_LNBWD_COOPERATIVE_FINISH=1 (read once per process): where the device allows cooperative
 // launch and the whole persistent grid fits on it at once, kernels 11 and 12 sum their partial

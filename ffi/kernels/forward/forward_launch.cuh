@@ -6,7 +6,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "forward/forward.h"
+#include "forward/api.h"
 #include "forward/forward_math.cuh"
 
 namespace lnbwd {

@@ -6,7 +6,7 @@
 
 #include "common/row_reduce.cuh"
 #include "common/vec.cuh"
-#include "forward/forward.h"
+#include "forward/api.h"
 
 namespace lnbwd {
 

@@ -1,0 +1,165 @@
+// Argument checks of the fused forward targets (jax_lnbwd_layernorm_fwd_v1, its residual variant
+// jax_lnbwd_add_layernorm_fwd_v1, and that with x's own bias, jax_lnbwd_add_layernorm_fwd_v2), shared by their CPU and CUDA handlers. Python checks
+// the same at trace time; these exist for direct jax.ffi.ffi_call users and exported programs,
+// so no kernel runs on buffers it does not expect. Errors name the target's function, e.g.
+//   layernorm_fwd: 'y' has shape (4, 9) but expected (4, 8) for x of shape (4, 8)
+//   add_layernorm_fwd: 'residual' has dtype float32 but expected bfloat16 (x's dtype)
+#pragma once
+
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "errors/ffi_errors.h"
+
+namespace lnbwd {
+
+// fn: the function the message names ("layernorm_fwd", or "add_layernorm_fwd").
+inline ffi::Error FwdArgError(const std::string& message, const char* fn = "layernorm_fwd") {
+  return ffi::Error::InvalidArgument(std::string(fn) + ": " + message);
+}
+
+struct LayernormFwdShape {
+  int64_t rows;
+  int64_t C;
+  int64_t weight_rows;   // 0: no weight; 1: one row for all rows; S: one per segment of rows/S rows
+  int64_t bias_rows;
+  int64_t x_bias_rows = 0;     // add_layernorm_fwd_v2 only: x_bias's rows (1 or S), else 0
+  ffi::DataType param_dtype;   // the present parameters' dtype (x's when none is present)
+};
+
+inline bool Is16Bit(ffi::DataType t) { return t == ffi::DataType::BF16 || t == ffi::DataType::F16; }
+
+// weight or bias: (0, C) absent, (1, C) shared, or (S, C) with S dividing rows.
+inline ffi::Error CheckParam(const char* fn, const char* name, const ffi::AnyBuffer& p, const ffi::AnyBuffer& x,
+                             int64_t* prows) {
+  const auto dims = p.dimensions();
+  const int64_t rows = x.dimensions()[0], C = x.dimensions()[1];
+  if (dims.size() != 2 || dims[1] != C) {
+    return FwdArgError(std::string("'") + name + "' has shape " + ShapeStr(dims) + " but expected (0, " +
+                       std::to_string(C) + ") (absent), (1, " + std::to_string(C) + ") or (segments, " +
+                       std::to_string(C) + ") for x of shape " + ShapeStr(x.dimensions()), fn);
+  }
+  if (dims[0] > 1 && rows % dims[0] != 0) {
+    return FwdArgError(std::string("'") + name + "' has shape " + ShapeStr(dims) + " but its " +
+                       std::to_string(dims[0]) + " rows must divide the " + std::to_string(rows) +
+                       " rows of x (one parameter row per equal segment of rows)", fn);
+  }
+  const ffi::DataType t = x.element_type(), pt = p.element_type();
+  if (pt != t && !(pt == ffi::DataType::F32 && Is16Bit(t))) {
+    return FwdArgError(std::string("'") + name + "' has dtype " + DtypeName(pt) + " but expected " + DtypeName(t) +
+                       (Is16Bit(t) ? " or float32" : "") + " for x of dtype " + DtypeName(t), fn);
+  }
+  *prows = dims[0];
+  return ffi::Error::Success();
+}
+
+inline ffi::Error CheckLayernormFwdArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& weight,
+                                        const ffi::AnyBuffer& bias, const ffi::AnyBuffer& y,
+                                        const ffi::AnyBuffer& mean, const ffi::AnyBuffer& rstd, double eps,
+                                        LayernormFwdShape* shape, const char* fn = "layernorm_fwd") {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2) return FwdArgError("'x' has shape " + ShapeStr(xd) + " but expected (rows, C)", fn);
+  const int64_t rows = xd[0], C = xd[1];
+  if (C < 1) return FwdArgError("'x' has shape " + ShapeStr(xd) + " but C (the last axis) must be at least 1", fn);
+  if (C > INT32_MAX) return FwdArgError("'x' has shape " + ShapeStr(xd) + " but C must be below 2^31", fn);
+  const ffi::DataType t = x.element_type();
+  if (t != ffi::DataType::F32 && t != ffi::DataType::BF16 && t != ffi::DataType::F16 && t != ffi::DataType::F64) {
+    return FwdArgError(std::string("'x' has dtype ") + DtypeName(t) + " but expected float32, bfloat16, float16 or float64",
+                       fn);
+  }
+  if (!std::isfinite(eps) || eps <= 0.0) {
+    return FwdArgError("'eps' is " + std::to_string(eps) + " but expected a positive finite number", fn);
+  }
+  if (auto e = CheckParam(fn, "weight", weight, x, &shape->weight_rows); e.failure()) return e;
+  if (auto e = CheckParam(fn, "bias", bias, x, &shape->bias_rows); e.failure()) return e;
+  if (shape->weight_rows > 0 && shape->bias_rows > 0 && weight.element_type() != bias.element_type()) {
+    return FwdArgError(std::string("'weight' has dtype ") + DtypeName(weight.element_type()) + " but 'bias' has " +
+                       DtypeName(bias.element_type()) + "; pass both in one dtype", fn);
+  }
+  shape->param_dtype = shape->weight_rows > 0 ? weight.element_type() : shape->bias_rows > 0 ? bias.element_type() : t;
+
+  const ffi::DataType stat = t == ffi::DataType::F64 ? ffi::DataType::F64 : ffi::DataType::F32;
+  struct Expect {
+    const char* name;
+    const ffi::AnyBuffer& buf;
+    size_t rank;
+    ffi::DataType dtype;
+  };
+  const Expect expects[] = {{"y", y, 2, t}, {"mean", mean, 1, stat}, {"rstd", rstd, 1, stat}};
+  for (const Expect& e : expects) {
+    const auto d = e.buf.dimensions();
+    const bool ok = d.size() == e.rank && d[0] == rows && (e.rank == 1 || d[1] == C);
+    if (!ok) {
+      const std::string want = e.rank == 1 ? "(" + std::to_string(rows) + ",)"
+                                           : "(" + std::to_string(rows) + ", " + std::to_string(C) + ")";
+      return FwdArgError(std::string("'") + e.name + "' has shape " + ShapeStr(d) + " but expected " + want +
+                         " for x of shape " + ShapeStr(xd), fn);
+    }
+    if (e.buf.element_type() != e.dtype) {
+      return FwdArgError(std::string("'") + e.name + "' has dtype " + DtypeName(e.buf.element_type()) +
+                         " but expected " + DtypeName(e.dtype) + " for x of dtype " + DtypeName(t), fn);
+    }
+  }
+  shape->rows = rows;
+  shape->C = C;
+  return ffi::Error::Success();
+}
+
+// The residual variant (jax_lnbwd_add_layernorm_fwd_v1): the forward's checks, then residual
+// and s, which have x's shape and dtype exactly (s = x + residual is rounded to that dtype).
+inline ffi::Error CheckAddLayernormFwdArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& residual,
+                                           const ffi::AnyBuffer& weight, const ffi::AnyBuffer& bias,
+                                           const ffi::AnyBuffer& y, const ffi::AnyBuffer& s,
+                                           const ffi::AnyBuffer& mean, const ffi::AnyBuffer& rstd, double eps,
+                                           LayernormFwdShape* shape) {
+  const char* fn = "add_layernorm_fwd";
+  if (auto e = CheckLayernormFwdArgs(x, weight, bias, y, mean, rstd, eps, shape, fn); e.failure()) return e;
+  const struct {
+    const char* name;
+    const ffi::AnyBuffer& buf;
+  } same_as_x[] = {{"residual", residual}, {"s", s}};
+  for (const auto& a : same_as_x) {
+    const auto d = a.buf.dimensions();
+    if (d.size() != 2 || d[0] != shape->rows || d[1] != shape->C) {
+      return FwdArgError(std::string("'") + a.name + "' has shape " + ShapeStr(d) + " but expected " +
+                         ShapeStr(x.dimensions()) + " (x's shape)", fn);
+    }
+    if (a.buf.element_type() != x.element_type()) {
+      return FwdArgError(std::string("'") + a.name + "' has dtype " + DtypeName(a.buf.element_type()) +
+                         " but expected " + DtypeName(x.element_type()) + " (x's dtype)", fn);
+    }
+  }
+  return ffi::Error::Success();
+}
+
+// The residual variant with x's own bias (jax_lnbwd_add_layernorm_fwd_v2: s = x + x_bias +
+// residual): v1's checks, then x_bias, a parameter that must be present ((1, C) or (S, C)) and
+// of the parameters' dtype (x's, or float32 beside 16-bit x; the one dtype of weight and bias
+// when they are present).
+inline ffi::Error CheckAddBiasLayernormFwdArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& x_bias,
+                                               const ffi::AnyBuffer& residual, const ffi::AnyBuffer& weight,
+                                               const ffi::AnyBuffer& bias, const ffi::AnyBuffer& y,
+                                               const ffi::AnyBuffer& s, const ffi::AnyBuffer& mean,
+                                               const ffi::AnyBuffer& rstd, double eps, LayernormFwdShape* shape) {
+  const char* fn = "add_layernorm_fwd";
+  if (auto e = CheckAddLayernormFwdArgs(x, residual, weight, bias, y, s, mean, rstd, eps, shape); e.failure()) {
+    return e;
+  }
+  if (auto e = CheckParam(fn, "x_bias", x_bias, x, &shape->x_bias_rows); e.failure()) return e;
+  if (shape->x_bias_rows == 0) {
+    return FwdArgError("'x_bias' has shape " + ShapeStr(x_bias.dimensions()) + " but expected (1, " +
+                       std::to_string(shape->C) + ") or (segments, " + std::to_string(shape->C) +
+                       "): this target adds it (jax_lnbwd_add_layernorm_fwd_v1 has none)", fn);
+  }
+  const bool params = shape->weight_rows > 0 || shape->bias_rows > 0;
+  if (params && x_bias.element_type() != shape->param_dtype) {
+    return FwdArgError(std::string("'x_bias' has dtype ") + DtypeName(x_bias.element_type()) + " but weight and bias have " +
+                       DtypeName(shape->param_dtype) + "; pass the parameters in one dtype", fn);
+  }
+  shape->param_dtype = x_bias.element_type();
+  return ffi::Error::Success();
+}
+
+}  // namespace lnbwd

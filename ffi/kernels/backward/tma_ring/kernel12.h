@@ -1,0 +1,53 @@
+// Kernel 12 internals shared with the CUDA check (tests/cuda/check.cu) and the tuning tools
+// (tools/tune/), which run configurations directly. The FFI glue uses backward/api.h only.
+#pragma once
+
+#include <cstddef>
+#include <type_traits>
+#include <vector>
+
+#include "backward/api.h"
+#include "common/vec.cuh"
+
+namespace lnbwd {
+
+// Threads per block. A thread keeps 2 * NV * VEC sums, its weight columns and one row of dy and
+// x in registers; up to 32 bytes of sums (8 fp32) fit the 64 registers a 1024-thread block
+// allows, more needs the 128 of a 512-thread block (else the compiler reports spills).
+constexpr int kernel12_max_threads(size_t sum_bytes) { return sum_bytes <= 32 ? 1024 : 512; }
+constexpr int kKernel12MaxGroups = 15;   // row groups per block: named barriers 1..15
+// Rows a group takes at least where rows are few (kernel12_bulk_copy_ring.cu's launch says why).
+constexpr int kKernel12MinRowsPerGroup = 2;
+
+// Split rows exist for the types whose sums are fp32 (the pair a group sends is two floats).
+template <typename T>
+constexpr bool kCanSplit = std::is_same_v<acc_t<T>, float>;
+
+struct Kernel12Config {
+  int nv = 1;       // 16-byte vectors per thread per row
+  int nb = 2;       // ring buffers per row group (rows ahead of the one computed: nb - 1, nb in regs mode)
+  int tpr = 32;     // threads per row group (a multiple of 32)
+  int groups = 1;   // row groups per block
+  bool regs = false;  // copy each row to registers once (else both passes read shared memory)
+  bool raw_weight = false;  // shared-memory mode: stage the weight as T, not acc_t (16-bit only)
+  int split = 1;    // blocks sharing each row (2: a cluster of two, half a row each; not fp64)
+};
+
+// Configurations that fit (16-byte aligned rows of C elements); empty if none. weight_f32 (a
+// float32 weight beside 16-bit data) leaves out the configurations that stage the weight as T.
+std::vector<Kernel12Config> kernel12_candidates(Dtype dtype, int64_t C, const DeviceLimits& lim,
+                                                bool weight_f32 = false);
+bool kernel12_pick(Dtype dtype, int64_t C, const DeviceLimits& lim, Kernel12Config* cfg, bool weight_f32 = false);
+// Dynamic shared memory of one block of this configuration, C being the columns of a row that
+// one block takes (C / split); item and acc the bytes of T and acc_t<T>.
+size_t kernel12_smem_bytes(const Kernel12Config& cfg, int64_t C, size_t item, size_t acc);
+cudaError_t layernorm_bwd_kernel12_config(const LayernormBwdParams& p, const Kernel12Config& cfg, cudaStream_t stream);
+
+// Rows too wide for the per-group ring: one row per block, streamed in chunks, once per pass
+// (kernel12_wide_rows.cu). fp32, bf16 and fp16 with C up to 16384.
+bool kernel12_wide_fits(Dtype dtype, int64_t C, const DeviceLimits& lim);
+// Whether this build has sm_90 code for kernel 12 that `device` runs (kernel_code_arch).
+bool kernel12_has_code(int device);
+cudaError_t layernorm_bwd_kernel12_wide(const LayernormBwdParams& p, cudaStream_t stream);
+
+}  // namespace lnbwd
