@@ -1,6 +1,6 @@
 // The nanobind module _jax_lnbwd, the one door between Python and the C++ side:
 //   registrations()          (target name, handler capsule, platform) for every FFI target, which
-//                            jax_lnbwd/_ffi.py registers with XLA at import;
+//                            jax_lnbwd/ops/ffi.py registers with XLA at import;
 //   kernels(), kernel_refusal(), visible_device_limits(), default_device_limits
 //                            the kernel registry (registry.h): jax_lnbwd/kernels.py builds
 //                            jax_lnbwd.KERNELS from kernels() and asks kernel_refusal() at trace

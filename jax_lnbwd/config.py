@@ -57,7 +57,7 @@ class use_xla_backward:
 
 # --- the forward switch --------------------------------------------------------------------------
 #
-# layernorm's forward (y, mean, rstd) runs the fused FFI forward (jax_lnbwd/forward.py) on CUDA
+# layernorm's forward (y, mean, rstd) runs the fused FFI forward (jax_lnbwd/ops/forward.py) on CUDA
 # and the jnp reference elsewhere: the choice is made per platform by jax.lax.platform_dependent,
 # so one traced program (an export for several platforms, say) takes the right branch on each.
 # Read when layernorm is traced, like the backward switch:

@@ -17,13 +17,13 @@ from typing import Callable, Mapping
 
 from . import _jax_lnbwd
 
-# Bytes at the start of the workspace before the partial sums (ffi/kernels/api.h).
+# Bytes at the start of the workspace before the partial sums (ffi/kernels/backward/api.h).
 WORKSPACE_HEADER_BYTES = 256
 
 ALL_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 # The device limits that refusals use where there is no GPU to ask: an H100/H200's opt-in
-# maximum of dynamic shared memory per block (kDefaultDeviceLimits in ffi/registry.h).
+# maximum of dynamic shared memory per block (kDefaultRefusalLimits in ffi/registry.h).
 DEFAULT_MAX_SMEM_BYTES: int = int(_jax_lnbwd.default_device_limits["max_smem_per_block"])
 
 
@@ -147,7 +147,7 @@ def _cuda_device() -> int | None:
 @functools.cache
 def sm_count() -> int:
     """Multiprocessors of the first local CUDA GPU, as the launchers see them (the device's limits,
-    ffi/kernels/api.h, with JAX_LNBWD_TEST_DEVICE_LIMITS applied), or an H200's 132 when there is
+    ffi/kernels/common/device_limits.h, with JAX_LNBWD_TEST_DEVICE_LIMITS applied), or an H200's 132 when there is
     no GPU."""
     dev = _cuda_device()
     if dev is not None:
@@ -166,7 +166,7 @@ def workspace_bytes(kernel: int, rows: int, C: int, dtype: str, block_size: int,
     """Scratch the kernel needs: a flag header, then 2*C accumulators per partial slot.
 
     Kernels 11 and 12 on a GPU: exactly what their launcher uses, asked of the C++ that plans the
-    launch (layernorm_bwd_workspace_bytes, ffi/kernels/api.h) for JAX's first GPU. Without one (a
+    launch (layernorm_bwd_workspace_bytes, ffi/kernels/backward/api.h) for JAX's first GPU. Without one (a
     CPU-only build or machine, where the workspace goes unused), and for llm.c's kernels, by the
     rules of KernelInfo.partial_slots. With segments (per-example sums under vmap) every segment
     gets its own slots; a launcher never uses more slots than it finds.
@@ -182,7 +182,7 @@ def workspace_bytes(kernel: int, rows: int, C: int, dtype: str, block_size: int,
 
 
 # Kernels that run target v2's additions (a float32 weight beside 16-bit data, a residual gradient
-# added to dx): the C++ refuses the others (ffi/checks.h, CheckV2Kernel); Python refuses them at
+# added to dx): the C++ refuses the others (ffi/checks/backward.h, CheckV2Kernel); Python refuses them at
 # trace time with the same words.
 V2_KERNELS = frozenset({11, 12})
 

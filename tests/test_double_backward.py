@@ -1,8 +1,8 @@
 """Second-order derivatives: the backward op is itself differentiable.
 
 layernorm's reverse mode calls our FFI op (the transpose of its tangent map, see
-jax_lnbwd/primitive.py); that op is a custom_jvp whose tangents are the JVP of the same math in
-jnp (jax_lnbwd/backward.py). So grad of grad works (reverse over reverse), and so does jax.jvp
+jax_lnbwd/tangent.py); that op is a custom_jvp whose tangents are the JVP of the same math in
+jnp (jax_lnbwd/ops/backward.py). So grad of grad works (reverse over reverse), and so does jax.jvp
 of jax.grad (forward over reverse, the usual Hessian-vector product), alone and combined with
 vmap in either order. Everything in float64 against JAX's own derivatives of the pure-jnp
 reference. (Forward mode of layernorm itself, and forward over forward: test_forward_mode.py.)

@@ -1,7 +1,7 @@
 """Forward-mode AD of layernorm, and every derivative transformation built on it (issue 25).
 
 layernorm is a jax.custom_jvp: its JVP is the forward's y plus a linear tangent map whose
-transpose is our FFI backward (jax_lnbwd/primitive.py). These tests check, against JAX's own
+transpose is our FFI backward (jax_lnbwd/tangent.py). These tests check, against JAX's own
 derivatives of the pure-jnp reference (jax_lnbwd.reference.layernorm):
   * jax.jvp, jax.linearize (and linear_transpose of it), jax.jacfwd, jax.jacrev, jax.hessian,
     jvp of jvp, and check_grads with its default modes (forward and reverse) at order 1 and 2;

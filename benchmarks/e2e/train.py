@@ -8,7 +8,7 @@ Data parallel (devices > 1): a 1-D mesh over the first `devices` devices, axis "
 batch is sharded along it and the parameters and optimizer state are replicated; jit is given
 those shardings for its inputs and outputs, so each device runs the model on its share of the
 batch and XLA's SPMD partitioner inserts the all-reduce of the gradients (our LayerNorm's own
-dweight/dbias psum comes from its partitioning rule, jax_lnbwd/sharding.py). The configured
+dweight/dbias psum comes from its partitioning rule, jax_lnbwd/ops/partition.py). The configured
 batch is per device: the global batch is batch * devices, so each device does the work of a
 one-device step and the step times compare directly. The loss is the mean over the global batch.
 """

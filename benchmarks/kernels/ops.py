@@ -27,10 +27,7 @@ import numpy as np
 
 from jax_lnbwd import KERNELS, layernorm_bwd, layernorm_fwd, reference
 
-try:  # the fused forward ops' module (jax_lnbwd.forward in earlier layouts)
-    from jax_lnbwd.ops.forward import add_layernorm_fwd_op, layernorm_fwd_op
-except ImportError:
-    from jax_lnbwd.forward import add_layernorm_fwd_op, layernorm_fwd_op
+from jax_lnbwd.ops.forward import add_layernorm_fwd_op, layernorm_fwd_op
 
 from .timing import EPS
 
