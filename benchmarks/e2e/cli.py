@@ -117,6 +117,13 @@ def parse_args(argv):
         p.error(f"--devices {a.devices}: only {len(found)} {jax.default_backend()} device"
                 f"{'s are' if len(found) > 1 else ' is'} visible ({', '.join(map(str, found))}); "
                 f"on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count={a.devices} makes more")
+    configure(p, a)
+    return a
+
+
+def configure(p, a) -> None:
+    """a.configs (each model at its size, with the overrides), a.runs_of (each model's variants:
+    those of its norm) and a.baselines (each norm's first variant); p.error on a mismatch."""
     sizes = {f: getattr(a, f) for f in SIZE_FIELDS if getattr(a, f) is not None}
     a.configs = [dataclasses.replace((SMALL if a.small else FULL)[m], attention=a.attention,
                                      dense_bias=FULL[m].dense_bias and not a.no_dense_bias,
@@ -136,7 +143,6 @@ def parse_args(argv):
             p.error(f"{cfg.name}: d_model {cfg.d_model} is not a multiple of heads {cfg.heads}")
     if any(c.name == "vit" for c in a.configs) and "seq" in sizes:
         p.error("--seq: the vit's token count is its patches + 1 (change its patch grid in config.py)")
-    return a
 
 
 def same_steps(runs) -> str:
@@ -158,6 +164,17 @@ def interleaved(runs: list, repeats: int) -> list[tuple[int, object]]:
     repeat, the order reversed every other repeat. The GPU drifts (clocks, temperature); runs
     taken one after the other would each meet a different part of that drift."""
     return [(rep, run) for rep in range(repeats) for run in (runs if rep % 2 == 0 else runs[::-1])]
+
+
+def describe(cfg, devices: int) -> str:
+    """One model's line in the run's header."""
+    return (f"  {cfg.name}: d {cfg.d_model}, {cfg.heads} heads, {cfg.layers} layers, seq {cfg.seq}, "
+            f"batch {cfg.batch}" + (" per device" if devices > 1 else "") +
+            (f", vocab {cfg.vocab}" if cfg.vocab else "") +
+            f", {'pre' if cfg.pre_ln else 'post'}-norm {cfg.norm}" +
+            (f" (offset {cfg.offset:g})" if cfg.offset else "") + f", {cfg.mlp} MLP" +
+            (", rotary" if cfg.rope else "") + f", attention {cfg.attention}" +
+            ("" if cfg.dense_bias else ", no Dense biases in the blocks"))
 
 
 def seconds(meta) -> str:
@@ -229,13 +246,7 @@ def main(argv=None):
         print(f"data parallel over {args.devices} devices ({', '.join(meta['device_list'])}): "
               f"batch per device, global batch = batch x {args.devices}")
     for cfg in args.configs:
-        print(f"  {cfg.name}: d {cfg.d_model}, {cfg.heads} heads, {cfg.layers} layers, seq {cfg.seq}, "
-              f"batch {cfg.batch}" + (" per device" if args.devices > 1 else "") +
-              (f", vocab {cfg.vocab}" if cfg.vocab else "") +
-              f", {'pre' if cfg.pre_ln else 'post'}-norm {cfg.norm}" +
-              (f" (offset {cfg.offset:g})" if cfg.offset else "") + f", {cfg.mlp} MLP" +
-              (", rotary" if cfg.rope else "") + f", attention {cfg.attention}" +
-              ("" if cfg.dense_bias else ", no Dense biases in the blocks"))
+        print(describe(cfg, args.devices))
     if jax.default_backend() != "gpu":
         print("note: not on a GPU: a smoke test of the tool, not a measurement")
     elif not meta["kernels_built_for_cuda"]:

@@ -95,7 +95,7 @@ def linen_rms(kind: str) -> type:
             s = x if residual is None else x + residual
             cls = ours("linen", "RMSNorm") if kind == "ours" else FlaxOffsetRMSNorm if self.offset else nn.RMSNorm
             return cls(**kw)(s), s
-    AddNorm.__name__ = AddNorm.__qualname__ = f"AddRMSNorm_{kind}"
+    AddNorm.__name__ = AddNorm.__qualname__ = f"AddNorm_rms_{kind}"
     return AddNorm
 
 
@@ -119,7 +119,7 @@ def nnx_rms(kind: str) -> type:
                 return self.norm(x, residual)
             s = x if residual is None else x + residual
             return self.norm(s), s
-    AddNorm.__name__ = AddNorm.__qualname__ = f"AddRMSNorm_{kind}"
+    AddNorm.__name__ = AddNorm.__qualname__ = f"AddNorm_rms_{kind}"
     return AddNorm
 
 
