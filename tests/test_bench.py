@@ -103,7 +103,7 @@ def test_op_names_aliases_and_all():
     assert names(["--op", "add_layernorm_fwd,backward"]) == ["layernorm_bwd", "add_layernorm_fwd"]
     assert names(["--op", "all"]) == list(ops.OPS)
     with pytest.raises(SystemExit):
-        bench.parse_args(["--op", "rmsnorm_fwd"], on_gpu=False)
+        bench.parse_args(["--op", "groupnorm_fwd"], on_gpu=False)
 
 
 def test_cpu_sized_defaults_and_gpu_defaults_per_op():

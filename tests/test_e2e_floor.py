@@ -25,13 +25,14 @@ from flax import nnx  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 sys.path.insert(0, ROOT)  # the checkout: benchmarks/
-from benchmarks.e2e import config, floor, models_linen, models_nnx, train, variants  # noqa: E402
+from benchmarks.e2e import config, floor, models_linen, models_nnx, train, variants, variants_rms  # noqa: E402
 
 
 @pytest.mark.parametrize("name, fused, unfused", [
     ("gpt", 6 + 11 * 8 + 7, 8 + 11 * 11 + 8),   # pre-LN: first, 2 x 6 - 1 middle, last
     ("vit", 6 + 11 * 8 + 7, 8 + 11 * 11 + 8),
     ("bert", 5 + 12 * 7, 5 + 12 * 8),           # post-LN: first, then 2 x 6 after a sublayer
+    ("llama", 6 + 11 * 8 + 7, 8 + 11 * 11 + 8),  # pre-norm, RMSNorm
 ])
 def test_the_counts_of_the_full_models(name, fused, unfused):
     cfg = config.FULL[name]
@@ -52,7 +53,7 @@ def test_the_pieces_per_add_and_norm():
 def test_the_rule_counts_the_models_norms(name):
     """As many add & norms as the linen model's (full size, shapes only) and the nnx model's."""
     cfg = config.FULL[name]
-    v = variants.VARIANTS["flax"]
+    v = variants.VARIANTS["flax" if cfg.norm == "layernorm" else "flax_rmsnorm"]
     batch = jax.eval_shape(lambda: config.make_batch(cfg, jnp.bfloat16))
     model = models_linen.Transformer(cfg, v.linen, jnp.bfloat16)
     params = jax.eval_shape(model.init, jax.random.key(0), batch[0])["params"]
@@ -74,7 +75,11 @@ def test_the_adds_in_the_layernorm_scope_are_the_rules(name):
     in layernorm's scope in pre-LN models, in the next sublayer's (outside) in post-LN ones."""
     cfg = dataclasses.replace(config.SMALL[name], layers=2)
     batch = config.make_batch(cfg, jnp.bfloat16)
-    apply, params = train.init(cfg, "linen", variants.VARIANTS["jax_lnbwd"], jnp.bfloat16, batch[0], 0)
+    ours = "jax_lnbwd" if cfg.norm == "layernorm" else "jax_lnbwd_rmsnorm"
+    try:
+        apply, params = train.init(cfg, "linen", variants.VARIANTS[ours], jnp.bfloat16, batch[0], 0)
+    except variants_rms.OursMissing as e:
+        pytest.skip(str(e))
     jaxpr = jax.make_jaxpr(jax.grad(lambda p: apply(p, batch[0]).astype(jnp.float32).sum()))(params)
     act = (cfg.batch, cfg.seq, cfg.d_model)
     found = {}

@@ -1,4 +1,4 @@
-"""Whole training steps with Flax's LayerNorm and with jax_lnbwd's: ``python -m benchmarks.e2e``.
+"""Whole training steps with Flax's norms and with jax_lnbwd's: ``python -m benchmarks.e2e``.
 
 Three transformers written here (config.py: a GPT-2-style pre-LN decoder, d 1600, 25 heads,
 seq 1024, batch 8; a BERT-style post-LN encoder, d 1024, seq 1024, batch 8; a ViT-style pre-LN
@@ -6,7 +6,11 @@ encoder, d 1024, 197 tokens, batch 8; 6 blocks each), in flax.linen and flax.nnx
 optax's adam on float32 parameters, computing in bf16 (``--dtypes``). Each (model, API, dtype)
 runs once per LayerNorm variant (variants.py: ``flax``, ``jax_lnbwd``, ``add_layernorm``, which also
 takes in the bias of the projection in front of it, ``add_layernorm_dense_bias``, which leaves it
-in the Dense, and any registered).
+in the Dense, and any registered). A fourth model, ``--models llama`` (a Llama-style pre-norm
+decoder with RMSNorm, SwiGLU and rotary embeddings, no biases; d 2048, 16 heads, seq 2048, batch
+4), runs the RMSNorm variants instead (variants_rms.py: ``flax_rmsnorm``, ``jax_lnbwd_rmsnorm``,
+``add_rmsnorm``); ``--offset 1.0`` gives it Gemma's (1 + scale). Each model's baseline is the
+first listed variant of its norm; the "ln" columns and the byte floor count its RMSNorms alike.
 
 How a step is timed
 -------------------
@@ -56,8 +60,9 @@ implementation of each form could cut it by and the step ratio it could at best 
 ``--out DIR`` writes DIR/e2e.txt (the table), DIR/e2e.json (every round, the trace summary,
 the configs and versions) and DIR/e2e.png (needs matplotlib: ``pip install -e ".[bench]"``).
 
-Files: config.py (models and sizes), models_linen.py, models_nnx.py, variants.py (the
-LayerNorm variants and the hook for more), train.py (the step and its timing), trace/
+Files: config.py (models and sizes), models_linen.py, models_nnx.py, rope.py (rotary
+embeddings), variants.py (the LayerNorm variants and the hook for more), variants_rms.py (the
+RMSNorm variants), train.py (the step and its timing), trace/
 (collection, attribution and kinds), report.py (table and plot), floor.py (the byte floor),
 breakdown.py (--kernels), cli.py (options and the run).
 """

@@ -23,6 +23,8 @@ from .variants import VARIANTS
 APIS = ("linen", "nnx")
 DTYPES = ("bfloat16", "float32")
 SIZE_FIELDS = ("layers", "batch", "seq", "d_model", "heads", "vocab")
+DEFAULT_VARIANTS = {"layernorm": "flax,jax_lnbwd,add_layernorm",
+                    "rmsnorm": "flax_rmsnorm,jax_lnbwd_rmsnorm,add_rmsnorm"}
 # The run's defaults, and --small's: a smoke test of the whole command that a 2-core CPU runs in
 # under a minute (one model in one API at its config.SMALL size, a few steps and rounds, one short
 # trace; each run's compilation is most of it).
@@ -39,13 +41,18 @@ def parse_args(argv):
     intro, method = METHOD.split("\n\n", 1)
     p = argparse.ArgumentParser(prog="python -m benchmarks.e2e", description=intro, epilog=method,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default=None, help="comma list from gpt,bert,vit (default all; --small: gpt)")
+    p.add_argument("--models", default=None,
+                   help="comma list from gpt,bert,vit,llama (default gpt,bert,vit; --small: gpt)")
     p.add_argument("--apis", default=None, help="comma list from linen,nnx (default both; --small: linen)")
     p.add_argument("--dtypes", default="bfloat16",
                    help="compute dtypes, comma list from bfloat16,float32 (default bfloat16)")
-    p.add_argument("--variants", default="flax,jax_lnbwd,add_layernorm",
-                   help="comma list of LayerNorm variants; the first is the baseline "
-                        "(default flax,jax_lnbwd,add_layernorm)")
+    p.add_argument("--variants", default=None,
+                   help="comma list of norm variants; each model runs those of its norm, the first "
+                        "of them its baseline (default: " +
+                        "; ".join(f"{n} models {v}" for n, v in DEFAULT_VARIANTS.items()) + ")")
+    p.add_argument("--offset", type=float, default=0.0,
+                   help="rmsnorm models: normalize with (offset + scale), the scale starting at "
+                        "zeros; 1.0 is Gemma's zero-centred scale (default 0)")
     p.add_argument("--variant-module", action="append", default=[], metavar="MODULE",
                    help="import MODULE first: it registers more variants (see benchmarks/e2e/variants.py)")
     p.add_argument("--small", action="store_true",
@@ -91,7 +98,10 @@ def parse_args(argv):
             setattr(a, name, value)
     for mod in a.variant_module:
         importlib.import_module(mod)
-    a.models, a.apis, a.dtypes, a.variants = csv(a.models), csv(a.apis), csv(a.dtypes), csv(a.variants)
+    a.models, a.apis, a.dtypes = csv(a.models), csv(a.apis), csv(a.dtypes)
+    norms = dict.fromkeys(FULL[m].norm for m in a.models if m in FULL)
+    a.variants = (csv(a.variants) if a.variants is not None
+                  else [v for n in norms for v in csv(DEFAULT_VARIANTS[n])])
     for name, got, allowed in (("models", a.models, tuple(FULL)), ("apis", a.apis, APIS),
                                ("dtypes", a.dtypes, DTYPES), ("variants", a.variants, tuple(VARIANTS))):
         if not got or any(g not in allowed for g in got):
@@ -107,15 +117,32 @@ def parse_args(argv):
         p.error(f"--devices {a.devices}: only {len(found)} {jax.default_backend()} device"
                 f"{'s are' if len(found) > 1 else ' is'} visible ({', '.join(map(str, found))}); "
                 f"on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count={a.devices} makes more")
+    configure(p, a)
+    return a
+
+
+def configure(p, a) -> None:
+    """a.configs (each model at its size, with the overrides), a.runs_of (each model's variants:
+    those of its norm) and a.baselines (each norm's first variant); p.error on a mismatch."""
     sizes = {f: getattr(a, f) for f in SIZE_FIELDS if getattr(a, f) is not None}
     a.configs = [dataclasses.replace((SMALL if a.small else FULL)[m], attention=a.attention,
-                                     dense_bias=not a.no_dense_bias, **sizes) for m in a.models]
+                                     dense_bias=FULL[m].dense_bias and not a.no_dense_bias,
+                                     offset=a.offset if FULL[m].norm == "rmsnorm" else 0.0, **sizes)
+                 for m in a.models]
+    a.runs_of = {c.name: [v for v in a.variants if VARIANTS[v].norm == c.norm] for c in a.configs}
+    for cfg in a.configs:
+        if not a.runs_of[cfg.name]:
+            p.error(f"--variants: none for {cfg.name}, a {cfg.norm} model: " +
+                    ", ".join(v for v in VARIANTS if VARIANTS[v].norm == cfg.norm))
+    if a.offset and not any(c.norm == "rmsnorm" for c in a.configs):
+        p.error("--offset: applies to rmsnorm models (llama) only")
+    # The baselines: each norm's first variant listed.
+    a.baselines = tuple(dict.fromkeys(a.runs_of[c.name][0] for c in a.configs))
     for cfg in a.configs:
         if cfg.d_model % cfg.heads:
             p.error(f"{cfg.name}: d_model {cfg.d_model} is not a multiple of heads {cfg.heads}")
     if any(c.name == "vit" for c in a.configs) and "seq" in sizes:
         p.error("--seq: the vit's token count is its patches + 1 (change its patch grid in config.py)")
-    return a
 
 
 def same_steps(runs) -> str:
@@ -139,6 +166,17 @@ def interleaved(runs: list, repeats: int) -> list[tuple[int, object]]:
     return [(rep, run) for rep in range(repeats) for run in (runs if rep % 2 == 0 else runs[::-1])]
 
 
+def describe(cfg, devices: int) -> str:
+    """One model's line in the run's header."""
+    return (f"  {cfg.name}: d {cfg.d_model}, {cfg.heads} heads, {cfg.layers} layers, seq {cfg.seq}, "
+            f"batch {cfg.batch}" + (" per device" if devices > 1 else "") +
+            (f", vocab {cfg.vocab}" if cfg.vocab else "") +
+            f", {'pre' if cfg.pre_ln else 'post'}-norm {cfg.norm}" +
+            (f" (offset {cfg.offset:g})" if cfg.offset else "") + f", {cfg.mlp} MLP" +
+            (", rotary" if cfg.rope else "") + f", attention {cfg.attention}" +
+            ("" if cfg.dense_bias else ", no Dense biases in the blocks"))
+
+
 def seconds(meta) -> str:
     return "wall seconds: " + ", ".join(f"{k.replace('_', ' ')} {v:.0f}" for k, v in meta["seconds"].items())
 
@@ -148,7 +186,7 @@ def emit(runs, args, meta, traced: bool, floors=None, kinds: str = ""):
     the rounds (the timings are safe even if a trace then fails or takes the process down)
     and again after the traces. `kinds`: --kernels' breakdown (printed already), which e2e.txt
     also keeps."""
-    table = report.rows(runs, args.variants[0])
+    table = report.rows(runs, args.baselines)
     text = report.format_table(table, comm=args.devices > 1)
     fl = floor.format_block(floor.against(floors, table)) if floors else ""
     print()
@@ -195,7 +233,8 @@ def main(argv=None):
                  "device_list": [str(d) for d in jax.devices()[:args.devices]], "steps": args.steps,
                  "rounds": args.rounds, "round_seconds": args.round_seconds, "warmup": args.warmup,
                  "trace": how, "trace_steps": args.trace_steps, "trace_repeats": args.trace_repeats,
-                 "matmul_precision": args.matmul_precision, "baseline": args.variants[0],
+                 "matmul_precision": args.matmul_precision, "baseline": args.baselines[0],
+                 "baselines": list(args.baselines), "offset": args.offset,
                  "models": [dataclasses.asdict(c) for c in args.configs], "failures": []})
     print(f"jax_lnbwd {meta['jax_lnbwd']} e2e bench  {meta['date']}  device: {meta['device']}  "
           f"jax {meta['jax']}")
@@ -207,18 +246,14 @@ def main(argv=None):
         print(f"data parallel over {args.devices} devices ({', '.join(meta['device_list'])}): "
               f"batch per device, global batch = batch x {args.devices}")
     for cfg in args.configs:
-        print(f"  {cfg.name}: d {cfg.d_model}, {cfg.heads} heads, {cfg.layers} layers, seq {cfg.seq}, "
-              f"batch {cfg.batch}" + (" per device" if args.devices > 1 else "") +
-              (f", vocab {cfg.vocab}" if cfg.vocab else "") +
-              f", {'pre' if cfg.pre_ln else 'post'}-LN, attention {cfg.attention}" +
-              ("" if cfg.dense_bias else ", no Dense biases in the blocks"))
+        print(describe(cfg, args.devices))
     if jax.default_backend() != "gpu":
         print("note: not on a GPU: a smoke test of the tool, not a measurement")
     elif not meta["kernels_built_for_cuda"]:
         print(paint("warning: jax_lnbwd was built without its CUDA handler: its variants will fail "
                     "(rebuild with nvcc on the PATH)", "red"))
     plan = [(cfg, api, dtype, VARIANTS[v]) for cfg in args.configs for api in args.apis
-            for dtype in args.dtypes for v in args.variants]
+            for dtype in args.dtypes for v in args.runs_of[cfg.name]]
     prog = Progress(len(plan) * (2 + args.rounds), not args.no_progress)
     runs = []
     clock = {"start": time.perf_counter()}
@@ -283,7 +318,7 @@ def main(argv=None):
             run.trace = None if id(run) in broken else trace.median_summary(done[id(run)]) or None
         prog.close()
     meta["seconds"]["traces"] = time.perf_counter() - clock["floor"]
-    kinds = breakdown.text(report.rows(runs, args.variants[0]), args.kernels) if args.kernels else ""
+    kinds = breakdown.text(report.rows(runs, args.baselines), args.kernels) if args.kernels else ""
     if kinds:
         print(kinds)
     print(seconds(meta))

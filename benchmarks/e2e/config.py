@@ -1,7 +1,7 @@
-"""The benchmark's models: three transformer families at the sizes of issue 23, and tiny ones.
+"""The benchmark's models: four transformer families at the sizes of issue 23, and tiny ones.
 
-Every model is 6 blocks of multi-head attention and a 4x GELU MLP, bf16 (or fp32) compute with
-float32 parameters. What differs is where the LayerNorms sit and what comes in and out:
+Every model is 6 blocks of multi-head attention and an MLP, bf16 (or fp32) compute with float32
+parameters. What differs is the norm, where it sits, the MLP, and what comes in and out:
 
   gpt   GPT-2-style decoder: causal, pre-LN (LN -> attention, LN -> MLP, a final LN), token
         and learned position embeddings, a head tied to the token embedding, next-token loss.
@@ -11,7 +11,12 @@ float32 parameters. What differs is where the LayerNorms sit and what comes in a
   vit   ViT-style encoder: bidirectional, pre-LN, 16x16x3 patches of a 224x224 image through a
         Dense (the usual stride-16 convolution), a class token, 197 tokens, a 1000-class head.
 
-Each has 13 LayerNorms over d_model features.
+  llama Llama-style decoder: causal, pre-norm with RMSNorm, a SwiGLU MLP (hidden 8/3 d rounded
+        up to a multiple of 256), rotary position embeddings on q and k, no biases anywhere,
+        an untied output head, next-token loss. offset 1.0 (``--offset``): Gemma's zero-centred
+        scale, normalizing with (1 + scale), the scale initialized to zeros.
+
+Each has 13 norms over d_model features (LayerNorm, or RMSNorm for llama).
 """
 from __future__ import annotations
 
@@ -43,10 +48,28 @@ class ModelConfig:
     # bias in (variants.Variant.x_bias) or leaves XLA a bias add and a bias-gradient sum of their
     # own. Without biases (PaLM-style blocks) the residual add stands alone.
     dense_bias: bool = True
+    norm: str = "layernorm"  # or "rmsnorm": which variants (variants.Variant.norm) apply
+    mlp: str = "gelu"        # or "swiglu": down(silu(gate(x)) * up(x))
+    mlp_hidden: int = 0      # the MLP's hidden width; 0: mlp_ratio * d_model (swiglu: llama_hidden)
+    rope: bool = False       # rotary embeddings on q and k instead of learned positions
+    tied_head: bool = True   # the head is the token embedding's transpose (gpt, bert)
+    offset: float = 0.0      # rmsnorm: y = x * rstd * (offset + scale); 1.0 is Gemma's
 
     @property
     def tokens(self) -> int:
         return self.batch * self.seq
+
+    @property
+    def hidden(self) -> int:
+        if self.mlp_hidden:
+            return self.mlp_hidden
+        return llama_hidden(self.d_model) if self.mlp == "swiglu" else self.mlp_ratio * self.d_model
+
+
+def llama_hidden(d_model: int) -> int:
+    """Llama's SwiGLU width: 2/3 of 4 d (the same parameters as a 4x GELU MLP), rounded up to
+    a multiple of 256."""
+    return -(-(8 * d_model // 3) // 256) * 256
 
 
 FULL = {
@@ -60,6 +83,10 @@ FULL = {
     # ViT-L/16's width at 224x224 (196 patches + the class token), 6 blocks.
     "vit": ModelConfig("vit", causal=False, pre_ln=True, d_model=1024, heads=16, layers=6, seq=197,
                        batch=8, classes=1000, patch_dim=768, epsilon=1e-6),
+    # Llama-2/3-style at d 2048 (16 heads of 128), 6 blocks, seq 2048, batch 4; Llama-2's vocabulary.
+    "llama": ModelConfig("llama", causal=True, pre_ln=True, d_model=2048, heads=16, layers=6, seq=2048,
+                         batch=4, vocab=32000, epsilon=1e-5, dense_bias=False, norm="rmsnorm",
+                         mlp="swiglu", rope=True, tied_head=False),
 }
 
 # --small: the same three families at sizes a CPU runs in a fraction of a second a step.
@@ -68,6 +95,7 @@ SMALL = {
     "bert": dataclasses.replace(FULL["bert"], d_model=64, heads=4, layers=1, seq=32, batch=2, vocab=128),
     "vit": dataclasses.replace(FULL["vit"], d_model=64, heads=4, layers=1, seq=17, batch=2, classes=10,
                                patch_dim=48),
+    "llama": dataclasses.replace(FULL["llama"], d_model=64, heads=4, layers=1, seq=32, batch=2, vocab=128),
 }
 
 

@@ -1,8 +1,8 @@
-"""The benchmark's transformers in flax.linen (see config.py for the three families).
+"""The benchmark's transformers in flax.linen (see config.py for the families).
 
-Every LayerNorm is an add & norm of the variant (variants.py), called under
-``jax.named_scope(LN_SCOPE)``: the scope is how the trace attribution (trace/classify.py) finds the
-layernorm's operations, forward and backward, in the compiled step.
+Every norm (LayerNorm, or llama's RMSNorm) is an add & norm of the variant (variants.py), called
+under ``jax.named_scope(LN_SCOPE)``: the scope is how the trace attribution (trace/classify.py)
+finds the norm's operations, forward and backward, in the compiled step.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import ModelConfig
+from .rope import rotary
 
 LN_SCOPE = "e2e_layernorm"  # the name scope around every add & norm, in both APIs
 INIT = nn.initializers.normal(0.02)
@@ -29,6 +30,8 @@ class Attention(nn.Module):
         h = self.cfg.heads
         qkv = nn.Dense(3 * d, dtype=self.dtype, kernel_init=INIT, use_bias=self.cfg.dense_bias, name="qkv")(x)
         q, k, v = jnp.split(qkv.reshape(b, t, 3 * h, d // h), 3, axis=2)
+        if self.cfg.rope:
+            q, k = rotary(q), rotary(k)
         o = jax.nn.dot_product_attention(q, k, v, is_causal=self.cfg.causal,
                                          implementation=self.cfg.attention)
         return nn.Dense(d, dtype=self.dtype, kernel_init=INIT, use_bias=self.cfg.dense_bias and self.out_bias,
@@ -43,9 +46,15 @@ class Mlp(nn.Module):
     @nn.compact
     def __call__(self, x):
         d = x.shape[-1]
-        m = nn.Dense(self.cfg.mlp_ratio * d, dtype=self.dtype, kernel_init=INIT, use_bias=self.cfg.dense_bias, name="up")(x)
+        m = nn.Dense(self.cfg.hidden, dtype=self.dtype, kernel_init=INIT, use_bias=self.cfg.dense_bias, name="up")(x)
+        if self.cfg.mlp == "swiglu":
+            gate = nn.Dense(self.cfg.hidden, dtype=self.dtype, kernel_init=INIT, use_bias=self.cfg.dense_bias,
+                            name="gate")(x)
+            m = nn.silu(gate) * m
+        else:
+            m = nn.gelu(m)
         return nn.Dense(d, dtype=self.dtype, kernel_init=INIT, use_bias=self.cfg.dense_bias and self.out_bias,
-                        name="down")(nn.gelu(m))
+                        name="down")(m)
 
 
 class Transformer(nn.Module):
@@ -62,6 +71,8 @@ class Transformer(nn.Module):
 
     def norm(self, x, residual=None, x_bias: bool = False):
         kw = {"x_bias": True} if x_bias else {}
+        if self.cfg.norm == "rmsnorm":
+            kw["offset"] = self.cfg.offset
         with jax.named_scope(LN_SCOPE):
             return self.add_norm(dtype=self.dtype, epsilon=self.cfg.epsilon, **kw)(x, residual)
 
@@ -76,7 +87,8 @@ class Transformer(nn.Module):
         else:
             embed = nn.Embed(cfg.vocab, cfg.d_model, dtype=dt, embedding_init=INIT, name="embed")
             x = embed(inputs)
-        x = x + self.param("pos", INIT, (cfg.seq, cfg.d_model)).astype(dt)
+        if not cfg.rope:
+            x = x + self.param("pos", INIT, (cfg.seq, cfg.d_model)).astype(dt)
         fb = cfg.dense_bias and self.x_bias   # the projections' biases move into the add & norms
         attn = lambda i: Attention(cfg, dt, out_bias=not fb, name=f"attn_{i}")  # noqa: E731
         mlp = lambda i: Mlp(cfg, dt, out_bias=not fb, name=f"mlp_{i}")  # noqa: E731
@@ -90,6 +102,8 @@ class Transformer(nn.Module):
             for i in range(cfg.layers):
                 y, _ = self.norm(attn(i)(y), y, fb)
                 y, _ = self.norm(mlp(i)(y), y, fb)
-        if embed is not None:
+        if embed is not None and cfg.tied_head:
             return embed.attend(y)  # the head tied to the token embedding
+        if embed is not None:
+            return nn.Dense(cfg.vocab, dtype=dt, kernel_init=INIT, use_bias=False, name="head")(y)
         return nn.Dense(cfg.classes, dtype=dt, kernel_init=INIT, name="head")(y[:, 0])

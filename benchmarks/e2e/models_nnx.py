@@ -9,6 +9,7 @@ from flax import nnx
 
 from .config import ModelConfig
 from .models_linen import LN_SCOPE
+from .rope import rotary
 
 INIT = nnx.initializers.normal(0.02)
 
@@ -33,6 +34,8 @@ class Attention(nnx.Module):
         b, t, d = x.shape
         h = self.cfg.heads
         q, k, v = jnp.split(self.qkv(x).reshape(b, t, 3 * h, d // h), 3, axis=2)
+        if self.cfg.rope:
+            q, k = rotary(q), rotary(k)
         o = jax.nn.dot_product_attention(q, k, v, is_causal=self.cfg.causal,
                                          implementation=self.cfg.attention)
         return self.proj(o.reshape(b, t, d))
@@ -40,12 +43,16 @@ class Attention(nnx.Module):
 
 class Mlp(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, out_bias: bool = True):
-        d, f = cfg.d_model, cfg.mlp_ratio * cfg.d_model
+        d, f = cfg.d_model, cfg.hidden
         self.up = nnx.Linear(d, f, dtype=dtype, kernel_init=INIT, use_bias=cfg.dense_bias, rngs=rngs)
+        self.gate = (nnx.Linear(d, f, dtype=dtype, kernel_init=INIT, use_bias=cfg.dense_bias, rngs=rngs)
+                     if cfg.mlp == "swiglu" else None)
         self.down = nnx.Linear(f, d, dtype=dtype, kernel_init=INIT, use_bias=cfg.dense_bias and out_bias, rngs=rngs)
         skip_bias_key(cfg, out_bias, rngs)
 
     def __call__(self, x):
+        if self.gate is not None:
+            return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
         return self.down(jax.nn.gelu(self.up(x)))  # linen's nn.gelu
 
 
@@ -63,13 +70,15 @@ class Transformer(nnx.Module):
         else:
             self.embed = nnx.Embed(cfg.vocab, d, dtype=dtype, embedding_init=INIT, rngs=rngs)
         self.head = (nnx.Linear(d, cfg.classes, dtype=dtype, kernel_init=INIT, rngs=rngs)
-                     if cfg.name == "vit" else None)
-        self.pos = nnx.Param(INIT(rngs.params(), (cfg.seq, d)))
+                     if cfg.name == "vit" else None if cfg.tied_head else
+                     nnx.Linear(d, cfg.vocab, dtype=dtype, kernel_init=INIT, use_bias=False, rngs=rngs))
+        self.pos = None if cfg.rope else nnx.Param(INIT(rngs.params(), (cfg.seq, d)))
         fb = cfg.dense_bias and x_bias   # the projections' biases move into the add & norms
         self.attn = nnx.List([Attention(cfg, dtype, rngs, out_bias=not fb) for _ in range(cfg.layers)])
         self.mlp = nnx.List([Mlp(cfg, dtype, rngs, out_bias=not fb) for _ in range(cfg.layers)])
         # norm 0 (the embeddings') has no projection in front of it
-        self.norms = nnx.List([add_norm(d, dtype=dtype, epsilon=cfg.epsilon, rngs=rngs,
+        kw = {"offset": cfg.offset} if cfg.norm == "rmsnorm" else {}
+        self.norms = nnx.List([add_norm(d, dtype=dtype, epsilon=cfg.epsilon, rngs=rngs, **kw,
                                         **({"x_bias": True} if fb and i > 0 else {}))
                                for i in range(2 * cfg.layers + 1)])
 
@@ -85,7 +94,8 @@ class Transformer(nnx.Module):
             x = jnp.concatenate([cls, x], axis=1)
         else:
             x = self.embed(inputs)
-        x = x + self.pos[...].astype(dt)
+        if self.pos is not None:
+            x = x + self.pos[...].astype(dt)
         if cfg.pre_ln:  # s: the residual stream; y: the LayerNorm of it, the next layer's input
             y, s = self.norm(0, x)
             for i in range(cfg.layers):
@@ -98,4 +108,4 @@ class Transformer(nnx.Module):
                 y, _ = self.norm(2 * i + 2, self.mlp[i](y), y)
         if self.head is None:
             return self.embed.attend(y)  # the head tied to the token embedding
-        return self.head(y[:, 0])
+        return self.head(y[:, 0] if cfg.name == "vit" else y)

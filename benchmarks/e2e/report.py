@@ -55,14 +55,17 @@ def columns(comm: bool) -> str:
 SHORT = {"bfloat16": "bf16", "float32": "fp32"}
 
 
-def rows(runs, baseline: str) -> list[dict]:
-    """One dict per run: its timings, its ratio against the baseline variant and its trace."""
-    base = {(r.model, r.api, r.dtype): r for r in runs if r.variant == baseline}
+def rows(runs, baseline: str | tuple[str, ...]) -> list[dict]:
+    """One dict per run: its timings, its ratio against the baseline variant and its trace.
+    baseline: a variant name, or several (one per norm: a LayerNorm model's baseline is not an
+    RMSNorm model's); a run's baseline is the one of them that ran its (model, api, dtype)."""
+    names = (baseline,) if isinstance(baseline, str) else tuple(baseline)
+    base = {(r.model, r.api, r.dtype): r for r in runs if r.variant in names}
     out = []
     for r in runs:
         med = statistics.median(r.times)
         row = {"model": r.model, "api": r.api, "dtype": r.dtype, "variant": r.variant,
-               "baseline": r.variant == baseline,
+               "baseline": r.variant in names,
                "ms": med * 1e3, "round_ms": [t * 1e3 for t in r.times], "round_steps": r.round_steps,
                "step_estimate_ms": None if r.step_estimate_s is None else r.step_estimate_s * 1e3,
                "spread_pct": 100 * (max(r.times) - min(r.times)) / med,

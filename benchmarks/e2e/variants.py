@@ -16,9 +16,10 @@ dtype=..., epsilon=..., rngs=...)`` an nnx one, each with the call above. Regist
 biases it holds the bias of the projection in front, use_x_bias) and ``add_layernorm_dense_bias``
 (the same with that bias left in the Dense), and ``jax_lnbwd_jnp_forward`` (the drop-in with
 the jnp forward instead of the fused one).
-Run another with ``--variants flax,jax_lnbwd,fused``; a module outside this folder can be loaded first with
+The RMSNorm variants (``flax_rmsnorm``, ``jax_lnbwd_rmsnorm``, ``add_rmsnorm``, for llama) are
+in variants_rms.py. Run another with ``--variants flax,jax_lnbwd,fused``; a module outside this folder can be loaded first with
 ``--variant-module my.module`` (it calls register() when imported). The first variant listed
-is the baseline that the others' step-time ratios are taken against.
+of each norm is the baseline that the others' step-time ratios are taken against.
 """
 from __future__ import annotations
 
@@ -45,6 +46,9 @@ class Variant:
     # stream's gradient inside the backward's): what its layernorm-only kernels move, for the byte
     # floor of our own kernels (floor.py).
     fused: bool = False
+    # The norm it computes: a model (config.ModelConfig.norm) runs the variants of its norm.
+    # An rmsnorm variant's modules also take offset= (the models pass cfg.offset).
+    norm: str = "layernorm"
 
 
 def linen_add_norm(norm_cls: type) -> type:
@@ -143,3 +147,7 @@ register(Variant("add_layernorm", linen=linen_fused_add_norm(jax_lnbwd.flax.AddL
                  nnx=nnx_fused_add_norm(jax_lnbwd.flax.nnx.AddLayerNorm), x_bias=True, fused=True))
 register(Variant("add_layernorm_dense_bias", linen=linen_fused_add_norm(jax_lnbwd.flax.AddLayerNorm),
                  nnx=nnx_fused_add_norm(jax_lnbwd.flax.nnx.AddLayerNorm), fused=True))
+
+
+# Registered last: they use Variant and register from here.
+from . import variants_rms  # noqa: E402,F401

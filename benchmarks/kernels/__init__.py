@@ -1,11 +1,14 @@
-"""Validate, then time, layernorm's kernels against their peers: ``python -m benchmarks.kernels``.
+"""Validate, then time, our norms' kernels against their peers: ``python -m benchmarks.kernels``.
 
 ``--op`` picks the ops (ops.py; a comma list, or ``all``; default layernorm_bwd):
   layernorm_bwd (backward)          the backward kernels of jax_lnbwd.KERNELS (``--kernels``)
   layernorm_fwd (forward)           the fused forward: y, mean, rstd
   add_layernorm_fwd (add_forward)   s = x + residual and the forward of s, in one kernel
+  rmsnorm_bwd                       rmsnorm's backward (the kernels of KERNELS that run it: 11, 12)
+  rmsnorm_fwd                       rmsnorm's fused forward: y, rstd
+  add_rmsnorm_fwd                   s = x + residual and rmsnorm's forward of s, in one kernel
 Op names are ``<norm>_<fwd|bwd>``, as the public functions and FFI targets are named; a new op
-(rmsnorm_fwd, ...) is one more row of ops.OPS.
+is one more row of ops.OPS. The rmsnorm ops' default GPU shapes are Llama-sized (d 2048-16384).
 
 The backward part reproduces and extends main() of llm.c's dev/cuda/layernorm_backward.cu.
 For every (op, dtype, shape, impl) the op is first checked against the pure-jnp reference in
@@ -13,8 +16,10 @@ float32 (float64 for float64) (a failure is printed in red and that entry is not
 timed. Peers are timed the same way: ``xla`` (the jnp op under jit: reference.layernorm_bwd
 given mean/rstd, reference.layernorm_fwd), ``copy`` (one same-bytes device copy: the ceiling),
 for the backward ``autodiff`` (XLA's VJP of a jnp layernorm, recomputing the statistics) and,
-where they import on a CUDA GPU, ``torch`` and ``liger``; for add_layernorm_fwd ``ours-unfus``
-(jnp's add, then our fused forward of s). Backward kernels come from jax_lnbwd.KERNELS, so new
+where they import on a CUDA GPU, ``torch`` and ``liger`` (layernorm_bwd; rmsnorm_fwd and
+rmsnorm_bwd: torch.nn.functional.rms_norm, its backward by autograd, and Liger's RMSNorm,
+peers_rms.py) and ``pallas`` (JAX's Pallas GPU ``layer_norm`` and ``rms_norm``, forward and
+backward: pallas.py); for the add_ ops ``ours-unfus`` (jnp's add, then our fused forward of s). Backward kernels come from jax_lnbwd.KERNELS, so new
 ones are benchmarked with no change here. ``--params float32`` gives the forward ops float32
 weight and bias beside 16-bit x (mixed precision).
 
@@ -58,6 +63,10 @@ Each op is credited with the bytes it must move (ops.py), the same for every imp
   layernorm_bwd      read dy and x, write dx; read weight, write dweight and dbias; read mean, rstd
   layernorm_fwd      read x, write y; read weight and bias; write mean and rstd
   add_layernorm_fwd  read x and residual, write y and s; read weight and bias; write mean, rstd
+  rmsnorm_bwd        read dy and x, write dx; read weight, write dweight; read rstd
+  rmsnorm_fwd        read x, write y; read weight; write rstd
+  add_rmsnorm_fwd    read x and residual, write y and s; read weight; write rstd
+A peer that moves more (Pallas's backwards also sum dbias; rms_norm's too) is not credited it.
 The copy peer moves those bytes once at copy speed: per step, one elementwise bitwise NOT of a
 uint32 array of bytes/8 words (reads bytes/2, writes bytes/2; a real read+write pass, where a
 plain copy or ``x * 1`` could be elided by XLA). So %copy stays at or under 100% unless the
@@ -68,8 +77,8 @@ marked ``L2`` (``--l2-mb``, default 60, the H200's).
   GB/s    bytes / time
   %copy   copy_µs / µs: the share of the same-bytes copy speed reached
   ×xla    xla_µs / µs: speed-up over the XLA-fused jnp op
-  ×best   best_µs / µs: speed-up over the fastest non-copy peer (xla, autodiff, torch, liger;
-          ours-unfus is ours, not a peer)
+  ×best   best_µs / µs: speed-up over the fastest non-copy peer (xla, autodiff, torch, liger,
+          pallas; ours-unfus is ours, not a peer)
 
 On CPU the table marks our rows ``[cpu-ref]``: the CPU handlers run C++ references (the same
 one for every backward kernel id), so they time that reference, not a kernel. Off a GPU the
@@ -84,6 +93,7 @@ GPU) keeps what it measured: bench.json is rewritten after every (op, shape, dty
 the full table comes at the end. Colours are used on a terminal only, never with NO_COLOR set.
 
 Files: ops.py (the ops: inputs, references, steps, bytes), timing.py (validation, the chained
-steps and how they are timed), peers.py (torch and Liger), report.py (table and plot), cli.py
-(options and the run).
+steps and how they are timed), peers.py (torch and Liger; which peers run here), peers_rms.py
+(their rmsnorm entries), pallas.py (JAX's Pallas GPU norms), report.py (table and plot),
+cli.py (options and the run).
 """

@@ -9,6 +9,7 @@ import sys
 import jax
 
 from jax_lnbwd import DEFAULT_KERNEL, KERNELS
+from jax_lnbwd.kernels import v2_refusal
 
 from .. import _term
 from .._term import Progress, paint
@@ -21,15 +22,18 @@ from .timing import TOLERANCE, copy_step, copy_words, json_safe, time_jax, valid
 CPU_SHAPES = "256x768,64x1601"
 CPU_CHAIN, GPU_CHAIN = 3, 50
 DTYPES = ("float32", "bfloat16", "float16", "float64")
-PEERS = ("xla", "autodiff", "copy", "torch", "liger", "ours-unfus")
+PEERS = ("xla", "autodiff", "copy", "torch", "liger", "pallas", "ours-unfus")
 L2_MB = 60  # the H200's L2
 
 
-def plan_ours(kernels, block_sizes: str, dtype: str, C: int):
-    """([(kernel, block_size)], [refusal reasons]) for one (dtype, C) of the backward."""
+def plan_ours(kernels, block_sizes: str, dtype: str, C: int, norm: str = "layernorm"):
+    """([(kernel, block_size)], [refusal reasons]) for one (dtype, C) of norm's backward."""
     combos, refused = [], []
     for kid in kernels:
         info = KERNELS[kid]
+        if (why := v2_refusal(kid, mixed=False, residual=False, norm=norm)) is not None:
+            refused.append(f"k{kid}: {why.split(';')[0]}")
+            continue
         if dtype not in info.dtypes:
             refused.append(f"k{kid}: dtype {dtype} not in {', '.join(info.dtypes)}")
             continue
@@ -66,7 +70,7 @@ def bench_group(op, rows: int, C: int, dtype: str, combos, peers, args, key, pro
                 sec = time_jax(copy_step, copy_words(case.nbytes), (), args.chain, args.reps, args.min_run_s)
                 ok, errs = True, {}
             elif impl in ("torch", "liger"):
-                tstep, d0 = torch_step(impl, *case.torch_inputs)
+                tstep, d0 = torch_step(op.name, impl, *case.torch_inputs)
                 ok, errs = validate(tstep(d0), case.ref, dtype, op.outputs)
                 if ok:
                     sec, extra["cuda_graph"] = time_torch(tstep, d0, args.chain, args.reps,
@@ -140,7 +144,8 @@ def parse_args(argv, on_gpu: bool):
                         "precision; ignored for 32- and 64-bit x); the backward's are x's dtype")
     p.add_argument("--peers", default=None,
                    help=f"comma list from {','.join(PEERS)} (default: all that run); each op takes those "
-                        "that apply: autodiff, torch, liger the backward, ours-unfus add_layernorm_fwd")
+                        "that apply: autodiff the backwards, torch and liger layernorm_bwd and rmsnorm's, "
+                        "pallas layernorm's and rmsnorm's (JAX's Pallas GPU ops), ours-unfus the add_ ops")
     p.add_argument("--reps", type=int, default=7, help="timed runs; the median is reported (default 7)")
     p.add_argument("--chain", type=int, default=None,
                    help=f"op calls per chain (default {GPU_CHAIN} GPU, {CPU_CHAIN} CPU)")
@@ -187,7 +192,7 @@ def plan(args, peers):
         op_peers = [q for q in peers if q == "copy" or q in op.peers]
         for dtype in args.dtypes:
             for rows, C in args.shapes[op.name]:
-                combos, refused = (plan_ours(args.kernels, args.block_sizes, dtype, C) if op.kernels
+                combos, refused = (plan_ours(args.kernels, args.block_sizes, dtype, C, op.norm) if op.kernels
                                    else ([], []))
                 out.append((op, dtype, rows, C, combos, refused, op_peers))
     return out
@@ -211,11 +216,12 @@ def main(argv=None):
         print(f"note: CPU-sized defaults (shapes {CPU_SHAPES}, chain {CPU_CHAIN}, one call per run); "
               "on a GPU the defaults are the measurement's (--help)")
 
-    why_not = available_peers(on_gpu) if any(q in args.peers for q in ("torch", "liger")) else {}
+    why_not = available_peers(on_gpu) if any(q in args.peers for q in ("torch", "liger", "pallas")) else {}
     peers = [q for q in args.peers if why_not.get(q) is None]
     for why in dict.fromkeys(why_not.get(q) for q in args.peers if why_not.get(q)):
         skipped = ", ".join(q for q in args.peers if why_not.get(q) == why)
         print(paint(f"peers skipped: {skipped}: {why}", "grey"))
+    args.peers = peers  # what the ops' entries (ops.py) may use: those that run here
     plans = plan(args, peers)
     prog = Progress(sum(len(p[4]) + len(p[6]) + (0 if p[0].kernels else 1) for p in plans),
                     not args.no_progress)

@@ -6,9 +6,12 @@ FFI targets are named; the layernorm ops also answer to a short alias:
   layernorm_bwd      (backward)     the backward kernels of jax_lnbwd.KERNELS, given mean/rstd
   layernorm_fwd      (forward)      the fused forward: y, mean, rstd; x read once
   add_layernorm_fwd  (add_forward)  s = x + residual, then the forward of s; s is an output too
+  rmsnorm_bwd                       the backward kernels that run rmsnorm (kernels 11, 12), given rstd
+  rmsnorm_fwd                       the fused forward: y, rstd
+  add_rmsnorm_fwd                   s = x + residual, then rmsnorm's forward of s
 
-A new op (rmsnorm_fwd, rmsnorm_bwd, add_rmsnorm_fwd) is one more Op here: how to make its
-inputs and reference (prepare), which steps to time (impls), its outputs and its bytes.
+A new op is one more Op here: how to make its inputs and reference (prepare), which steps to
+time (impls), its outputs and its bytes.
 
 Each op's Case holds what every impl of one (shape, dtype) shares: the chained input (the
 "state": dy for a backward, x for a forward), the constant inputs, the reference outputs in
@@ -25,14 +28,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_lnbwd import KERNELS, layernorm_bwd, layernorm_fwd, reference
+from jax_lnbwd import KERNELS, layernorm_bwd, layernorm_fwd, reference, rmsnorm_bwd
 
-from jax_lnbwd.ops.forward import add_layernorm_fwd_op, layernorm_fwd_op
+from jax_lnbwd.ops.forward import add_layernorm_fwd_op, add_rmsnorm_fwd_op, layernorm_fwd_op, rmsnorm_fwd_op
 
+from . import pallas
 from .timing import EPS
 
 FORWARD_GPU_SHAPES = "16384x1600,8192x8192,16384x1024,4096x16384,8192x768"
 BACKWARD_GPU_SHAPES = "8192x1600,16384x768,16384x1600,16384x2048,16384x4096,8192x8192,4096x16384,1024x768"
+# Llama-sized rows (d 2048 to 16384); every step moves 134-805 MB, past the H200's L2.
+RMS_GPU_SHAPES = "16384x2048,16384x4096,8192x8192,4096x16384"
 
 
 @dataclasses.dataclass
@@ -43,7 +49,9 @@ class Case:
     consts: tuple
     ref: list            # float64 numpy arrays, in the order of Op.outputs
     params: str          # the dtype of weight and bias
-    torch_inputs: tuple = ()  # (x, w, b, dy): the backward's torch and Liger peers
+    # The torch and Liger peers' inputs (peers.torch_step): layernorm_bwd (x, w, b, dy),
+    # rmsnorm_bwd (x, w, dy), rmsnorm_fwd (x, w).
+    torch_inputs: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,10 +75,11 @@ class Op:
     prepare: Callable        # (rows, C, dtype, params, key) -> Case
     impls: Callable          # (case, args, combos) -> [Impl], ours and the jnp peers
     kernels: bool = False    # takes --kernels / --block-sizes
+    norm: str = "layernorm"  # which norm the backward kernels must run (their refusals)
 
 
-def _stat_bytes(rows: int, dtype: str) -> int:
-    return 2 * rows * reference.acc_dtype(dtype).itemsize  # mean and rstd
+def _stat_bytes(rows: int, dtype: str, stats: int = 2) -> int:
+    return stats * rows * reference.acc_dtype(dtype).itemsize  # mean and rstd, or rstd
 
 
 def _params_dtype(dtype: str, params: str):
@@ -118,12 +127,17 @@ def backward_autodiff(dy, x, w, b, mean, rstd):
     return vjp(dy)  # the statistics are recomputed from x inside every step
 
 
+def _pallas(op: str, args) -> list:
+    """The Pallas entry of op, where --peers asks for it and it runs here (pallas.py)."""
+    return [Impl(pallas.NAME, pallas.step(op), True)] if pallas.NAME in args.peers else []
+
+
 def _backward_impls(case, args, combos):
     loose = {"dweight": 10, "dbias": 10}  # kernels with precise=False
     out = [Impl(f"k{kid}/bs{bs}", backward_ours(kid, bs), False, {} if KERNELS[kid].precise else loose)
            for kid, bs in combos]
     return out + [Impl(p, {"xla": backward_xla, "autodiff": backward_autodiff}[p], True)
-                  for p in ("xla", "autodiff") if p in args.peers]
+                  for p in ("xla", "autodiff") if p in args.peers] + _pallas("layernorm_bwd", args)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,7 +180,7 @@ def forward_xla(x, w, b):
 
 def _forward_impls(case, args, combos):
     return [Impl("ours", forward_ours, False)] + (
-        [Impl("xla", forward_xla, True)] if "xla" in args.peers else [])
+        [Impl("xla", forward_xla, True)] if "xla" in args.peers else []) + _pallas("layernorm_fwd", args)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,14 +227,131 @@ def _add_forward_impls(case, args, combos):
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# rmsnorm_bwd: dy, x, weight, rstd -> dx, dweight
+
+
+def rms_backward_bytes(rows: int, C: int, dtype: str) -> int:
+    """Read dy and x, write dx; read weight, write dweight; read rstd."""
+    return (3 * rows * C + 2 * C) * jnp.dtype(dtype).itemsize + _stat_bytes(rows, dtype, 1)
+
+
+def _prepare_rms_backward(rows, C, dtype, params, key) -> Case:
+    x, dy, w, _ = _inputs(key, rows, C, dtype, "same", 2)
+    # rstd from the jnp forward: a case is made outside any entry's error handling, so it must
+    # not need our FFI forward (and every entry gets the same rstd).
+    acc = reference.acc_dtype(x.dtype)
+    _, rstd = jax.jit(reference.rmsnorm_fwd, static_argnums=2)(x.astype(acc), w.astype(acc), EPS)
+    ref = jax.jit(reference.rmsnorm_bwd)(dy.astype(acc), x.astype(acc), w.astype(acc), rstd)
+    return Case(rms_backward_bytes(rows, C, dtype), dy, (x, w, rstd), _f64(ref), dtype,
+                torch_inputs=(x, w, dy))
+
+
+def rms_backward_ours(kernel: int, block_size: int):
+    def step(dy, x, w, rstd):
+        return rmsnorm_bwd(dy, x, w, rstd, kernel=kernel, block_size=block_size)
+    return step
+
+
+def rms_backward_xla(dy, x, w, rstd):
+    return reference.rmsnorm_bwd(dy, x, w, rstd)
+
+
+def rms_backward_autodiff(dy, x, w, rstd):
+    _, vjp = jax.vjp(lambda x, w: reference.rmsnorm(x, w, EPS), x, w)
+    return vjp(dy)  # rstd is recomputed from x inside every step
+
+
+def _rms_backward_impls(case, args, combos):
+    out = [Impl(f"k{kid}/bs{bs}", rms_backward_ours(kid, bs), False) for kid, bs in combos]
+    steps = {"xla": rms_backward_xla, "autodiff": rms_backward_autodiff}
+    return out + [Impl(p, steps[p], True) for p in steps if p in args.peers] + _pallas("rmsnorm_bwd", args)
+
+
+# ---------------------------------------------------------------------------------------------
+# rmsnorm_fwd: x, weight -> y, rstd; add_rmsnorm_fwd: x, residual, weight -> y, s, rstd
+
+
+def rms_forward_bytes(rows: int, C: int, dtype: str, params: str) -> int:
+    """Read x, write y; read weight; write rstd."""
+    return (2 * rows * C * jnp.dtype(dtype).itemsize + C * _params_dtype(dtype, params).itemsize
+            + _stat_bytes(rows, dtype, 1))
+
+
+def _rms_forward_ref(x, w):
+    acc = reference.acc_dtype(x.dtype)
+    return jax.jit(reference.rmsnorm_fwd, static_argnums=2)(x.astype(acc), w.astype(acc), EPS)
+
+
+def _prepare_rms_forward(rows, C, dtype, params, key) -> Case:
+    x, w, _ = _inputs(key, rows, C, dtype, params, 1)
+    return Case(rms_forward_bytes(rows, C, dtype, params), x, (w,), _f64(_rms_forward_ref(x, w)),
+                str(w.dtype), torch_inputs=(x, w))
+
+
+def rms_forward_ours(x, w):
+    return rmsnorm_fwd_op(x, w, EPS)
+
+
+def rms_forward_xla(x, w):
+    return reference.rmsnorm_fwd(x, w, EPS)
+
+
+def _rms_forward_impls(case, args, combos):
+    return [Impl("ours", rms_forward_ours, False)] + (
+        [Impl("xla", rms_forward_xla, True)] if "xla" in args.peers else []) + _pallas("rmsnorm_fwd", args)
+
+
+def _prepare_add_rms_forward(rows, C, dtype, params, key) -> Case:
+    x, r, w, _ = _inputs(key, rows, C, dtype, params, 2)
+    s = jax.jit(jnp.add)(x, r)  # jnp's add in x's dtype: s must equal it bit for bit
+    y, rstd = _rms_forward_ref(s, w)
+    nbytes = rms_forward_bytes(rows, C, dtype, params) + 2 * rows * C * jnp.dtype(dtype).itemsize
+    return Case(nbytes, x, (r, w), _f64((y, s, rstd)), str(w.dtype))
+
+
+def add_rms_forward_ours(x, r, w):
+    return add_rmsnorm_fwd_op(x, r, w, EPS)
+
+
+def add_rms_forward_unfused(x, r, w):
+    """jnp's add, then our fused forward of s."""
+    s = x + r
+    y, rstd = rmsnorm_fwd_op(s, w, EPS)
+    return y, s, rstd
+
+
+def add_rms_forward_xla(x, r, w):
+    s = x + r
+    y, rstd = reference.rmsnorm_fwd(s, w, EPS)
+    return y, s, rstd
+
+
+def _add_rms_forward_impls(case, args, combos):
+    exact_s = {"s": 0}
+    out = [Impl("ours", add_rms_forward_ours, False, exact_s)]
+    if "ours-unfus" in args.peers:
+        out.append(Impl("ours-unfus", add_rms_forward_unfused, False, exact_s))
+    if "xla" in args.peers:
+        out.append(Impl("xla", add_rms_forward_xla, True, exact_s))
+    return out
+
+
 OPS = {op.name: op for op in (
     Op("layernorm_bwd", "backward", "layernorm backward", ("dx", "dweight", "dbias"),
-       BACKWARD_GPU_SHAPES, ("xla", "autodiff", "torch", "liger"), _prepare_backward, _backward_impls,
-       kernels=True),
+       BACKWARD_GPU_SHAPES, ("xla", "autodiff", "torch", "liger", "pallas"), _prepare_backward,
+       _backward_impls, kernels=True),
     Op("layernorm_fwd", "forward", "layernorm forward", ("y", "mean", "rstd"),
-       FORWARD_GPU_SHAPES, ("xla",), _prepare_forward, _forward_impls),
+       FORWARD_GPU_SHAPES, ("xla", "pallas"), _prepare_forward, _forward_impls),
     Op("add_layernorm_fwd", "add_forward", "add + layernorm forward", ("y", "s", "mean", "rstd"),
        FORWARD_GPU_SHAPES, ("xla", "ours-unfus"), _prepare_add_forward, _add_forward_impls),
+    Op("rmsnorm_bwd", "rms_backward", "rmsnorm backward", ("dx", "dweight"), RMS_GPU_SHAPES,
+       ("xla", "autodiff", "torch", "liger", "pallas"), _prepare_rms_backward, _rms_backward_impls,
+       kernels=True, norm="rmsnorm"),
+    Op("rmsnorm_fwd", "rms_forward", "rmsnorm forward", ("y", "rstd"), RMS_GPU_SHAPES,
+       ("xla", "torch", "liger", "pallas"), _prepare_rms_forward, _rms_forward_impls),
+    Op("add_rmsnorm_fwd", "add_rms_forward", "add + rmsnorm forward", ("y", "s", "rstd"),
+       RMS_GPU_SHAPES, ("xla", "ours-unfus"), _prepare_add_rms_forward, _add_rms_forward_impls),
 )}
 ALIASES = {op.alias: name for name, op in OPS.items()}
 

@@ -1,5 +1,6 @@
 """The torch and Liger peers of the kernel bench: CUDA only, imported lazily, timed like the
-JAX entries (the same k-step chain, captured in a CUDA graph, between two CUDA events)."""
+JAX entries (the same k-step chain, captured in a CUDA graph, between two CUDA events); which
+peers run here. layernorm_bwd's are here, rmsnorm's in peers_rms.py, the Pallas peer in pallas.py."""
 from __future__ import annotations
 
 import statistics
@@ -7,20 +8,32 @@ import statistics
 import jax.numpy as jnp
 import numpy as np
 
+from . import pallas
 from .timing import EPS, calls_per_run
 
 
-def torch_step(impl: str, x, w, b, dy):
-    """(step, dy0) for a torch-side peer; step(dy) -> (dx, dweight, dbias) on CUDA tensors.
-
-    Each peer gets mean/rstd from its own forward, in the shape and dtype it expects (for
-    torch: (rows, 1) float32, float64 for float64), from the same x, w, b and eps.
-    """
+def to_torch(a):
+    """A JAX array as a CUDA tensor of its dtype, via float32/64 numpy: exact for every dtype
+    here, and needs no DLPack."""
     import torch
+    acc = np.float64 if a.dtype == jnp.float64 else np.float32
+    return torch.from_numpy(np.array(a.astype(acc))).to("cuda").to(getattr(torch, str(a.dtype)))
 
-    def to_torch(a):  # via float32/64 numpy: exact for every dtype here, and needs no DLPack
-        acc = np.float64 if a.dtype == jnp.float64 else np.float32
-        return torch.from_numpy(np.array(a.astype(acc))).to("cuda").to(getattr(torch, str(a.dtype)))
+
+def torch_step(op: str, impl: str, *inputs):
+    """(step, state0) for a torch-side peer of op; step(state) -> op's outputs on CUDA tensors
+    (a prefix of them: the statistics only where the peer's API returns them), state0 the
+    chained input (dy for a backward, x for a forward). inputs: ops.Case.torch_inputs."""
+    if op == "layernorm_bwd":
+        return _layernorm_backward(impl, *inputs)
+    from . import peers_rms
+    return peers_rms.step(op, impl, *(to_torch(a) for a in inputs))
+
+
+def _layernorm_backward(impl: str, x, w, b, dy):
+    """Each peer gets mean/rstd from its own forward, in the shape and dtype it expects (for
+    torch: (rows, 1) float32, float64 for float64), from the same x, w, b and eps."""
+    import torch
 
     tx, tw, tb, tdy = (to_torch(a) for a in (x, w, b, dy))
     C = tx.shape[-1]
@@ -82,7 +95,7 @@ def time_torch(step, d0, k: int, reps: int, min_run_s: float) -> tuple[float, bo
 
 def available_peers(on_gpu: bool) -> dict[str, str | None]:
     """{peer: None if usable, else why not}."""
-    why = {"xla": None, "autodiff": None, "copy": None}
+    why = {"xla": None, "autodiff": None, "copy": None, "pallas": pallas.why_not(on_gpu)}
     if not on_gpu:
         return {**why, "torch": "JAX runs on the CPU here", "liger": "JAX runs on the CPU here"}
     try:

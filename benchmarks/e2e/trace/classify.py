@@ -13,7 +13,8 @@ Attribution rule
     other   if none do.
   Kernels are matched to instructions by the trace's hlo_op where there is one, else by name:
   XLA names a fusion's kernel after the instruction ("loop_add_fusion.3" -> loop_add_fusion_3).
-  Our own kernels (C++ namespace lnbwd) are ln. Kernels named by their library (cuBLAS,
+  Our own kernels (C++ namespace lnbwd; RMSNorm runs the same kernels, and its FFI targets
+  jax_lnbwd_rmsnorm_* match our_calls) are ln. Kernels named by their library (cuBLAS,
   cuBLASLt, CUTLASS, cuDNN: matmuls and attention) and memcpys/memsets are other. What is left
   matched nothing: unmapped, and its share of the time is reported (it should be ~0; if not,
   ``--trace jax`` matches by the trace's HLO op instead of by name).

@@ -1,0 +1,152 @@
+"""The e2e bench's llama model and its RMSNorm variants, on CPU.
+
+Our variants need jax_lnbwd.flax's RMSNorm modules and the rmsnorm FFI handlers; where they are
+missing, building those variants is checked against stand-ins with the same constructor
+(fake_ours) and the run of them skips with the reason."""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import jax_lnbwd.flax
+import jax_lnbwd.flax.nnx
+from benchmarks.e2e import cli, config, report, train, variants, variants_rms
+from benchmarks.e2e.trace import our_calls
+
+RMS = ("flax_rmsnorm", "jax_lnbwd_rmsnorm", "add_rmsnorm")
+
+
+def ours_missing() -> str | None:
+    try:
+        for api in ("linen", "nnx"):
+            variants_rms.ours(api, "RMSNorm"), variants_rms.ours(api, "AddRMSNorm")
+        x = jnp.ones((2, 8), jnp.float32)
+        jax.block_until_ready(jax_lnbwd.rmsnorm_bwd(x, x, jnp.ones(8, jnp.float32), jnp.ones(2, jnp.float32)))
+    except Exception as e:
+        return f"our RMSNorm is not in this build yet: {type(e).__name__}: {str(e)[:120]}"
+    return None
+
+
+@pytest.fixture
+def fake_ours(monkeypatch):
+    """Stand-ins for jax_lnbwd.flax{,.nnx}.RMSNorm/AddRMSNorm where those are missing, with
+    the constructors the variants call (offset; use_x_bias), computing in jnp."""
+    def y(x, scale, offset, eps, dtype):
+        return variants_rms._offset_rms(x, scale, offset, eps, dtype)
+
+    class LinenRMS(nn.RMSNorm):
+        offset: float = 0.0
+
+        @nn.compact
+        def __call__(self, x):
+            scale = self.param("scale", self.scale_init, (x.shape[-1],), self.param_dtype)
+            return y(x, scale, self.offset, self.epsilon, self.dtype)
+
+    class LinenAdd(LinenRMS):
+        use_x_bias: bool = False
+
+        @nn.compact
+        def __call__(self, x, residual=None):
+            s = x if residual is None else x + residual
+            return LinenRMS.__call__(self, s), s
+
+    class NnxRMS(nnx.RMSNorm):
+        def __init__(self, num_features, *, offset=0.0, **kw):
+            super().__init__(num_features, **kw)
+            self.offset = offset
+
+        def __call__(self, x):
+            return y(x, self.scale[...], self.offset, self.epsilon, self.dtype)
+
+    class NnxAdd(NnxRMS):
+        def __init__(self, num_features, *, use_x_bias=False, **kw):
+            super().__init__(num_features, **kw)
+
+        def __call__(self, x, residual=None):
+            s = x if residual is None else x + residual
+            return NnxRMS.__call__(self, s), s
+
+    for mod, names in ((jax_lnbwd.flax, (LinenRMS, LinenAdd)), (jax_lnbwd.flax.nnx, (NnxRMS, NnxAdd))):
+        for name, cls in zip(("RMSNorm", "AddRMSNorm"), names):
+            if not hasattr(mod, name):
+                monkeypatch.setattr(mod, name, cls, raising=False)
+
+
+def shapes(cfg, api, variant, dtype=jnp.bfloat16):
+    """(params, logits, grads) as shapes: nothing is computed or compiled."""
+    batch = config.make_batch(cfg, dtype)
+    made = {}
+
+    def make():
+        made["apply"], params = train.init(cfg, api, variants.VARIANTS[variant], dtype, batch[0], 0)
+        return params
+    params = jax.eval_shape(make)
+    logits = jax.eval_shape(made["apply"], params, batch[0])
+    grads = jax.eval_shape(jax.grad(lambda p: made["apply"](p, batch[0]).astype(jnp.float32).sum()), params)
+    return params, logits, grads
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_llama_builds_in_both_apis_with_every_rms_variant(fake_ours, offset):
+    cfg = cli.parse_args(["--small", "--models", "llama"] + (["--offset", str(offset)] if offset else [])).configs[0]
+    assert cfg.norm == "rmsnorm" and cfg.offset == offset and not cfg.dense_bias and cfg.rope
+    counts = {}
+    for api in cli.APIS:
+        for v in RMS:
+            params, logits, grads = shapes(cfg, api, v)
+            assert logits.shape == (cfg.batch, cfg.seq, cfg.vocab) and logits.dtype == jnp.bfloat16
+            assert jax.tree.structure(grads) == jax.tree.structure(params)
+            leaves = jax.tree_util.tree_leaves_with_path(params)
+            assert not any("bias" in jax.tree_util.keystr(p) for p, _ in leaves), (api, v)
+            counts[api, v] = sum(a.size for _, a in leaves)
+    d, h, L = cfg.d_model, cfg.hidden, cfg.layers
+    # embedding and untied head, per block qkv, proj, gate, up, down; 2L + 1 scales
+    assert set(counts.values()) == {2 * cfg.vocab * d + L * (4 * d * d + 3 * d * h) + (2 * L + 1) * d}, counts
+
+
+def test_the_offset_baseline_is_flax_rmsnorm_with_one_plus_scale():
+    x = jax.random.normal(jax.random.key(0), (3, 16), jnp.float32)
+    module = variants_rms.FlaxOffsetRMSNorm(epsilon=1e-5, offset=1.0)
+    params = module.init(jax.random.key(1), x)
+    assert not params["params"]["scale"].any()  # zero-centred: starts at zeros
+    scale = jnp.linspace(-0.5, 0.5, 16, dtype=jnp.float32)
+    got = module.apply({"params": {"scale": scale}}, x)
+    want = nn.RMSNorm(epsilon=1e-5).apply({"params": {"scale": 1.0 + scale}}, x)
+    assert jnp.allclose(got, want, rtol=1e-6, atol=1e-6)
+    m = variants_rms.NnxOffsetRMSNorm(16, epsilon=1e-5, offset=1.0, rngs=nnx.Rngs(0))
+    m.scale[...] = scale
+    assert jnp.allclose(m(x), want, rtol=1e-6, atol=1e-6)
+
+
+def test_each_model_runs_its_norms_variants_and_baseline():
+    a = cli.parse_args(["--small", "--models", "gpt,llama"])
+    assert a.runs_of == {"gpt": ["flax", "jax_lnbwd", "add_layernorm"], "llama": list(RMS)}
+    assert a.baselines == ("flax", "flax_rmsnorm")
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--small", "--models", "llama", "--variants", "flax,jax_lnbwd"])
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--small", "--models", "gpt", "--offset", "1"])
+
+
+def test_our_rmsnorm_calls_count_as_ours():
+    hlo = '  %custom-call.3 = f32[4,8]{1,0} custom-call(f32[4,8]{1,0} %x), custom_call_target="jax_lnbwd_rmsnorm_bwd_v1"'
+    assert our_calls(hlo) == frozenset({"custom_call_3"})
+
+
+def test_a_small_llama_run_in_linen_and_nnx(tmp_path, capsys):
+    why = ours_missing()
+    names = ["flax_rmsnorm"] + ([] if why else ["jax_lnbwd_rmsnorm", "add_rmsnorm"])
+    table = cli.main(["--small", "--models", "llama", "--apis", "linen,nnx", "--variants", ",".join(names),
+                      "--rounds", "2", "--steps", "1", "--warmup", "1", "--trace-steps", "1",
+                      "--no-progress", "--out", str(tmp_path)])
+    got = {(r["api"], r["variant"]) for r in table}
+    assert got == {(api, v) for api in cli.APIS for v in names}
+    assert all(r["loss_last"] == r["loss_last"] for r in table)  # not NaN
+    base = [r for r in table if r["baseline"]]
+    assert len(base) == 2 and all(r["trace"] for r in base)  # the jax trace attributes the scope
+    assert all(report.ln_mixed_ms(r["trace"]) > 0 for r in base)
+    if why:
+        pytest.skip(why)
