@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 
 
 def _pretend_cuda():
-    for name in ("jax_lnbwd.ops.ffi", "jax_lnbwd._ffi")  # this layout, and the one before it:
+    for name in ("jax_lnbwd.ops.ffi", "jax_lnbwd._ffi"):   # this layout, and the one before it
         try:
             mod = importlib.import_module(name)
         except ImportError:
