@@ -166,12 +166,18 @@ NB_MODULE(_jax_lnbwd, m) {
     out.append(nb::make_tuple("jax_lnbwd_layernorm_fwd_v1", Capsule(JaxLnbwdLayernormFwdCpu), "cpu"));
     out.append(nb::make_tuple("jax_lnbwd_add_layernorm_fwd_v1", Capsule(JaxLnbwdAddLayernormFwdCpu), "cpu"));
     out.append(nb::make_tuple("jax_lnbwd_add_layernorm_fwd_v2", Capsule(JaxLnbwdAddBiasLayernormFwdCpu), "cpu"));
+    out.append(nb::make_tuple("jax_lnbwd_rmsnorm_fwd_v1", Capsule(JaxLnbwdRmsnormFwdCpu), "cpu"));
+    out.append(nb::make_tuple("jax_lnbwd_add_rmsnorm_fwd_v1", Capsule(JaxLnbwdAddRmsnormFwdCpu), "cpu"));
+    out.append(nb::make_tuple("jax_lnbwd_rmsnorm_bwd_v1", Capsule(JaxLnbwdRmsnormBwdCpu), "cpu"));
 #if JAX_LNBWD_WITH_CUDA
     out.append(nb::make_tuple("jax_lnbwd_layernorm_bwd_v1", Capsule(JaxLnbwdLayernormBwdCuda), "CUDA"));
     out.append(nb::make_tuple("jax_lnbwd_layernorm_bwd_v2", Capsule(JaxLnbwdLayernormBwdV2Cuda), "CUDA"));
     out.append(nb::make_tuple("jax_lnbwd_layernorm_fwd_v1", Capsule(JaxLnbwdLayernormFwdCuda), "CUDA"));
     out.append(nb::make_tuple("jax_lnbwd_add_layernorm_fwd_v1", Capsule(JaxLnbwdAddLayernormFwdCuda), "CUDA"));
     out.append(nb::make_tuple("jax_lnbwd_add_layernorm_fwd_v2", Capsule(JaxLnbwdAddBiasLayernormFwdCuda), "CUDA"));
+    out.append(nb::make_tuple("jax_lnbwd_rmsnorm_fwd_v1", Capsule(JaxLnbwdRmsnormFwdCuda), "CUDA"));
+    out.append(nb::make_tuple("jax_lnbwd_add_rmsnorm_fwd_v1", Capsule(JaxLnbwdAddRmsnormFwdCuda), "CUDA"));
+    out.append(nb::make_tuple("jax_lnbwd_rmsnorm_bwd_v1", Capsule(JaxLnbwdRmsnormBwdCuda), "CUDA"));
 #endif
     return out;
   });
@@ -203,7 +209,8 @@ NB_MODULE(_jax_lnbwd, m) {
   // The limits kernel choice follows on CUDA device `device` (DeviceLimits,
   // kernels/common/device_limits.h).
   m.def("device_limits", &lnbwd::DeviceLimitsDict, nb::arg("device"));
-  // The launch kernel 11 or 12 would make, and the workspace it uses (layernorm_bwd_workspace_bytes).
+  // The launch kernel 11 or 12 would make, and the workspace it uses (layernorm_bwd_workspace_bytes):
+  // rmsnorm_bwd runs the same launch, so its workspace is sized by this too.
   m.def("launch_plan", &lnbwd::PlanDict, nb::arg("kernel"), nb::arg("dtype"), nb::arg("rows"), nb::arg("C"),
         nb::arg("segments"), nb::arg("device"));
 #endif

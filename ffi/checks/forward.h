@@ -1,9 +1,12 @@
 // Argument checks of the fused forward targets (jax_lnbwd_layernorm_fwd_v1, its residual variant
-// jax_lnbwd_add_layernorm_fwd_v1, and that with x's own bias, jax_lnbwd_add_layernorm_fwd_v2), shared by their CPU and CUDA handlers. Python checks
+// jax_lnbwd_add_layernorm_fwd_v1, and that with x's own bias, jax_lnbwd_add_layernorm_fwd_v2; and
+// RMSNorm's jax_lnbwd_rmsnorm_fwd_v1 and jax_lnbwd_add_rmsnorm_fwd_v1, which have no bias and no
+// mean), shared by their CPU and CUDA handlers. Python checks
 // the same at trace time; these exist for direct jax.ffi.ffi_call users and exported programs,
 // so no kernel runs on buffers it does not expect. Errors name the target's function, e.g.
 //   layernorm_fwd: 'y' has shape (4, 9) but expected (4, 8) for x of shape (4, 8)
 //   add_layernorm_fwd: 'residual' has dtype float32 but expected bfloat16 (x's dtype)
+//   rmsnorm_fwd: 'rstd' has shape (3,) but expected (4,) for x of shape (4, 8)
 #pragma once
 
 #include <climits>
@@ -15,7 +18,8 @@
 
 namespace lnbwd {
 
-// fn: the function the message names ("layernorm_fwd", or "add_layernorm_fwd").
+// fn: the function the message names ("layernorm_fwd", "add_layernorm_fwd", "rmsnorm_fwd" or
+// "add_rmsnorm_fwd").
 inline ffi::Error FwdArgError(const std::string& message, const char* fn = "layernorm_fwd") {
   return ffi::Error::InvalidArgument(std::string(fn) + ": " + message);
 }
@@ -55,10 +59,10 @@ inline ffi::Error CheckParam(const char* fn, const char* name, const ffi::AnyBuf
   return ffi::Error::Success();
 }
 
-inline ffi::Error CheckLayernormFwdArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& weight,
-                                        const ffi::AnyBuffer& bias, const ffi::AnyBuffer& y,
-                                        const ffi::AnyBuffer& mean, const ffi::AnyBuffer& rstd, double eps,
-                                        LayernormFwdShape* shape, const char* fn = "layernorm_fwd") {
+// x, eps, the parameters and the outputs. bias and mean are null for RMSNorm (no such buffers).
+inline ffi::Error CheckNormFwdArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& weight, const ffi::AnyBuffer* bias,
+                                   const ffi::AnyBuffer& y, const ffi::AnyBuffer* mean, const ffi::AnyBuffer& rstd,
+                                   double eps, LayernormFwdShape* shape, const char* fn) {
   const auto xd = x.dimensions();
   if (xd.size() != 2) return FwdArgError("'x' has shape " + ShapeStr(xd) + " but expected (rows, C)", fn);
   const int64_t rows = xd[0], C = xd[1];
@@ -73,23 +77,27 @@ inline ffi::Error CheckLayernormFwdArgs(const ffi::AnyBuffer& x, const ffi::AnyB
     return FwdArgError("'eps' is " + std::to_string(eps) + " but expected a positive finite number", fn);
   }
   if (auto e = CheckParam(fn, "weight", weight, x, &shape->weight_rows); e.failure()) return e;
-  if (auto e = CheckParam(fn, "bias", bias, x, &shape->bias_rows); e.failure()) return e;
-  if (shape->weight_rows > 0 && shape->bias_rows > 0 && weight.element_type() != bias.element_type()) {
-    return FwdArgError(std::string("'weight' has dtype ") + DtypeName(weight.element_type()) + " but 'bias' has " +
-                       DtypeName(bias.element_type()) + "; pass both in one dtype", fn);
+  shape->bias_rows = 0;
+  if (bias != nullptr) {
+    if (auto e = CheckParam(fn, "bias", *bias, x, &shape->bias_rows); e.failure()) return e;
+    if (shape->weight_rows > 0 && shape->bias_rows > 0 && weight.element_type() != bias->element_type()) {
+      return FwdArgError(std::string("'weight' has dtype ") + DtypeName(weight.element_type()) + " but 'bias' has " +
+                         DtypeName(bias->element_type()) + "; pass both in one dtype", fn);
+    }
   }
-  shape->param_dtype = shape->weight_rows > 0 ? weight.element_type() : shape->bias_rows > 0 ? bias.element_type() : t;
+  shape->param_dtype = shape->weight_rows > 0 ? weight.element_type() : shape->bias_rows > 0 ? bias->element_type() : t;
 
   const ffi::DataType stat = t == ffi::DataType::F64 ? ffi::DataType::F64 : ffi::DataType::F32;
   struct Expect {
     const char* name;
-    const ffi::AnyBuffer& buf;
+    const ffi::AnyBuffer* buf;   // null: the target has no such output (RMSNorm's mean)
     size_t rank;
     ffi::DataType dtype;
   };
-  const Expect expects[] = {{"y", y, 2, t}, {"mean", mean, 1, stat}, {"rstd", rstd, 1, stat}};
+  const Expect expects[] = {{"y", &y, 2, t}, {"mean", mean, 1, stat}, {"rstd", &rstd, 1, stat}};
   for (const Expect& e : expects) {
-    const auto d = e.buf.dimensions();
+    if (e.buf == nullptr) continue;
+    const auto d = e.buf->dimensions();
     const bool ok = d.size() == e.rank && d[0] == rows && (e.rank == 1 || d[1] == C);
     if (!ok) {
       const std::string want = e.rank == 1 ? "(" + std::to_string(rows) + ",)"
@@ -97,8 +105,8 @@ inline ffi::Error CheckLayernormFwdArgs(const ffi::AnyBuffer& x, const ffi::AnyB
       return FwdArgError(std::string("'") + e.name + "' has shape " + ShapeStr(d) + " but expected " + want +
                          " for x of shape " + ShapeStr(xd), fn);
     }
-    if (e.buf.element_type() != e.dtype) {
-      return FwdArgError(std::string("'") + e.name + "' has dtype " + DtypeName(e.buf.element_type()) +
+    if (e.buf->element_type() != e.dtype) {
+      return FwdArgError(std::string("'") + e.name + "' has dtype " + DtypeName(e.buf->element_type()) +
                          " but expected " + DtypeName(e.dtype) + " for x of dtype " + DtypeName(t), fn);
     }
   }
@@ -107,22 +115,24 @@ inline ffi::Error CheckLayernormFwdArgs(const ffi::AnyBuffer& x, const ffi::AnyB
   return ffi::Error::Success();
 }
 
-// The residual variant (jax_lnbwd_add_layernorm_fwd_v1): the forward's checks, then residual
-// and s, which have x's shape and dtype exactly (s = x + residual is rounded to that dtype).
-inline ffi::Error CheckAddLayernormFwdArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& residual,
-                                           const ffi::AnyBuffer& weight, const ffi::AnyBuffer& bias,
-                                           const ffi::AnyBuffer& y, const ffi::AnyBuffer& s,
-                                           const ffi::AnyBuffer& mean, const ffi::AnyBuffer& rstd, double eps,
-                                           LayernormFwdShape* shape) {
-  const char* fn = "add_layernorm_fwd";
-  if (auto e = CheckLayernormFwdArgs(x, weight, bias, y, mean, rstd, eps, shape, fn); e.failure()) return e;
+inline ffi::Error CheckLayernormFwdArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& weight,
+                                        const ffi::AnyBuffer& bias, const ffi::AnyBuffer& y,
+                                        const ffi::AnyBuffer& mean, const ffi::AnyBuffer& rstd, double eps,
+                                        LayernormFwdShape* shape, const char* fn = "layernorm_fwd") {
+  return CheckNormFwdArgs(x, weight, &bias, y, &mean, rstd, eps, shape, fn);
+}
+
+// The residual variants' residual and s, which have x's shape and dtype exactly (s = x +
+// residual is rounded to that dtype).
+inline ffi::Error CheckResidualAndSum(const ffi::AnyBuffer& x, const ffi::AnyBuffer& residual, const ffi::AnyBuffer& s,
+                                      const LayernormFwdShape& shape, const char* fn) {
   const struct {
     const char* name;
     const ffi::AnyBuffer& buf;
   } same_as_x[] = {{"residual", residual}, {"s", s}};
   for (const auto& a : same_as_x) {
     const auto d = a.buf.dimensions();
-    if (d.size() != 2 || d[0] != shape->rows || d[1] != shape->C) {
+    if (d.size() != 2 || d[0] != shape.rows || d[1] != shape.C) {
       return FwdArgError(std::string("'") + a.name + "' has shape " + ShapeStr(d) + " but expected " +
                          ShapeStr(x.dimensions()) + " (x's shape)", fn);
     }
@@ -131,6 +141,40 @@ inline ffi::Error CheckAddLayernormFwdArgs(const ffi::AnyBuffer& x, const ffi::A
                          " but expected " + DtypeName(x.element_type()) + " (x's dtype)", fn);
     }
   }
+  return ffi::Error::Success();
+}
+
+// The residual variant (jax_lnbwd_add_layernorm_fwd_v1): the forward's checks, then residual
+// and s.
+inline ffi::Error CheckAddLayernormFwdArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& residual,
+                                           const ffi::AnyBuffer& weight, const ffi::AnyBuffer& bias,
+                                           const ffi::AnyBuffer& y, const ffi::AnyBuffer& s,
+                                           const ffi::AnyBuffer& mean, const ffi::AnyBuffer& rstd, double eps,
+                                           LayernormFwdShape* shape) {
+  const char* fn = "add_layernorm_fwd";
+  if (auto e = CheckLayernormFwdArgs(x, weight, bias, y, mean, rstd, eps, shape, fn); e.failure()) return e;
+  return CheckResidualAndSum(x, residual, s, *shape, fn);
+}
+
+// x's own bias (add_layernorm_fwd_v2, add_rmsnorm_fwd): a parameter ((1, C) or (S, C); (0, C)
+// absent unless `required`) of the parameters' dtype (x's, or float32 beside 16-bit x; the one
+// dtype of the target's other parameters when they are present; `params_have` names them for
+// the message: "weight and bias have", or RMSNorm's "weight has").
+inline ffi::Error CheckXBias(const ffi::AnyBuffer& x, const ffi::AnyBuffer& x_bias, bool required, const char* params_have,
+                             LayernormFwdShape* shape, const char* fn) {
+  if (auto e = CheckParam(fn, "x_bias", x_bias, x, &shape->x_bias_rows); e.failure()) return e;
+  if (shape->x_bias_rows == 0) {
+    if (!required) return ffi::Error::Success();
+    return FwdArgError("'x_bias' has shape " + ShapeStr(x_bias.dimensions()) + " but expected (1, " +
+                       std::to_string(shape->C) + ") or (segments, " + std::to_string(shape->C) +
+                       "): this target adds it (jax_lnbwd_add_layernorm_fwd_v1 has none)", fn);
+  }
+  const bool params = shape->weight_rows > 0 || shape->bias_rows > 0;
+  if (params && x_bias.element_type() != shape->param_dtype) {
+    return FwdArgError(std::string("'x_bias' has dtype ") + DtypeName(x_bias.element_type()) + " but " + params_have + " " +
+                       DtypeName(shape->param_dtype) + "; pass the parameters in one dtype", fn);
+  }
+  shape->param_dtype = x_bias.element_type();
   return ffi::Error::Success();
 }
 
@@ -143,23 +187,36 @@ inline ffi::Error CheckAddBiasLayernormFwdArgs(const ffi::AnyBuffer& x, const ff
                                                const ffi::AnyBuffer& bias, const ffi::AnyBuffer& y,
                                                const ffi::AnyBuffer& s, const ffi::AnyBuffer& mean,
                                                const ffi::AnyBuffer& rstd, double eps, LayernormFwdShape* shape) {
-  const char* fn = "add_layernorm_fwd";
   if (auto e = CheckAddLayernormFwdArgs(x, residual, weight, bias, y, s, mean, rstd, eps, shape); e.failure()) {
     return e;
   }
-  if (auto e = CheckParam(fn, "x_bias", x_bias, x, &shape->x_bias_rows); e.failure()) return e;
-  if (shape->x_bias_rows == 0) {
-    return FwdArgError("'x_bias' has shape " + ShapeStr(x_bias.dimensions()) + " but expected (1, " +
-                       std::to_string(shape->C) + ") or (segments, " + std::to_string(shape->C) +
-                       "): this target adds it (jax_lnbwd_add_layernorm_fwd_v1 has none)", fn);
-  }
-  const bool params = shape->weight_rows > 0 || shape->bias_rows > 0;
-  if (params && x_bias.element_type() != shape->param_dtype) {
-    return FwdArgError(std::string("'x_bias' has dtype ") + DtypeName(x_bias.element_type()) + " but weight and bias have " +
-                       DtypeName(shape->param_dtype) + "; pass the parameters in one dtype", fn);
-  }
-  shape->param_dtype = x_bias.element_type();
-  return ffi::Error::Success();
+  return CheckXBias(x, x_bias, /*required=*/true, "weight and bias have", shape, "add_layernorm_fwd");
+}
+
+// RMSNorm's weight offset (the 1 of Gemma's 1 + w): any finite number.
+inline ffi::Error CheckFwdOffset(double offset, const char* fn) {
+  if (std::isfinite(offset)) return ffi::Error::Success();
+  return FwdArgError("'offset' is " + std::to_string(offset) + " but expected a finite number", fn);
+}
+
+// jax_lnbwd_rmsnorm_fwd_v1: x, weight ((0, C) absent, (1, C) or (S, C)), y, rstd, eps, offset.
+inline ffi::Error CheckRmsnormFwdArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& weight, const ffi::AnyBuffer& y,
+                                      const ffi::AnyBuffer& rstd, double eps, double offset, LayernormFwdShape* shape,
+                                      const char* fn = "rmsnorm_fwd") {
+  if (auto e = CheckNormFwdArgs(x, weight, nullptr, y, nullptr, rstd, eps, shape, fn); e.failure()) return e;
+  return CheckFwdOffset(offset, fn);
+}
+
+// jax_lnbwd_add_rmsnorm_fwd_v1: s = (x [+ x_bias]) + residual, then the rmsnorm of s. x_bias is
+// optional ((0, C): absent).
+inline ffi::Error CheckAddRmsnormFwdArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& x_bias,
+                                         const ffi::AnyBuffer& residual, const ffi::AnyBuffer& weight,
+                                         const ffi::AnyBuffer& y, const ffi::AnyBuffer& s, const ffi::AnyBuffer& rstd,
+                                         double eps, double offset, LayernormFwdShape* shape) {
+  const char* fn = "add_rmsnorm_fwd";
+  if (auto e = CheckRmsnormFwdArgs(x, weight, y, rstd, eps, offset, shape, fn); e.failure()) return e;
+  if (auto e = CheckResidualAndSum(x, residual, s, *shape, fn); e.failure()) return e;
+  return CheckXBias(x, x_bias, /*required=*/false, "weight has", shape, fn);
 }
 
 }  // namespace lnbwd

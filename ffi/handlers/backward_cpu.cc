@@ -1,8 +1,11 @@
-// CPU handler of the layernorm backward FFI target: a clear two-pass reference in C++.
+// CPU handlers of the backward FFI targets (layernorm v1 and v2, rmsnorm v1): a clear two-pass
+// reference in C++.
 // It runs for every kernel id (the CUDA kernels exist only on the GPU), so the whole API works
 // and is tested on machines without a GPU. Accumulation is fp32 (fp64 for float64 data). It
 // refuses what the CUDA handler refuses, through the same registry (registry.h), with the
 // default device limits: a call that fails on the GPU fails here too.
+// RMSNorm is the same code with mean = 0 (xhat = x * rstd, not centered), without the mean's
+// term a (no mean was subtracted) and without dbias, and with g = (offset + weight) * dy.
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -28,32 +31,35 @@ struct F16 { using S = uint16_t; using A = float;
 // D is the data's type (dy, x, dx, dresidual), P the parameters' (weight, dweight, dbias): D, or
 // F32 beside BF16/F16 data (mixed precision; both accumulate in float). dres, if not null, is
 // added to dx before it is rounded; it may be dx itself (aliased): each element is read before
-// the same element of dx is written.
+// the same element of dx is written. RMSNorm: mean and db_out null, and `offset` is added to the
+// weight (in A, only where it is not 0: layernorm's weight is used exactly as stored).
 template <typename D, typename P>
 void Segment(const typename D::S* dy, const typename D::S* x, const typename P::S* w, const typename D::A* mean,
              const typename D::A* rstd, const typename D::S* dres, typename D::S* dx, typename P::S* dw_out,
-             typename P::S* db_out, int64_t r0, int64_t r1, int64_t C) {
+             typename P::S* db_out, int64_t r0, int64_t r1, int64_t C, typename D::A offset) {
   using A = typename D::A;
   static_assert(std::is_same_v<A, typename P::A>, "data and parameters accumulate in the same type");
   std::vector<A> dweight(C, A(0)), dbias(C, A(0));
+  auto weight = [&](int64_t i) { return offset != A(0) ? P::Load(w[i]) + offset : P::Load(w[i]); };
   for (int64_t r = r0; r < r1; ++r) {
     const auto* dy_r = dy + r * C;
     const auto* x_r = x + r * C;
     auto* dx_r = dx + r * C;
-    const A m = mean[r], s = rstd[r];
+    const A m = mean ? mean[r] : A(0), s = rstd[r];
     // Pass 1: a = mean(g), b = mean(g * xhat), with g = weight * dy and xhat = (x - mean) * rstd.
     A sum_g = 0, sum_g_xhat = 0;
     for (int64_t i = 0; i < C; ++i) {
-      const A g = P::Load(w[i]) * D::Load(dy_r[i]);
+      const A g = weight(i) * D::Load(dy_r[i]);
       sum_g += g;
       sum_g_xhat += g * ((D::Load(x_r[i]) - m) * s);
     }
-    const A a = sum_g / A(C), b = sum_g_xhat / A(C);
+    // RMSNorm subtracted no mean, so dx has no term for its gradient: a = 0.
+    const A a = mean ? sum_g / A(C) : A(0), b = sum_g_xhat / A(C);
     // Pass 2: dx = (g - a - xhat * b) * rstd (+ dresidual); dweight += dy * xhat; dbias += dy.
     for (int64_t i = 0; i < C; ++i) {
       const A d = D::Load(dy_r[i]);
       const A xhat = (D::Load(x_r[i]) - m) * s;
-      A v = (P::Load(w[i]) * d - a - xhat * b) * s;
+      A v = (weight(i) * d - a - xhat * b) * s;
       if (dres) v += D::Load(dres[r * C + i]);
       dx_r[i] = D::Store(v);
       dweight[i] += d * xhat;
@@ -62,14 +68,14 @@ void Segment(const typename D::S* dy, const typename D::S* x, const typename P::
   }
   for (int64_t i = 0; i < C; ++i) {
     dw_out[i] = P::Store(dweight[i]);
-    db_out[i] = P::Store(dbias[i]);
+    if (db_out) db_out[i] = P::Store(dbias[i]);
   }
 }
 
 template <typename D, typename P = D>
-void Impl(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x, const ffi::AnyBuffer& w, const ffi::AnyBuffer& mean,
-          const ffi::AnyBuffer& rstd, const void* dres, ffi::AnyBuffer dx, ffi::AnyBuffer dw, ffi::AnyBuffer db,
-          const LayernormBwdShape& shape) {
+void Impl(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x, const ffi::AnyBuffer& w, const ffi::AnyBuffer* mean,
+          const ffi::AnyBuffer& rstd, const void* dres, ffi::AnyBuffer dx, ffi::AnyBuffer dw, ffi::AnyBuffer* db,
+          const LayernormBwdShape& shape, double offset) {
   using S = typename D::S;
   using PS = typename P::S;
   using A = typename D::A;   // mean/rstd are fp32, or fp64 for fp64 data: the accumulator type
@@ -78,34 +84,39 @@ void Impl(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x, const ffi::AnyBuffe
   for (int64_t seg = 0; seg < shape.segments; ++seg) {
     const int64_t w_row = shape.weight_rows == 1 ? 0 : seg;
     Segment<D, P>(static_cast<const S*>(dy.untyped_data()), static_cast<const S*>(x.untyped_data()),
-                  static_cast<const PS*>(w.untyped_data()) + w_row * C, static_cast<const A*>(mean.untyped_data()),
+                  static_cast<const PS*>(w.untyped_data()) + w_row * C,
+                  mean ? static_cast<const A*>(mean->untyped_data()) : nullptr,
                   static_cast<const A*>(rstd.untyped_data()), static_cast<const S*>(dres),
                   static_cast<S*>(dx.untyped_data()), static_cast<PS*>(dw.untyped_data()) + seg * C,
-                  static_cast<PS*>(db.untyped_data()) + seg * C, seg * per_segment, (seg + 1) * per_segment, C);
+                  db ? static_cast<PS*>(db->untyped_data()) + seg * C : nullptr, seg * per_segment,
+                  (seg + 1) * per_segment, C, static_cast<A>(offset));
   }
 }
 
-// Both targets: v1 (dres null, weight of x's dtype) and v2 (mixed precision, residual).
+// Every target: layernorm v1 (dres null, weight of x's dtype) and v2 (mixed precision,
+// residual), and rmsnorm (mean and dbias null, offset; shape.norm).
 ffi::Error Run(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x, const ffi::AnyBuffer& weight,
-               const ffi::AnyBuffer& mean, const ffi::AnyBuffer& rstd, const void* dres, ffi::AnyBuffer dx,
-               ffi::AnyBuffer dweight, ffi::AnyBuffer dbias, const LayernormBwdShape& shape) {
+               const ffi::AnyBuffer* mean, const ffi::AnyBuffer& rstd, const void* dres, ffi::AnyBuffer dx,
+               ffi::AnyBuffer dweight, ffi::AnyBuffer* dbias, const LayernormBwdShape& shape, double offset = 0.0) {
   if (shape.weight_f32) {
     switch (x.element_type()) {
-      case ffi::DataType::BF16: Impl<BF16, F32>(dy, x, weight, mean, rstd, dres, dx, dweight, dbias, shape); break;
-      case ffi::DataType::F16: Impl<F16, F32>(dy, x, weight, mean, rstd, dres, dx, dweight, dbias, shape); break;
+      case ffi::DataType::BF16: Impl<BF16, F32>(dy, x, weight, mean, rstd, dres, dx, dweight, dbias, shape, offset); break;
+      case ffi::DataType::F16: Impl<F16, F32>(dy, x, weight, mean, rstd, dres, dx, dweight, dbias, shape, offset); break;
       default:
         return ArgError(std::string("float32 weight beside x of dtype ") + DtypeName(x.element_type()) +
-                        " has no CPU implementation");
+                            " has no CPU implementation",
+                        shape.norm);
     }
     return ffi::Error::Success();
   }
   switch (x.element_type()) {
-    case ffi::DataType::F32: Impl<F32>(dy, x, weight, mean, rstd, dres, dx, dweight, dbias, shape); break;
-    case ffi::DataType::F64: Impl<F64>(dy, x, weight, mean, rstd, dres, dx, dweight, dbias, shape); break;
-    case ffi::DataType::BF16: Impl<BF16>(dy, x, weight, mean, rstd, dres, dx, dweight, dbias, shape); break;
-    case ffi::DataType::F16: Impl<F16>(dy, x, weight, mean, rstd, dres, dx, dweight, dbias, shape); break;
+    case ffi::DataType::F32: Impl<F32>(dy, x, weight, mean, rstd, dres, dx, dweight, dbias, shape, offset); break;
+    case ffi::DataType::F64: Impl<F64>(dy, x, weight, mean, rstd, dres, dx, dweight, dbias, shape, offset); break;
+    case ffi::DataType::BF16: Impl<BF16>(dy, x, weight, mean, rstd, dres, dx, dweight, dbias, shape, offset); break;
+    case ffi::DataType::F16: Impl<F16>(dy, x, weight, mean, rstd, dres, dx, dweight, dbias, shape, offset); break;
     default:
-      return ArgError(std::string("'x' has dtype ") + DtypeName(x.element_type()) + ", which has no CPU implementation");
+      return ArgError(std::string("'x' has dtype ") + DtypeName(x.element_type()) + ", which has no CPU implementation",
+                      shape.norm);
   }
   return ffi::Error::Success();
 }
@@ -114,9 +125,9 @@ ffi::Error Run(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x, const ffi::Any
 // zero rows run nothing, so no kernel limit applies (the sums are zeros).
 ffi::Error CheckKernel(int32_t kernel, int32_t block_size, const LayernormBwdShape& shape, const ffi::AnyBuffer& x) {
   const KernelFacts* k = nullptr;
-  if (auto e = CheckKernelAttrs(kernel, block_size, &k); e.failure()) return e;
+  if (auto e = CheckKernelAttrs(kernel, block_size, &k, shape.norm); e.failure()) return e;
   Dtype dtype;
-  if (auto e = ToKernelDtype(x.element_type(), &dtype); e.failure()) return e;
+  if (auto e = ToKernelDtype(x.element_type(), &dtype, shape.norm); e.failure()) return e;
   if (shape.rows > 0) {
     if (auto e = CheckKernelLimits(*k, block_size, shape, dtype, kDefaultRefusalLimits); e.failure()) return e;
   }
@@ -133,7 +144,7 @@ ffi::Error LayernormBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer w
     return e;
   }
   if (auto e = CheckKernel(kernel, block_size, shape, x); e.failure()) return e;
-  return Run(dy, x, weight, mean, rstd, nullptr, *dx, *dweight, *dbias, shape);
+  return Run(dy, x, weight, &mean, rstd, nullptr, *dx, *dweight, &*dbias, shape);
 }
 
 // Target v2: v1 plus mixed precision (float32 weight beside 16-bit x) and an added residual
@@ -154,8 +165,30 @@ ffi::Error LayernormBwdV2Cpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer
   if (auto e = CheckResidual(dresidual, has_residual, x); e.failure()) return e;
   if (auto e = CheckV2Kernel(kernel, shape, has_residual); e.failure()) return e;
   if (auto e = CheckKernel(kernel, block_size, shape, x); e.failure()) return e;
-  return Run(dy, x, weight, mean, rstd, has_residual ? dresidual.untyped_data() : nullptr, *dx, *dweight, *dbias,
+  return Run(dy, x, weight, &mean, rstd, has_residual ? dresidual.untyped_data() : nullptr, *dx, *dweight, &*dbias,
              shape);
+}
+
+// RMSNorm (target rmsnorm_bwd): v2's buffers without mean and dbias, and the weight's offset.
+// Refused for kernel ids 1-10 as the CUDA handler does.
+ffi::Error RmsnormBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer weight, ffi::AnyBuffer rstd,
+                         ffi::AnyBuffer dresidual, ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dweight,
+                         ffi::Result<ffi::AnyBuffer> workspace, int32_t kernel, int32_t block_size, bool has_residual,
+                         double offset) {
+  (void)workspace;
+  constexpr NormKind kRms = NormKind::kRmsNorm;
+  LayernormBwdShape shape;
+  if (auto e = CheckNormBwdArgs(kRms, dy, x, weight, nullptr, rstd, *dx, *dweight, nullptr, &shape,
+                                /*allow_f32_weight=*/true);
+      e.failure()) {
+    return e;
+  }
+  if (auto e = CheckResidual(dresidual, has_residual, x, kRms); e.failure()) return e;
+  if (auto e = CheckRmsnormKernel(kernel); e.failure()) return e;
+  if (auto e = CheckOffset(offset, kRms); e.failure()) return e;
+  if (auto e = CheckKernel(kernel, block_size, shape, x); e.failure()) return e;
+  return Run(dy, x, weight, nullptr, rstd, has_residual ? dresidual.untyped_data() : nullptr, *dx, *dweight, nullptr,
+             shape, offset);
 }
 
 }  // namespace
@@ -194,4 +227,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int32_t>("kernel")      // CUDA kernel id (the CPU runs this reference for all)
         .Attr<int32_t>("block_size")  // CUDA threads per block, 0 = kernel default
         .Attr<bool>("has_residual")   // whether dresidual is added (else it is a placeholder)
+);
+
+// Target jax_lnbwd_rmsnorm_bwd_v1 (see the CUDA handler's binding for the contract).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxLnbwdRmsnormBwdCpu, lnbwd::RmsnormBwdCpu,
+    xla::ffi::Ffi::Bind()
+        .Arg<xla::ffi::AnyBuffer>()   // dy [rows, C] dtype
+        .Arg<xla::ffi::AnyBuffer>()   // x [rows, C] dtype
+        .Arg<xla::ffi::AnyBuffer>()   // weight [1 or segments, C] pdtype: dtype, or float32 beside bf16/f16
+        .Arg<xla::ffi::AnyBuffer>()   // rstd [rows] float32 (float64 for float64 x)
+        .Arg<xla::ffi::AnyBuffer>()   // dresidual [rows, C] dtype, added to dx (may be aliased to it); (0,) when !has_residual
+        .Ret<xla::ffi::AnyBuffer>()   // dx [rows, C] dtype: rmsnorm's dx (+ dresidual)
+        .Ret<xla::ffi::AnyBuffer>()   // dweight [segments, C] pdtype: sums over each segment's rows
+        .Ret<xla::ffi::AnyBuffer>()   // workspace [bytes] uint8 (unused on CPU)
+        .Attr<int32_t>("kernel")      // CUDA kernel id: 11 or 12 (1-10 refuse rmsnorm; the CPU runs this reference)
+        .Attr<int32_t>("block_size")  // CUDA threads per block, 0 = kernel default
+        .Attr<bool>("has_residual")   // whether dresidual is added (else it is a placeholder)
+        .Attr<double>("offset")       // g = (offset + weight) * dy, in the accumulator type (Gemma: 1)
 );

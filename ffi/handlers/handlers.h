@@ -25,3 +25,12 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxLnbwdAddLayernormFwdCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxLnbwdAddLayernormFwdCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxLnbwdAddBiasLayernormFwdCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxLnbwdAddBiasLayernormFwdCuda);
+
+// RMSNorm: jax_lnbwd_rmsnorm_fwd_v1, jax_lnbwd_add_rmsnorm_fwd_v1 (the residual variant, x_bias
+// optional) and jax_lnbwd_rmsnorm_bwd_v1, on the same kernels (NormKind, kernels/norm_kind.h).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxLnbwdRmsnormFwdCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxLnbwdRmsnormFwdCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxLnbwdAddRmsnormFwdCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxLnbwdAddRmsnormFwdCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxLnbwdRmsnormBwdCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxLnbwdRmsnormBwdCuda);

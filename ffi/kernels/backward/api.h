@@ -22,6 +22,13 @@
 // Residual gradient (dresidual): dx_i = (layernorm's dx_i, in fp32) + dresidual_i, rounded once.
 // dresidual may be dx itself (the FFI caller aliases it to the output): each element is read
 // once, by the thread that then writes the same element of dx.
+//
+// RMSNorm (norm = NormKind::kRmsNorm, kernels 11 and 12 only; norm_kind.h): mean and dbias are
+// null, and with g_i = (offset + weight_i) * dy_i, xhat_i = x_i * rstd,
+//   dx_i      = (g_i - xhat_i * b) * rstd   (a = 0: no mean was subtracted)
+//   dweight_i = sum_rows dy_i * xhat_i      (offset does not enter it).
+// The kernels run it through layernorm's code with mean = 0 and a = 0 (NormArgs, per launch,
+// backward/norm_weight.cuh); offset is added to the weight where it is loaded or staged.
 #pragma once
 
 #include <cstddef>
@@ -31,6 +38,7 @@
 
 #include "common/device_limits.h"   // DeviceLimits, device_limits
 #include "dtype.h"
+#include "norm_kind.h"
 
 namespace lnbwd {
 
@@ -53,11 +61,11 @@ struct LaunchPlan {
 struct LayernormBwdParams {
   void* dx;             // [rows, C] dtype
   void* dweight;        // [segments, C] dtype (float32 when weight_f32)
-  void* dbias;          // [segments, C] dtype (float32 when weight_f32)
+  void* dbias;          // [segments, C] dtype (float32 when weight_f32); null for kRmsNorm
   const void* dy;       // [rows, C] dtype
   const void* x;        // [rows, C] dtype
   const void* weight;   // [C] dtype (float32 when weight_f32), or [segments, C] when weight_stride == C
-  const void* mean;     // [rows] float32 (float64 when dtype is kF64)
+  const void* mean;     // [rows] float32 (float64 when dtype is kF64); null for kRmsNorm
   const void* rstd;     // [rows] float32 (float64 when dtype is kF64)
   int64_t rows;
   int64_t C;
@@ -73,6 +81,10 @@ struct LayernormBwdParams {
   // Kernels 11 and 12 only: llm.c's kernels 1-10 ignore these two, so the FFI glue refuses them there.
   const void* dresidual = nullptr;  // [rows, C] dtype, added to dx; null: nothing added
   bool weight_f32 = false;  // weight, dweight, dbias are float32 while dtype is kBF16 or kF16
+  // Kernels 11 and 12 only, as the two above: RMSNorm (mean and dbias null) and its weight
+  // offset, g_i = (offset + weight_i) * dy_i in the accumulator type (ignored for kLayerNorm).
+  NormKind norm = NormKind::kLayerNorm;
+  double offset = 0.0;
 };
 
 // The workspace starts with a header of this many bytes (completion flags, zeroed by the

@@ -14,6 +14,7 @@
 #include "backward/api.h"
 #include "common/device_limits.h"
 #include "common/occupancy.h"
+#include "backward/norm_weight.cuh"
 #include "backward/partials_finalize.h"
 #include "backward/partials_sum.cuh"
 #include "common/vec.cuh"
@@ -127,13 +128,19 @@ enum class BlocksPerSm {
 
 // The signature of the kernels that write per-block partial sums of dbias/dweight into the
 // workspace: (dx, partials, dy, x, weight, dresidual, mean, rstd, rows_per_segment,
-// blocks_per_segment, weight_stride, C, finish, extra...); weight has type O (dispatch_types),
-// dresidual is null unless the kernel was compiled to add it. Each ends with
+// blocks_per_segment, weight_stride, C, offset, finish, extra...); weight has type O
+// (dispatch_types), dresidual is null unless the kernel was compiled to add it. norm
+// (NormArgs, norm_weight.cuh) tells RMSNorm per launch: centered = 0 makes mean 0 and drops the
+// mean's gradient term (s1/C, k0), offset is added to the weight. RMSNorm's p.mean is null, so
+// the kernels get rstd in its place (a valid address, multiplied by 0). They still write the
+// dbias half of their slots (the slot layout is layernorm's); the finalize skips dbias when it
+// is null. Each ends with
 //   if (finish.dweight) finish_partials_in_grid(finish, partials, blocks_per_segment, C, warps, smem);
 // with at least grid_finish_smem bytes of dynamic shared memory free by then.
 template <typename T, typename O, typename... Extra>
 using PartialsKernel = void (*)(T*, acc_t<T>*, const T*, const T*, const O*, const T*, const stat_t<T>*,
-                                const stat_t<T>*, int64_t, int, int64_t, int, GridFinish<T, O>, Extra...);
+                                const stat_t<T>*, int64_t, int, int64_t, int, NormArgs<acc_t<T>>,
+                                GridFinish<T, O>, Extra...);
 
 template <typename T>
 constexpr size_t grid_finish_smem(int threads) {
@@ -166,6 +173,12 @@ template <typename T, typename O, typename... Extra, typename... Args>
 cudaError_t launch_with_partials(const LayernormBwdParams& p, PartialsKernel<T, O, Extra...> kernel, int threads,
                                  size_t smem, BlocksPerSm per_sm_rule, int rows_per_block, int cluster,
                                  cudaStream_t stream, Args... extra) {
+  // RMSNorm comes with mean and dbias null, layernorm with both: the kernels read the kind from
+  // mean, the finalize from dbias.
+  const bool rms = p.norm == NormKind::kRmsNorm;
+  if ((!rms && p.norm != NormKind::kLayerNorm) || rms != (p.mean == nullptr) || rms != (p.dbias == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
   LaunchPlan own;
   LaunchPlan& plan = p.plan ? *p.plan : own;
   DeviceLimits lim;
@@ -220,6 +233,8 @@ cudaError_t launch_with_partials(const LayernormBwdParams& p, PartialsKernel<T, 
     attrs[n_attrs].val.cooperative = 1;
     ++n_attrs;
   }
+  const NormArgs<acc_t<T>> norm = {acc_t<T>(rms ? 0 : 1),
+                                    static_cast<acc_t<T>>(kernel_offset(p.norm, p.offset))};
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned int>(bps * p.segments));
   cfg.blockDim = dim3(threads);
@@ -230,9 +245,9 @@ cudaError_t launch_with_partials(const LayernormBwdParams& p, PartialsKernel<T, 
   LNBWD_RETURN_IF_CUDA_ERROR(cudaLaunchKernelEx(
       &cfg, kernel, static_cast<T*>(p.dx), partials_of<T>(p), static_cast<const T*>(p.dy),
       static_cast<const T*>(p.x), static_cast<const O*>(p.weight), static_cast<const T*>(p.dresidual),
-      static_cast<const stat_t<T>*>(p.mean),
+      static_cast<const stat_t<T>*>(rms ? p.rstd : p.mean),
       static_cast<const stat_t<T>*>(p.rstd), p.rows / p.segments, static_cast<int>(bps), p.weight_stride,
-      static_cast<int>(p.C), finish, extra...));
+      static_cast<int>(p.C), norm, finish, extra...));
   return in_grid ? cudaSuccess : finalize_partials_launch(p, lim, static_cast<int>(units), stream);
 }
 

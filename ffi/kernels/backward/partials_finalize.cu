@@ -46,7 +46,7 @@ finalize_partials(O* __restrict__ dweight, O* __restrict__ dbias, const acc_t<T>
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");   // the partials' writer has finished
 #endif
-  sum_partials_tile<T, kBatch<V>, V, O>(dweight + segment * C, dbias + segment * C,
+  sum_partials_tile<T, kBatch<V>, V, O>(dweight + segment * C, dbias ? dbias + segment * C : nullptr,
                                   partials + segment * slots * 2 * static_cast<size_t>(C), slots, C, tile * 32 * V,
                                   static_cast<int>(blockDim.x / 32), sums);
 }

@@ -3,7 +3,7 @@
 // JAX_LNBWD_COOPERATIVE_FINISH=1, a cooperative grid that finishes its own sums after a
 // grid-wide barrier (finish_partials_in_grid, kernels 11 and 12). Both add every column over the
 // slots in the same fixed order every run: deterministic.
-//   dbias[c]   = sum over slots s of partials[s][0][c]
+//   dbias[c]   = sum over slots s of partials[s][0][c]   (not written when dbias is null: RMSNorm)
 //   dweight[c] = sum over slots s of partials[s][1][c]
 // T is the data's type (it sets the accumulator, acc_t<T>, and the tuning), O the type dweight
 // and dbias are stored as: T, or float beside 16-bit data (mixed precision; acc_t<O> == acc_t<T>).
@@ -83,9 +83,10 @@ __device__ __forceinline__ void sum_partials_tile(O* __restrict__ dweight, O* __
 #pragma unroll
       for (int v = 0; v < V; ++v) t[v] += s[v];
     }
-    O* out = (kind == 0 ? dbias : dweight) + c;
+    O* out = kind == 0 ? dbias : dweight;
+    if (out == nullptr) continue;   // RMSNorm has no dbias (a uniform branch)
 #pragma unroll
-    for (int v = 0; v < V; ++v) out[v] = from_acc<O>(t[v]);
+    for (int v = 0; v < V; ++v) out[c + v] = from_acc<O>(t[v]);
   }
 }
 
@@ -93,7 +94,7 @@ __device__ __forceinline__ void sum_partials_tile(O* __restrict__ dweight, O* __
 template <typename T, typename O = T>
 struct GridFinish {
   O* dweight = nullptr;   // [segments, C]; null: a finalize_partials launch follows instead
-  O* dbias = nullptr;     // [segments, C]
+  O* dbias = nullptr;     // [segments, C]; null for RMSNorm
   int segments = 1;
   int vec = 1;            // columns per lane of a tile: 1, 2, .. kFinishMaxVec<T> (finish_vec)
 };
@@ -148,7 +149,7 @@ __device__ void sum_tiles_in_grid(const GridFinish<T, O>& f, const acc_t<T>* par
   for (int64_t tile = blockIdx.x; tile < static_cast<int64_t>(tiles) * f.segments; tile += gridDim.x) {
     const int64_t segment = tile / tiles;
     const int c0 = static_cast<int>(tile % tiles) * 32 * V;
-    sum_partials_tile<T, kTileBatch<T, V>, V, O>(f.dweight + segment * C, f.dbias + segment * C,
+    sum_partials_tile<T, kTileBatch<T, V>, V, O>(f.dweight + segment * C, f.dbias ? f.dbias + segment * C : nullptr,
                                               partials + segment * slots * 2 * static_cast<size_t>(C), slots, C,
                                               c0, warps, sums);
     __syncthreads();   // warps 0 and 1 have read `sums` before the next tile overwrites it

@@ -22,6 +22,12 @@
 // add XLA would otherwise run on its own between the matmul and this kernel):
 //   s_i = round((x_i + x_bias_i) + residual_i)   in fp32 (fp64), in that order, rounded once
 //
+// RMSNorm (norm = NormKind::kRmsNorm; norm_kind.h): no mean is taken or subtracted,
+//   rstd = 1 / sqrt((1/C) sum_i x_i^2 + eps),   y_i = (x_i * rstd) * (offset + weight_i)
+// with offset + weight_i in the accumulator type (y_i = x_i * rstd without a weight); mean and
+// bias are null. The same kernels run it with mean = 0, skipping the mean's reduction; the
+// residual variant and x_bias are as above.
+//
 // Mixed precision: for bf16/fp16 x, weight, bias (and x_bias) may be float32 (params kept in fp32, as
 // Flax keeps them); they are used in fp32 as they are, never rounded to 16 bits.
 #pragma once
@@ -32,6 +38,7 @@
 #include <cuda_runtime_api.h>
 
 #include "dtype.h"
+#include "norm_kind.h"
 
 namespace lnbwd {
 
@@ -46,11 +53,11 @@ enum class FwdPath {
 // Outputs are written, never accumulated into.
 struct LayernormFwdParams {
   void* y;                // [rows, C] dtype
-  void* mean;             // [rows] float32 (float64 when dtype is kF64)
+  void* mean;             // [rows] float32 (float64 when dtype is kF64); null for kRmsNorm
   void* rstd;             // [rows] float32 (float64 when dtype is kF64)
   const void* x;          // [rows, C] dtype
   const void* weight;     // [weight_rows, C] param_dtype, or nullptr: no scale (1)
-  const void* bias;       // [bias_rows, C] param_dtype, or nullptr: no shift (0)
+  const void* bias;       // [bias_rows, C] param_dtype, or nullptr: no shift (0); null for kRmsNorm
   int64_t rows;
   int64_t C;              // >= 1, below 2^31
   // 1: one parameter row for all rows; S > 1 (dividing rows): the rows form S equal contiguous
@@ -69,6 +76,9 @@ struct LayernormFwdParams {
   // The residual variant only, optional: x's own bias, added to x before the residual.
   const void* x_bias;     // [x_bias_rows, C] param_dtype, or nullptr
   int64_t x_bias_rows;    // as weight_rows
+  // RMSNorm: mean and bias null; offset is added to the weight (ignored for kLayerNorm).
+  NormKind norm = NormKind::kLayerNorm;
+  double offset = 0.0;
 };
 
 // What the launcher runs for a shape: the path, the vector width (elements per access: 16 bytes,

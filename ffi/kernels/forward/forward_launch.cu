@@ -99,7 +99,11 @@ cudaError_t layernorm_fwd_pick(const LayernormFwdParams& p, LayernormFwdConfig* 
 
 cudaError_t layernorm_fwd(const LayernormFwdParams& p, cudaStream_t stream) {
   if (p.rows == 0) return cudaSuccess;   // nothing to read or write
-  if (p.x == nullptr || p.y == nullptr || p.mean == nullptr || p.rstd == nullptr) return cudaErrorInvalidValue;
+  if (p.x == nullptr || p.y == nullptr || p.rstd == nullptr) return cudaErrorInvalidValue;
+  // Layernorm writes mean; RMSNorm has neither mean nor bias (its kernels are told by mean null).
+  if (p.norm == NormKind::kLayerNorm && p.mean == nullptr) return cudaErrorInvalidValue;
+  if (p.norm == NormKind::kRmsNorm && (p.mean != nullptr || p.bias != nullptr)) return cudaErrorInvalidValue;
+  if (p.norm != NormKind::kLayerNorm && p.norm != NormKind::kRmsNorm) return cudaErrorInvalidValue;
   if ((p.residual == nullptr) != (p.s == nullptr)) return cudaErrorInvalidValue;   // the variant needs both
   for (int64_t prows : {p.weight_rows, p.bias_rows, p.x_bias_rows}) {
     if (prows < 0 || (prows > 0 && p.rows % prows != 0)) return cudaErrorInvalidValue;

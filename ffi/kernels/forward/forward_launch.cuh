@@ -48,6 +48,8 @@ FwdArgs<T, P> fwd_args(const LayernormFwdParams& p) {
   a.weight_div = p.rows / (p.weight_rows > 0 ? p.weight_rows : 1);
   a.bias_div = p.rows / (p.bias_rows > 0 ? p.bias_rows : 1);
   a.eps = static_cast<acc_t<T>>(p.eps);
+  // -0.0 for layernorm (kernel_offset, norm_kind.h): its weight is used exactly as loaded.
+  a.offset = static_cast<acc_t<T>>(kernel_offset(p.norm, p.offset));
   a.residual = static_cast<const T*>(p.residual);
   a.s = static_cast<T*>(p.s);
   a.x_bias = static_cast<const P*>(p.x_bias);

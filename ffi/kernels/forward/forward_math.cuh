@@ -11,10 +11,12 @@
 namespace lnbwd {
 
 // The kernels' arguments, typed. P is the parameters' storage type: T, or float for 16-bit T.
+// RMSNorm (NormKind::kRmsNorm) is told by mean == nullptr: the kernels then skip the mean's
+// reduction and use mean = 0, so that pass 2's sum of squares about the mean is sum x_i^2.
 template <typename T, typename P>
 struct FwdArgs {
   T* y;
-  stat_t<T>* mean;
+  stat_t<T>* mean;      // nullptr: RMSNorm (no mean taken, subtracted or written)
   stat_t<T>* rstd;
   const T* x;
   const P* weight;      // nullptr: scale 1
@@ -24,6 +26,7 @@ struct FwdArgs {
   int64_t weight_div;   // rows per weight row: row r uses weight row r / weight_div
   int64_t bias_div;
   acc_t<T> eps;
+  acc_t<T> offset;      // added to the weight (RMSNorm's 1 + w); -0.0 for layernorm (kernel_offset)
   // The residual variant only (the kernels' RES flag; unread otherwise): s = x + residual.
   const T* residual;
   T* s;
@@ -99,12 +102,14 @@ __device__ __forceinline__ A squares_about(const Packed<A, N>& v, A mean) {
   return s;
 }
 
-// y for one vector at column `col`: ((x - mean) * rstd) * w + b in the accumulator type, rounded
-// once to T. w and b are the parameter rows, or nullptr (absent): a uniform branch, the same
-// for every thread of the launch.
+// y for one vector at column `col`: ((x - mean) * rstd) * (offset + w) + b in the accumulator
+// type, rounded once to T. w and b are the parameter rows, or nullptr (absent): a uniform
+// branch, the same for every thread of the launch. offset (RMSNorm's shifted weight) is added
+// without a branch: layernorm's is -0.0 (kernel_offset, norm_kind.h), which leaves w exactly as
+// loaded.
 template <typename T, typename P, int VEC>
 __device__ __forceinline__ Packed<T, VEC> normalize(const Packed<T, VEC>& xv, acc_t<T> mean, acc_t<T> rstd,
-                                                    const P* w, const P* b, int col) {
+                                                    const P* w, const P* b, int col, acc_t<T> offset) {
   using A = acc_t<T>;
   const Packed<A, VEC> xf = to_acc(xv);
   Packed<A, VEC> out;
@@ -113,7 +118,7 @@ __device__ __forceinline__ Packed<T, VEC> normalize(const Packed<T, VEC>& xv, ac
   if (w != nullptr) {
     const Packed<A, VEC> wf = load_params<A, P, VEC>(w + col);
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) out[k] *= wf[k];
+    for (int k = 0; k < VEC; ++k) out[k] *= wf[k] + offset;
   }
   if (b != nullptr) {
     const Packed<A, VEC> bf = load_params<A, P, VEC>(b + col);
@@ -146,7 +151,8 @@ __device__ __forceinline__ A row_sum(A v, A* ex, int warps, int warp, int lane, 
 }
 
 // rstd from the sum of squared deviations: 1 / sqrt(var + eps), IEEE sqrt and division (not
-// rsqrt's approximation: one per row, and the C++ reference computes the same).
+// rsqrt's approximation: one per row, and the C++ reference computes the same). For RMSNorm the
+// deviations are about 0, so this is 1 / sqrt(mean(x^2) + eps).
 template <typename A>
 __device__ __forceinline__ A rstd_of(A squares, int C, A eps) {
   return A(1) / sqrt(squares / A(C) + eps);

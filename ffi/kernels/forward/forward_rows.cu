@@ -27,6 +27,8 @@
 //   pass 1: mean = (1/C) sum x_i                  (registers, then the group's sum)
 //   pass 2: var  = (1/C) sum (x_i - mean)^2       (the same registers: centered, exact two-pass)
 //   pass 3: y_i  = ((x_i - mean) rstd) w_i + b_i, rstd = 1/sqrt(var + eps), stored as T.
+// RMSNorm (api.h; a.mean null): pass 1 is skipped (mean = 0), so pass 2 sums x_i^2 and pass 3
+// is y_i = (x_i rstd) (offset + w_i).
 // RES (the residual variant, add_layernorm): the residual row is loaded next to x, the row
 // becomes s = x + residual rounded to T (add_round; with x's own bias, (x + x_bias) + residual:
 // add_bias_round, the bias from L1 like weight and bias) in the same registers, s is stored, and the
@@ -91,13 +93,14 @@ __device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tp
       }
     }
 
-    // Pass 1: the mean.
+    // Pass 1: the mean. RMSNorm (a.mean null, the same for the whole launch) skips its
+    // reduction: its mean is 0, and pass 2 then sums x_i^2.
     A s = A(0);
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
       if ((j * tpr + t) * VEC < C) s += sum_of(to_acc(xv[j]));
     }
-    const A mean = row_sum(s, ex_mean, warps, warp, lane, sync) / A(C);
+    const A mean = a.mean != nullptr ? row_sum(s, ex_mean, warps, warp, lane, sync) / A(C) : A(0);
 
     // Pass 2: the variance about that mean, from the same registers.
     A q = A(0);
@@ -114,12 +117,12 @@ __device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tp
     for (int j = 0; j < NV; ++j) {
       const int col = (j * tpr + t) * VEC;
       if (col < C) {
-        const V y = normalize<T, P, VEC>(xv[j], mean, rstd, w, b, col);
+        const V y = normalize<T, P, VEC>(xv[j], mean, rstd, w, b, col, a.offset);
         *reinterpret_cast<V*>(a.y + row * C + col) = y;
       }
     }
     if (t == 0) {
-      a.mean[row] = mean;
+      if (a.mean != nullptr) a.mean[row] = mean;
       a.rstd[row] = rstd;
     }
   }

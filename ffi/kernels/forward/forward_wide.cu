@@ -51,7 +51,8 @@ forward_wide(FwdArgs<T, P> a) {
       x = sum_row;          // passes 2 and 3 read the row from here (kGlobal)
     }
 
-    // Pass 1: the mean; the row goes to shared memory on the way.
+    // Pass 1: the mean; the row goes to shared memory on the way. RMSNorm (a.mean null, the
+    // same for the whole launch) skips the mean's reduction: mean = 0, pass 2 sums x_i^2.
     A s = A(0);
     for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
       V v;
@@ -68,7 +69,7 @@ forward_wide(FwdArgs<T, P> a) {
       if (IN_SMEM) held[i] = v;
       s += sum_of(to_acc(v));
     }
-    const A mean = row_sum(s, exchange[0], warps, warp, lane, sync) / A(C);
+    const A mean = a.mean != nullptr ? row_sum(s, exchange[0], warps, warp, lane, sync) / A(C) : A(0);
 
     // Pass 2: the centered variance.
     A q = A(0);
@@ -83,10 +84,10 @@ forward_wide(FwdArgs<T, P> a) {
     V* y = reinterpret_cast<V*>(a.y + row * C);
     for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
       const V v = IN_SMEM ? held[i] : load_cs(x + i);
-      y[i] = normalize<T, P, VEC>(v, mean, rstd, w, b, i * VEC);
+      y[i] = normalize<T, P, VEC>(v, mean, rstd, w, b, i * VEC, a.offset);
     }
     if (threadIdx.x == 0) {
-      a.mean[row] = mean;
+      if (a.mean != nullptr) a.mean[row] = mean;
       a.rstd[row] = rstd;
     }
   }

@@ -32,13 +32,15 @@ cudaError_t dispatch_llmc_dtypes(Dtype dtype, F&& f) {
 }
 
 // What every llm.c launcher checks before it launches, so that a kernel never runs on a problem
-// it would get wrong: the dtype and the segments (cudaErrorInvalidValue), the block size and C
+// it would get wrong: the dtype, the segments and RMSNorm (they compute layernorm only; the
+// FFI glue refuses it first) (cudaErrorInvalidValue), the block size and C
 // (cudaErrorInvalidConfiguration). Arithmetic only: the callers asked the registry first, and
 // a shared-memory need beyond the device's is refused by the driver at the opt-in (opt_in_smem)
 // before anything is launched. Sets *l to the kernel's limits for p.
 inline cudaError_t check_llmc_limits(int kernel, const LayernormBwdParams& p, LlmcLimits* l) {
   *l = llmc_limits(kernel, p.dtype, p.C, p.block_size);
   if (!l->dtype_ok || p.segments != 1 || p.weight_stride != 0 || p.rows < 1 || p.C < 1) return cudaErrorInvalidValue;
+  if (p.norm != NormKind::kLayerNorm) return cudaErrorInvalidValue;
   if (!l->block_size_ok || p.C % l->c_multiple != 0) return cudaErrorInvalidConfiguration;
   return cudaSuccess;
 }

@@ -16,6 +16,8 @@
 //          warp shuffles, then across the group's warps through shared memory;
 //   pass 2 (same registers):  dx_i = (g_i - s1/C - xhat_i * s2*rstd/C) * rstd,
 //          dbias_i += dy_i and dweight_i += dy_i * xhat_i in the group's shared-memory sums.
+// RMSNorm (norm.centered = 0; norm_weight.cuh): mean = 0 and a = 0 (no mean was subtracted, so
+// its gradient term is gone), and g_i = (offset + weight_i) * dy_i; the same code, told per launch.
 // Because a thread owns its columns, its shared-memory sums need no atomics and no barriers.
 // At the end the block adds its groups' sums (in group order) and writes them to its partial
 // slot; the slots are then added in slot order (launch_with_partials, backward/launch.cuh: by
@@ -27,6 +29,7 @@
 // the reduction's barrier; that doubles the data registers, so it is used for small NV only.
 #include "backward/launch.cuh"
 #include "backward/registers/kernel11.h"
+#include "backward/norm_weight.cuh"
 #include "backward/partials_finalize.h"
 #include "common/row_reduce.cuh"
 
@@ -62,11 +65,11 @@ __global__ void __launch_bounds__(max_threads(NV), 1)
 kernel11_rows(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __restrict__ dy,
               const T* __restrict__ x, const O* __restrict__ weight, const T* dresidual,
               const stat_t<T>* __restrict__ mean, const stat_t<T>* __restrict__ rstd, int64_t rows_per_segment,
-              int blocks_per_segment, int64_t weight_stride, int C, GridFinish<T, O> finish, int tpr, int groups) {
+              int blocks_per_segment, int64_t weight_stride, int C, NormArgs<acc_t<T>> norm, GridFinish<T, O> finish, int tpr,
+              int groups) {
   using A = acc_t<T>;
   allow_finalize_launch();
   using V = Packed<T, VEC>;
-  using WV = Packed<O, VEC>;
   using AV = Packed<A, VEC>;
   const int g = threadIdx.x / tpr;
   const int t = threadIdx.x % tpr;
@@ -105,14 +108,14 @@ kernel11_rows(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   A m = A(0), s = A(0);
   if (PREFETCH && row < rows) {
     load_row<T, VEC, NV>(dyv, xv, dy, x, row, C, tpr, t);
-    m = A(mean[row]);
+    m = norm.centered * A(mean[row]);
     s = A(rstd[row]);
   }
   int parity = 0;
   for (; row < rows; row += stride) {
     if (!PREFETCH) {
       load_row<T, VEC, NV>(dyv, xv, dy, x, row, C, tpr, t);
-      m = A(mean[row]);
+      m = norm.centered * A(mean[row]);
       s = A(rstd[row]);
     }
     // Prefetching takes the next row's mean and rstd with its data: loaded only when that row
@@ -121,7 +124,7 @@ kernel11_rows(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
     A next_m = A(0), next_s = A(0);
     if (PREFETCH && row + stride < rows) {
       load_row<T, VEC, NV>(next_dy, next_x, dy, x, row + stride, C, tpr, t);
-      next_m = A(mean[row + stride]);
+      next_m = norm.centered * A(mean[row + stride]);
       next_s = A(rstd[row + stride]);
     }
 
@@ -132,10 +135,10 @@ kernel11_rows(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
     for (int j = 0; j < NV; ++j) {
       const int col = (j * tpr + t) * VEC;
       if (col < C) {
-        const WV wv = load_vec<VEC>(weight + col);
+        const AV wv = weight_in_acc(load_vec<VEC>(weight + col), norm.offset);
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
-          const A gi = mul_rn(to_acc(wv[k]), to_acc(dyv[j][k]));
+          const A gi = mul_rn(wv[k], to_acc(dyv[j][k]));
           s1 += gi;
           s2 += gi * (to_acc(xv[j][k]) - m);
         }
@@ -165,7 +168,7 @@ kernel11_rows(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
       }
       parity ^= 1;
     }
-    const A a = s1 / A(C);
+    const A a = (norm.centered * s1) / A(C);   // RMSNorm: no mean, no mean term
     const A b = s2 * s / A(C);
 
     // Pass 2: dx, and this row's contribution to the group's dbias/dweight sums.
@@ -173,7 +176,7 @@ kernel11_rows(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
     for (int j = 0; j < NV; ++j) {
       const int col = (j * tpr + t) * VEC;
       if (col < C) {
-        const WV wv = load_vec<VEC>(weight + col);
+        const AV wv = weight_in_acc(load_vec<VEC>(weight + col), norm.offset);
         // The residual gradient: read here, once, by the thread that writes this dx (it may be
         // dx's own buffer, aliased).
         V rv;
@@ -185,7 +188,7 @@ kernel11_rows(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
         for (int k = 0; k < VEC; ++k) {
           const A d = to_acc(dyv[j][k]);
           const A xhat = (to_acc(xv[j][k]) - m) * s;
-          A v = (mul_rn(to_acc(wv[k]), d) - a - xhat * b) * s;
+          A v = (mul_rn(wv[k], d) - a - xhat * b) * s;
           if constexpr (RESID) v += to_acc(rv[k]);
           dxv[k] = from_acc<T>(v);
           db[k] += d;

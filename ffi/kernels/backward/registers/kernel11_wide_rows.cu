@@ -5,6 +5,7 @@
 //           the block (warp shuffles, then the 32 warp sums in warp order through shared memory);
 //   pass 2: reads the row again, writes dx_i = (g_i - s1/C - xhat_i * s2*rstd/C) * rstd, and adds
 //           dy_i and dy_i * xhat_i into the block's partial slot in the workspace.
+// RMSNorm (norm.centered = 0; norm_weight.cuh): mean = 0, no s1/C term, g_i = (offset + w_i) dy_i.
 //
 // The second read usually hits L2: the rows in flight (one per block) are a few MB in all, far
 // below the 50-60 MB L2, and pass 1 uses ordinary loads so the lines stay; pass 2 uses streaming
@@ -13,6 +14,7 @@
 // columns by one thread, so the read-modify-write needs no atomics and is deterministic.
 #include "backward/launch.cuh"
 #include "backward/registers/kernel11.h"
+#include "backward/norm_weight.cuh"
 #include "backward/partials_finalize.h"
 #include "common/row_reduce.cuh"
 
@@ -28,11 +30,10 @@ __global__ void __launch_bounds__(kThreads)
 kernel11_wide(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __restrict__ dy,
               const T* __restrict__ x, const O* __restrict__ weight, const T* dresidual,
               const stat_t<T>* __restrict__ mean, const stat_t<T>* __restrict__ rstd, int64_t rows_per_segment,
-              int blocks_per_segment, int64_t weight_stride, int C, GridFinish<T, O> finish) {
+              int blocks_per_segment, int64_t weight_stride, int C, NormArgs<acc_t<T>> norm, GridFinish<T, O> finish) {
   using A = acc_t<T>;
   allow_finalize_launch();
   using V = Packed<T, VEC>;
-  using WV = Packed<O, VEC>;
   using AV = Packed<A, VEC>;
   __shared__ Packed<A, 2> exchange[2][kThreads / 32];   // two buffers of (s1, s2) pairs, alternating rows
   const int lane = threadIdx.x % 32;
@@ -57,17 +58,17 @@ kernel11_wide(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
        row += blocks_per_segment) {
     const T* dy_r = dy + row * C;
     const T* x_r = x + row * C;
-    const A m = A(mean[row]);
+    const A m = norm.centered * A(mean[row]);   // RMSNorm: no mean
     const A s = A(rstd[row]);
 
     A s1 = A(0), s2 = A(0);
     for (int col = threadIdx.x * VEC; col < C; col += kThreads * VEC) {
       const V dyv = load(reinterpret_cast<const V*>(dy_r + col));
       const V xv = load(reinterpret_cast<const V*>(x_r + col));
-      const WV wv = load_vec<VEC>(weight + col);
+      const AV wv = weight_in_acc(load_vec<VEC>(weight + col), norm.offset);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
-        const A gi = mul_rn(to_acc(wv[k]), to_acc(dyv[k]));
+        const A gi = mul_rn(wv[k], to_acc(dyv[k]));
         s1 += gi;
         s2 += gi * (to_acc(xv[k]) - m);
       }
@@ -78,13 +79,13 @@ kernel11_wide(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
       __syncthreads();   // all warp sums posted; the other buffer is free for the next row
     });
     parity ^= 1;
-    const A a = s1 / A(C);
+    const A a = (norm.centered * s1) / A(C);   // RMSNorm: no mean term
     const A b = s2 * s / A(C);
 
     for (int col = threadIdx.x * VEC; col < C; col += kThreads * VEC) {
       const V dyv = load_cs(reinterpret_cast<const V*>(dy_r + col));
       const V xv = load_cs(reinterpret_cast<const V*>(x_r + col));
-      const WV wv = load_vec<VEC>(weight + col);
+      const AV wv = weight_in_acc(load_vec<VEC>(weight + col), norm.offset);
       V rv;   // the residual gradient, read once by the thread that writes this dx (maybe aliased)
       if constexpr (RESID) rv = load_cs(reinterpret_cast<const V*>(dresidual + row * C + col));
       AV db = *reinterpret_cast<AV*>(db_slot + col);
@@ -94,7 +95,7 @@ kernel11_wide(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
       for (int k = 0; k < VEC; ++k) {
         const A d = to_acc(dyv[k]);
         const A xhat = (to_acc(xv[k]) - m) * s;
-        A v = (mul_rn(to_acc(wv[k]), d) - a - xhat * b) * s;
+        A v = (mul_rn(wv[k], d) - a - xhat * b) * s;
         if constexpr (RESID) v += to_acc(rv[k]);
         dxv[k] = from_acc<T>(v);
         db[k] += d;

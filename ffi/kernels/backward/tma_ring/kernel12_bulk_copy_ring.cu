@@ -26,6 +26,9 @@
 //   pass 1: s1 = sum g_i, s2 = sum g_i (x_i - mean): shuffles, then across the group's warps;
 //   pass 2: dx_i = (g_i - s1/C - xhat_i s2 rstd/C) rstd, straight to global memory;
 //           dbias_i += dy_i, dweight_i += dy_i xhat_i in registers.
+// RMSNorm (norm.centered = 0; norm_weight.cuh): the same with mean = 0 and without the s1/C term
+// (k0 = 0), and the weight staged as offset + weight_i. The ring's copy of a row's mean then
+// carries its rstd a second time (the launcher passes rstd as mean; the product with 0 is used).
 // At the end the groups' sums meet in shared memory (in group order) and the block writes its
 // partial slot; the slots are then added in slot order (launch_with_partials, backward/launch.cuh:
 // by finalize_partials, or, opted in, by the grid itself after a grid-wide barrier).
@@ -45,6 +48,7 @@
 // (cluster_exchange.cuh) and adds the pair it receives, so both halves use the same s1 and s2.
 // The two blocks fill the two halves of one partial slot.
 #include "backward/launch.cuh"
+#include "backward/norm_weight.cuh"
 #include "backward/partials_finalize.h"
 #include "backward/tma_ring/row_math.cuh"
 #include "common/row_reduce.cuh"
@@ -70,7 +74,8 @@ __global__ void __launch_bounds__(kernel12_max_threads(NV * VEC * sizeof(acc_t<T
 kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __restrict__ dy,
               const T* __restrict__ x, const O* __restrict__ weight, const T* dresidual,
               const stat_t<T>* __restrict__ mean, const stat_t<T>* __restrict__ rstd, int64_t rows_per_segment,
-              int blocks_per_segment, int64_t weight_stride, int C, GridFinish<T, O> finish, int tpr, int groups) {
+              int blocks_per_segment, int64_t weight_stride, int C, NormArgs<acc_t<T>> norm, GridFinish<T, O> finish, int tpr,
+              int groups) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   allow_finalize_launch();
   using A = acc_t<T>;
@@ -156,7 +161,7 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   // Shared-memory mode stages the weight row, and the barrier publishes it.
   AV wv[NV];
   AV db[NV], dw[NV];
-  stage_weight_and_clear_sums<T, VEC, NV, REGS>(w_raw, wv, w_sh, db, dw, tpr, t, Cb);
+  stage_weight_and_clear_sums<T, VEC, NV, REGS>(w_raw, wv, w_sh, db, dw, tpr, t, Cb, norm.offset);
   if (!REGS) __syncthreads();
 
   int parity = 0;           // which exchange buffer this row uses
@@ -181,9 +186,9 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
     auto w_at = [&](int j, int col) -> AV {
       if constexpr (REGS) return wv[j];
       if constexpr (kWeightAcc) return *reinterpret_cast<const AV*>(w_sh + col);
-      return to_acc(*reinterpret_cast<const V*>(w_sh + col));
+      return weight_in_acc(*reinterpret_cast<const V*>(w_sh + col), norm.offset);   // offset + w (RMSNorm)
     };
-    const A m = A(stats[(g * NB + b) * 2]);
+    const A m = norm.centered * A(stats[(g * NB + b) * 2]);   // RMSNorm: no mean
     const A s = A(stats[(g * NB + b) * 2 + 1]);
 
     // Pass 1: the row's sums, over the thread's columns, its warp, then its group.
@@ -234,7 +239,7 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
     }
 
     // Pass 2: dx out (row_math.cuh), and the thread's column sums.
-    const RowCoefficients<A> coef(s1, s2, s, inv_c);
+    const RowCoefficients<A> coef(norm.centered * s1, s2, s, inv_c);   // RMSNorm: k0 = 0
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
       const int col = (j * tpr + t) * VEC;

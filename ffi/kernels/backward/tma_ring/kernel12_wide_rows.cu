@@ -13,6 +13,9 @@
 // dy and x once. The copies of pass 2 and of the next row's pass 1 are issued while the block
 // computes, so the ring never drains between the passes or between rows.
 //
+// RMSNorm (norm.centered = 0; norm_weight.cuh): mean = 0, k0 = 0, the weight staged as
+// offset + weight_i (the launcher passes rstd as mean: a valid address, multiplied by 0).
+//
 // Roles: 512 consumer threads (16 warps) compute; one more warp's lane 0 is the producer, which
 // only issues copies. Each buffer has two mbarriers: "full" (the copy has landed; the producer's
 // arrival announces the bytes, the cp.async unit's brings the row's mean and rstd) and "empty"
@@ -25,6 +28,7 @@
 // slot order (launch_with_partials, backward/launch.cuh). Deterministic.
 #include "backward/tma_ring/bulk_copy.cuh"
 #include "backward/launch.cuh"
+#include "backward/norm_weight.cuh"
 #include "backward/tma_ring/kernel12.h"
 #include "backward/partials_finalize.h"
 #include "backward/tma_ring/row_math.cuh"
@@ -49,7 +53,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 kernel12_wide(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __restrict__ dy,
               const T* __restrict__ x, const O* __restrict__ weight, const T* dresidual,
               const stat_t<T>* __restrict__ mean, const stat_t<T>* __restrict__ rstd, int64_t rows_per_segment,
-              int blocks_per_segment, int64_t weight_stride, int C, GridFinish<T, O> finish) {
+              int blocks_per_segment, int64_t weight_stride, int C, NormArgs<acc_t<T>> norm, GridFinish<T, O> finish) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   allow_finalize_launch();
   using A = acc_t<T>;
@@ -90,9 +94,10 @@ kernel12_wide(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  // The weight row, converted to acc_t once; the barrier also publishes the mbarriers.
+  // The weight row, converted to acc_t once (offset + weight for RMSNorm); the barrier also
+  // publishes the mbarriers.
   for (int c = threadIdx.x * VEC; c < C; c += kThreads * VEC) {
-    *reinterpret_cast<AV*>(w_sh + c) = to_acc(load_vec<VEC>(weight + c));
+    *reinterpret_cast<AV*>(w_sh + c) = weight_in_acc(load_vec<VEC>(weight + c), norm.offset);
   }
   __syncthreads();
 
@@ -107,9 +112,9 @@ kernel12_wide(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
           for (int c = 0; c < chunks; ++c, ++i) {
             const int b = static_cast<int>(i % kNB);
             if (i >= kNB) mbar_wait(&empty[b], static_cast<uint32_t>((i / kNB - 1) & 1));
-            const int64_t offset = row * C + static_cast<int64_t>(c) * kChunk;
+            const int64_t start = row * C + static_cast<int64_t>(c) * kChunk;
             const int n = min(kChunk, C - c * kChunk);
-            issue_row(&full[b], buf_dy(b), buf_x(b), &stats[2 * b], dy + offset, x + offset, mean + row, rstd + row,
+            issue_row(&full[b], buf_dy(b), buf_x(b), &stats[2 * b], dy + start, x + start, mean + row, rstd + row,
                       static_cast<uint32_t>(n * sizeof(T)));
           }
         }
@@ -144,7 +149,7 @@ kernel12_wide(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
       for (int c = 0; c < kMaxChunks; ++c) {
         if (c < chunks) {
           consume([&](int b) {
-            m = A(stats[2 * b]);
+            m = norm.centered * A(stats[2 * b]);   // RMSNorm: no mean
             s = A(stats[2 * b + 1]);
 #pragma unroll
             for (int jj = 0; jj < NVC; ++jj) {
@@ -167,7 +172,7 @@ kernel12_wide(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
       exchange_row_sums(exchange + parity * kConsumerWarps, kConsumerWarps, warp, lane, s1, s2,
                         [] { consumers_sync(); });
       parity ^= 1;
-      const RowCoefficients<A> coef(s1, s2, s, inv_c);
+      const RowCoefficients<A> coef(norm.centered * s1, s2, s, inv_c);   // RMSNorm: k0 = 0
 
 #pragma unroll
       for (int c = 0; c < kMaxChunks; ++c) {

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "backward/norm_weight.cuh"
 #include "backward/tma_ring/row_math.cuh"
 #include "common/vec.cuh"
 #include "backward/tma_ring/bulk_copy.cuh"
@@ -72,24 +73,26 @@ __device__ __forceinline__ void retire_ring_barriers(uint64_t* full, int g, uint
 }
 
 // While the first rows are in flight: the weight, converted to acc_t once here rather than in
-// every pass of every row, goes to registers (register mode) or to shared memory w_sh, which the
-// caller's barrier publishes; W = T stages a 16-bit weight unconverted, half the bytes. The
+// every pass of every row (with RMSNorm's offset added: weight_in_acc), goes to registers
+// (register mode) or to shared memory w_sh, which the caller's barrier publishes; W = T stages a
+// 16-bit weight unconverted, half the bytes (the passes add the offset as they convert it). The
 // thread's dbias/dweight sums start at 0. (These stores come a barrier after the mbarriers'
 // initialization: staged before it, they drew racecheck warnings against mbarrier.init.)
 template <typename T, int VEC, int NV, bool REGS, typename O, typename W>
 __device__ __forceinline__ void stage_weight_and_clear_sums(const Packed<O, VEC> (&w_raw)[NV],
                                                             Packed<acc_t<T>, VEC> (&wv)[NV], W* w_sh,
                                                             Packed<acc_t<T>, VEC> (&db)[NV],
-                                                            Packed<acc_t<T>, VEC> (&dw)[NV], int tpr, int t, int Cb) {
+                                                            Packed<acc_t<T>, VEC> (&dw)[NV], int tpr, int t, int Cb,
+                                                            acc_t<T> offset) {
   using A = acc_t<T>;
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
     const int col = (REGS ? j * tpr + t : j * static_cast<int>(blockDim.x) + static_cast<int>(threadIdx.x)) * VEC;
     if (col < Cb) {
       if (REGS) {
-        wv[j] = to_acc(w_raw[j]);
+        wv[j] = weight_in_acc(w_raw[j], offset);
       } else if constexpr (std::is_same_v<W, A>) {
-        *reinterpret_cast<Packed<A, VEC>*>(w_sh + col) = to_acc(w_raw[j]);
+        *reinterpret_cast<Packed<A, VEC>*>(w_sh + col) = weight_in_acc(w_raw[j], offset);
       } else if constexpr (std::is_same_v<O, T>) {
         *reinterpret_cast<Packed<T, VEC>*>(w_sh + col) = w_raw[j];
       }

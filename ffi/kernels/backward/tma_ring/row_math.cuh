@@ -9,6 +9,7 @@
 //           12 never sees C = 1 (its C is a multiple of the vector width);
 //           dbias_i += dy_i, dweight_i += dy_i xhat_i;
 //           with a residual gradient r (add_layernorm's backward), dx_i + r_i, rounded once.
+// RMSNorm: the callers pass mean = 0 and s1 = 0 (k0 = 0), and a weight of offset + weight_i.
 // Each pass widens its vectors of dy and x whole (to_acc of a Packed, vec.cuh: bf16 two
 // elements per 32-bit word, one instruction each) before the per-element math.
 #pragma once
