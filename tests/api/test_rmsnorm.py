@@ -38,8 +38,14 @@ def test_values_and_grads(platform, dtype, shape):
     dx64, dw64 = ref64(lambda dy, x, w, r: reference.rmsnorm_bwd(dy, x, w, r), dy, x, w, rstd)
     assert y.dtype == np_dtype(dtype) and dx.dtype == np_dtype(dtype) and dw.dtype == np_dtype(dtype)
     assert_close("y", y, y64, dtype)
-    assert_close("dx", dx, dx64, dtype)
     assert_close("dweight", dw, dw64, dtype)
+    if shape[-1] == 1:
+        # One element per row: x̂ = ±1 up to eps, and dx = g rstd (1 - x̂²) is the cancellation of
+        # two equal terms, ~eps/x² of g rstd; only its size is meaningful.
+        scale = np.abs(f64(dy) * f64(w) / np.abs(f64(x)))
+        assert np.all(np.abs(f64(dx)) <= 1e-2 * scale + 1e-30), (dx, dx64)
+    else:
+        assert_close("dx", dx, dx64, dtype)
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
@@ -77,7 +83,7 @@ def test_gemma_offset(platform, dtype):
 def test_no_weight(platform):
     x, dy, _, _ = make_inputs((9, 40), "float32", seed=4)
     f = jax.jit(jax.value_and_grad(lambda x: jnp.sum(rmsnorm(x, None) * dy)))
-    val, dx = f(*put(platform, x))
+    val, dx = f(put(platform, x))
     _, rstd = ref64(reference.rmsnorm_fwd, x, None)
     dx64, _ = ref64(lambda dy, x, r: reference.rmsnorm_bwd(dy, x, jnp.ones(40, jnp.float64), r), dy, x, rstd)
     assert_close("dx", dx, dx64, "float32")
