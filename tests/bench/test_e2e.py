@@ -30,12 +30,11 @@ pytest.importorskip("optax")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from conftest import RTOL  # noqa: E402
+from conftest import CHECKOUT, RTOL, bench_cwd  # noqa: E402
 
 import jax_lnbwd  # noqa: E402
 
-ROOT = os.path.join(os.path.dirname(__file__), "..")
-sys.path.insert(0, ROOT)  # the checkout: benchmarks/
+sys.path.insert(0, str(CHECKOUT))  # the checkout: benchmarks/
 from benchmarks.e2e import cli, config, report, trace, train, variants  # noqa: E402
 
 
@@ -120,7 +119,7 @@ def run_e2e(tmp_path, *extra, platform="cpu", cpu_devices=1):
     cmd = [sys.executable, "-m", "benchmarks.e2e", "--small", "--layers", "1", "--models", "vit",
            "--rounds", "2", "--steps", "1", "--warmup", "1", "--trace-steps", "1", "--round-seconds", "0",
            "--out", str(tmp_path), *extra]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(cmd, cwd=bench_cwd(tmp_path), env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout + done.stderr, json.loads((tmp_path / "e2e.json").read_text())["rows"]
 

@@ -23,8 +23,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-ROOT = os.path.join(os.path.dirname(__file__), "..")
-sys.path.insert(0, ROOT)  # the checkout: benchmarks/
+from conftest import CHECKOUT, bench_cwd  # noqa: E402
+
+sys.path.insert(0, str(CHECKOUT))  # the checkout: benchmarks/
 from benchmarks.e2e import config, floor, models_linen, models_nnx, train, variants  # noqa: E402
 
 
@@ -168,7 +169,7 @@ def test_the_command_prints_and_writes_the_floor(tmp_path):
     cmd = [sys.executable, "-m", "benchmarks.e2e", "--small", "--models", "gpt", "--apis", "linen",
            "--variants", "flax,jax_lnbwd", "--rounds", "2", "--steps", "2", "--round-seconds", "0",
            "--trace-steps", "1", "--trace-repeats", "1", "--no-progress", "--out", str(tmp_path)]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(cmd, cwd=bench_cwd(tmp_path), env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     text = (tmp_path / "e2e.txt").read_text()
     assert "byte floor of the layernorm work" in text and "+mix/fl" in text and "ceiling" in text

@@ -17,7 +17,7 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-SCRIPT = pathlib.Path(__file__).parent / "cuda" / "check_without_sm90.sh"
+SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "cuda" / "check_without_sm90.sh"
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build")
