@@ -65,6 +65,7 @@ def test_linen_and_nnx_build_the_same_model_and_every_step_traces(name):
     assert len(set(counts.values())) == 1, counts  # 13 LayerNorms' scale and bias in every one
 
 
+@pytest.mark.slow
 def test_the_jnp_forward_variant_traces_the_jnp_forward_only():
     """jax_lnbwd_jnp_forward: the drop-in traced under use_ffi_forward(False), whatever the
     process-wide setting; the drop-in itself, under use_ffi_forward(True), calls the fused
@@ -124,6 +125,7 @@ def run_e2e(tmp_path, *extra, platform="cpu", cpu_devices=1):
     return done.stdout + done.stderr, json.loads((tmp_path / "e2e.json").read_text())["rows"]
 
 
+@pytest.mark.slow
 def test_the_command_runs_end_to_end_in_a_pipe(tmp_path):
     # --round-seconds: the rounds are sized from a probe after the warm-up (a short round here)
     printed, rows = run_e2e(tmp_path, "--kernels", "3", "--round-seconds", "0.01")
@@ -162,6 +164,7 @@ def test_the_command_runs_end_to_end_in_a_pipe(tmp_path):
         assert (tmp_path / "e2e.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
 def test_the_data_parallel_command_runs_end_to_end(tmp_path):
     """--devices 2 on two host CPU devices: every variant runs data parallel, its trace sees
     both devices and their all-reduce, and the table gains the communication columns."""
@@ -190,6 +193,7 @@ OUR_CALL = re.compile(r'= \(?(\w+)\[([\d,]*)\].*custom_call_target="(jax_lnbwd_\
 
 @pytest.mark.skipif(jax.default_backend() != "cpu" or len(jax.devices()) < 2,
                     reason="runs on the CPU's host devices (conftest); a GPU runs the command")
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["jax_lnbwd", "add_layernorm"])
 def test_data_parallel_step_equals_one_device_and_moves_no_activations(variant):
     """2 devices with 2 examples each against 1 device with the same 4: the same losses, step

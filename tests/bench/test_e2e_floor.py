@@ -66,6 +66,7 @@ def test_the_rule_counts_the_models_norms(name):
 SCOPED = re.compile(models_linen.LN_SCOPE + r"/AddNorm_\w+?_(\d+)(/.*)?$")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(config.SMALL))
 def test_the_adds_in_the_layernorm_scope_are_the_rules(name):
     """In the step's jaxpr (jax_lnbwd's variant: its backward is one call, so every
@@ -164,6 +165,7 @@ def test_our_kernels_at_the_floor_on_made_up_rows():
                                                                           drop_in]))
 
 
+@pytest.mark.slow
 def test_the_command_prints_and_writes_the_floor(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0", NO_COLOR="", JAX_PLATFORMS="cpu")
     cmd = [sys.executable, "-m", "benchmarks.e2e", "--small", "--models", "gpt", "--apis", "linen",
