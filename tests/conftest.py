@@ -8,13 +8,22 @@ the CPU and the CUDA kernels on the GPU. GPU cases carry the `gpu` marker (regis
 pyproject.toml) and are skipped, not failed, on a machine without a GPU; `pytest -m gpu` runs
 only them and `pytest -m "not gpu"` none of them.
 
-Helpers are imported by the test modules with `from conftest import ...` (pytest puts this
-folder on sys.path, there being no tests/__init__.py).
+The tests live in folders by area (api/, transforms/, ops/, kernels/, flax/, bench/, install/;
+cuda/ is the standalone CUDA harness, not pytest). This file, at the top, is every folder's
+conftest. Helpers are imported by the test modules with `from conftest import ...`: pytest puts
+this folder on sys.path when it loads this conftest, and a test module's own folder when it
+imports the module (there is no __init__.py anywhere under tests/, so module names are unique
+across folders).
+
+Markers (registered in pyproject.toml): `gpu` (above), and `slow` for the long cases (the e2e
+bench's commands, exhaustive sweeps, builds): the default run includes them (CI runs everything);
+`pytest -m "not slow"` is the quick run while developing.
 """
 from __future__ import annotations
 
 import functools
 import os
+import pathlib
 
 # 8 host CPU devices, for the sharding tests (test_sharding.py): an XLA flag, read when JAX
 # creates its CPU client, so it is set before jax is imported. It changes only the CPU
@@ -22,6 +31,29 @@ import os
 # the default device as before.
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+
+def _gpu_possible() -> bool:
+    """Whether JAX could find a GPU here, asked before jax starts: JAX_PLATFORMS allows one and a
+    CUDA or ROCm PJRT plugin is installed (jax[cuda12], jax[cuda13]: jax_plugins.xla_cuda*)."""
+    import importlib.util
+    import pkgutil
+    platforms = [p.strip() for p in os.environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    if platforms and set(platforms) <= {"cpu"}:
+        return False
+    spec = importlib.util.find_spec("jax_plugins")
+    locations = spec.submodule_search_locations if spec is not None else None
+    return bool(locations) and any(m.name.startswith(("xla_cuda", "xla_rocm"))
+                                   for m in pkgutil.iter_modules(locations))
+
+
+# The CPU suite's time is mostly XLA compiling small programs (every test jits afresh, eager
+# jnp compiles op by op). Without a GPU, XLA's LLVM backend optimizes at level 0: about a third
+# less compile time, the same results (no fast math either way; our CPU handler is C++ built by
+# CMake, not XLA code). A run that may see a GPU keeps XLA's default (the GPU tests time
+# kernels beside XLA's), and so does an XLA_FLAGS that sets the level itself.
+if not _gpu_possible() and "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 import jax  # noqa: E402
 
@@ -125,12 +157,39 @@ PLATFORMS = [pytest.param("cpu", id="cpu"), pytest.param("gpu", id="gpu", marks=
 
 
 def pytest_collection_modifyitems(config, items):
+    # The long cases first (a stable sort: the rest keep their order): pytest-xdist hands out
+    # the first quarter of the tests one at a time to each worker in turn, so the long ones
+    # spread over the workers instead of one of them finishing alone at the end.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if HAS_GPU:
         return
     skip = pytest.mark.skip(reason="needs a GPU (jax.devices('gpu') found none)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# The checkout (or .ci/run's copy of tests/, examples/ and benchmarks/): benchmarks/ and examples/
+# are run from there. Its jax_lnbwd/ source folder is never what a test imports: see bench_cwd.
+CHECKOUT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def bench_cwd(tmp_path) -> pathlib.Path:
+    """A working directory for `python -m benchmarks...` in a subprocess: a folder under tmp_path
+    holding only a link to the checkout's benchmarks/. `python -m` puts the working directory
+    first on the child's sys.path; the checkout's would put its jax_lnbwd/ source folder ahead of
+    the installed package, which a non-editable install leaves without its compiled extension."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir(exist_ok=True)
+    link = cwd / "benchmarks"
+    if not link.exists():
+        link.symlink_to(CHECKOUT / "benchmarks", target_is_directory=True)
+    return cwd
+
+
+# The working directory for a `python -c` child (sys.path[0] is then the working directory):
+# tests/, which holds no package that could shadow an installed one.
+CHILD_CWD = str(pathlib.Path(__file__).resolve().parent)
 
 
 def shape_id(shape) -> str:

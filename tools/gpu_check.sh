@@ -3,8 +3,8 @@
 #   tools/gpu_check.sh STAGE...
 # Stages:
 #   build      pip install the package (no build isolation: the machine's jax and its CUDA plugin)
-#   tests      the GPU test suite (pytest -m gpu), the slow ones (a second build, 100,000 segments)
-#              included only with SLOW=1
+#   tests      the GPU test suite (pytest -m gpu), the `slow` ones (a second build, 100,000
+#              segments) included only with SLOW=1
 #   check      tests/cuda/check.cu for every kernel (LNBWD_QUICK=1), and the forward's check
 #   sanitize   compute-sanitizer over kernels 11 and 12 and the forward (run_sanitizers.sh)
 #   kernels    the kernel bench on the issue shapes, three dtypes
@@ -37,9 +37,9 @@ for stage in "$@"; do
       # (non-editable) package would be shadowed by the source folder, which has no extension.
       run build python3 -m pip install -q --no-build-isolation --no-deps -e . ;;
     tests)
-      deselect=()
-      [ -n "${SLOW:-}" ] || deselect=(--deselect tests/test_arch_build.py)
-      run tests python3 -m pytest -q -m gpu -n "${JOBS:-4}" "${deselect[@]}" tests ;;
+      marks="gpu and not slow"
+      [ -z "${SLOW:-}" ] || marks=gpu
+      run tests python3 -m pytest -q -m "$marks" -n "${JOBS:-4}" tests ;;
     check)
       nvcc -O3 -std=c++17 -arch=sm_90 -Iffi/kernels -Iffi tests/cuda/check.cu ffi/registry.cc \
         $(find ffi/kernels -name '*.cu') -o /tmp/lnbwd_check && LNBWD_QUICK=1 run check /tmp/lnbwd_check

@@ -5,7 +5,7 @@
 # which kernel 12's body (guarded by __CUDA_ARCH__ >= 900) is empty; the launcher sees that its
 # code is not for sm_90 (kernel_code_arch, ffi/kernels/common/occupancy.h) and runs kernel 11,
 # whose gradients must match the reference. Needs nvcc and a GPU of sm_90 or later.
-# tests/test_arch_build.py runs it.
+# tests/install/test_arch_build.py runs it.
 #   tests/cuda/check_without_sm90.sh [OUT_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/../.."

@@ -5,6 +5,8 @@ missing, building those variants is checked against stand-ins with the same cons
 (fake_ours) and the run of them skips with the reason."""
 from __future__ import annotations
 
+import sys
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -13,8 +15,11 @@ from flax import nnx
 
 import jax_lnbwd.flax
 import jax_lnbwd.flax.nnx
-from benchmarks.e2e import cli, config, report, train, variants, variants_rms
-from benchmarks.e2e.trace import our_calls
+from conftest import CHECKOUT
+
+sys.path.insert(0, str(CHECKOUT))  # the checkout: benchmarks/
+from benchmarks.e2e import cli, config, report, train, variants, variants_rms  # noqa: E402
+from benchmarks.e2e.trace import our_calls  # noqa: E402
 
 RMS = ("flax_rmsnorm", "jax_lnbwd_rmsnorm", "add_rmsnorm")
 

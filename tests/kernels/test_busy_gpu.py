@@ -21,6 +21,8 @@ import sys
 
 import pytest
 
+from conftest import CHILD_CWD
+
 pytestmark = pytest.mark.gpu
 
 SCRIPT = r'''
@@ -74,7 +76,7 @@ def test_backward_is_not_held_back_by_a_kernel_on_another_stream(kernel):
     pytest.importorskip("torch")
     env = dict(os.environ, JAX_PLATFORMS="cuda", XLA_PYTHON_CLIENT_PREALLOCATE="false")
     env.pop("JAX_LNBWD_COOPERATIVE_FINISH", None)
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, kernel], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, kernel], env=env, cwd=CHILD_CWD, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -23,8 +23,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-ROOT = os.path.join(os.path.dirname(__file__), "..")
-sys.path.insert(0, ROOT)  # the checkout: benchmarks/
+from conftest import CHECKOUT, bench_cwd  # noqa: E402
+
+sys.path.insert(0, str(CHECKOUT))  # the checkout: benchmarks/
 from benchmarks.e2e import config, floor, models_linen, models_nnx, train, variants, variants_rms  # noqa: E402
 
 
@@ -66,6 +67,7 @@ def test_the_rule_counts_the_models_norms(name):
 SCOPED = re.compile(models_linen.LN_SCOPE + r"/AddNorm_\w+?_(\d+)(/.*)?$")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(config.SMALL))
 def test_the_adds_in_the_layernorm_scope_are_the_rules(name):
     """In the step's jaxpr (jax_lnbwd's variant: its backward is one call, so every
@@ -168,12 +170,13 @@ def test_our_kernels_at_the_floor_on_made_up_rows():
                                                                           drop_in]))
 
 
+@pytest.mark.slow
 def test_the_command_prints_and_writes_the_floor(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0", NO_COLOR="", JAX_PLATFORMS="cpu")
     cmd = [sys.executable, "-m", "benchmarks.e2e", "--small", "--models", "gpt", "--apis", "linen", "--layers", "2",
            "--variants", "flax,jax_lnbwd", "--rounds", "2", "--steps", "2", "--round-seconds", "0",
            "--trace-steps", "1", "--trace-repeats", "1", "--no-progress", "--out", str(tmp_path)]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(cmd, cwd=bench_cwd(tmp_path), env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     text = (tmp_path / "e2e.txt").read_text()
     assert "byte floor of the layernorm work" in text and "+mix/fl" in text and "ceiling" in text

@@ -15,9 +15,9 @@ import subprocess
 
 import pytest
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]   # a second build of the package: minutes
 
-SCRIPT = pathlib.Path(__file__).parent / "cuda" / "check_without_sm90.sh"
+SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "cuda" / "check_without_sm90.sh"
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build")

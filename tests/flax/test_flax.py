@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
 import sys
 
 import jax
@@ -25,7 +24,7 @@ flax = pytest.importorskip("flax")
 optax = pytest.importorskip("optax")
 import flax.linen as nn  # noqa: E402
 
-from conftest import PLATFORMS, RTOL, device, rel_err  # noqa: E402
+from conftest import CHECKOUT, PLATFORMS, RTOL, device, rel_err  # noqa: E402
 from jax_lnbwd import TARGET  # noqa: E402
 from jax_lnbwd import TARGET_V2  # noqa: E402
 from jax_lnbwd.flax import LayerNorm  # noqa: E402
@@ -33,7 +32,7 @@ from jax_lnbwd.flax import LayerNorm  # noqa: E402
 # The example is a script, not part of the package: load it from its file (registered in
 # sys.modules first, as its dataclasses need).
 _spec = importlib.util.spec_from_file_location(
-    "flax_step_time", os.path.join(os.path.dirname(__file__), "..", "examples", "flax_step_time.py"))
+    "flax_step_time", CHECKOUT / "examples" / "flax_step_time.py")
 example = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(example)
 

@@ -4,6 +4,8 @@ Our rmsnorm rows need the rmsnorm FFI handlers; with a build that has none yet, 
 those rows skip (rms_handler_missing) and the peers' rows are still checked."""
 from __future__ import annotations
 
+import sys
+
 import functools
 import json
 
@@ -13,8 +15,11 @@ import numpy as np
 import pytest
 
 import jax_lnbwd
-from benchmarks.kernels import cli as bench
-from benchmarks.kernels import ops, pallas, timing
+from conftest import CHECKOUT
+
+sys.path.insert(0, str(CHECKOUT))  # the checkout: benchmarks/
+from benchmarks.kernels import cli as bench  # noqa: E402
+from benchmarks.kernels import ops, pallas, timing  # noqa: E402
 
 RMS_OPS = ("rmsnorm_bwd", "rmsnorm_fwd", "add_rmsnorm_fwd")
 

@@ -1,8 +1,8 @@
 """Checks of the fused forward (and its residual variant) on several devices; run by
 test_forward_sharding.py in a subprocess.
 
-    python tests/forward_sharding_checks.py --platform cpu     # 8 host CPU devices (XLA flag below)
-    python tests/forward_sharding_checks.py --platform gpu     # every visible GPU (at least 2)
+    python tests/transforms/forward_sharding_checks.py --platform cpu     # 8 host CPU devices (XLA flag below)
+    python tests/transforms/forward_sharding_checks.py --platform gpu     # every visible GPU (at least 2)
 
 Every check prints one JSON line {"check": name, "ok": bool, "detail": str}. "Sharded correctly"
 for the forward: the results equal one device's, y, mean and rstd keep x's row sharding, and the

@@ -102,7 +102,7 @@ def _ffi_api_version(include_dir) -> tuple[int, int]:
     return major, minor
 
 
-VENDORED = pathlib.Path(__file__).resolve().parents[1] / "third_party/xla_ffi/include"
+VENDORED = pathlib.Path(__file__).resolve().parents[2] / "third_party/xla_ffi/include"
 
 
 @pytest.mark.skipif(not VENDORED.is_dir(), reason="run from outside the source tree")

@@ -63,7 +63,7 @@ def test_launcher_facts_are_the_registrys():
     # The launchers' defaults, largest block sizes and dtypes are written once, in
     # ffi/kernels/backward/llmc/llmc_limits.h, which the registry (hence KERNELS) reads too: no launcher
     # keeps a default of its own, and the header's table is what KERNELS shows.
-    llmc = pathlib.Path(__file__).resolve().parents[1] / "ffi" / "kernels" / "llmc"
+    llmc = pathlib.Path(__file__).resolve().parents[2] / "ffi" / "kernels" / "llmc"
     if not llmc.is_dir():
         pytest.skip("the CUDA sources are not beside the tests")
     for src in sorted(llmc.glob("kernel*.cu")):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax import export
 
-from conftest import (DTYPES, OFFSET_RSTD_RTOL, PLATFORMS, STAT_RTOL, assert_close, device, f64, make_inputs,
+from conftest import (CHILD_CWD, DTYPES, OFFSET_RSTD_RTOL, PLATFORMS, STAT_RTOL, assert_close, device, f64, make_inputs,
                       np_dtype, put, shape_id)
 from jax_lnbwd import reference
 from jax_lnbwd import TARGET_FWD as TARGET
@@ -314,5 +314,5 @@ def test_cuda_graph_replay():
     it gives the same bits for the same input."""
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
                XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1")
-    proc = subprocess.run([sys.executable, "-c", _GRAPH_PROGRAM], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", _GRAPH_PROGRAM], env=env, cwd=CHILD_CWD, capture_output=True, text=True, timeout=300)
     assert "RESULT True" in proc.stdout, proc.stdout + proc.stderr[-3000:]

@@ -9,7 +9,9 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the checkout: benchmarks/
+from conftest import CHECKOUT
+
+sys.path.insert(0, str(CHECKOUT))  # the checkout: benchmarks/
 from benchmarks import _term  # noqa: E402
 from benchmarks.kernels import cli as bench  # noqa: E402
 from benchmarks.kernels import ops, timing  # noqa: E402

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import jax_lnbwd
-from conftest import RTOL, assert_close, direct_ffi_call, make_inputs, put, reference_bwd, reference_stats
+from conftest import CHILD_CWD, RTOL, assert_close, direct_ffi_call, make_inputs, put, reference_bwd, reference_stats
 
 pytestmark = pytest.mark.gpu
 
@@ -122,7 +122,7 @@ def test_refused_launch_names_kernel_shape_and_limit_then_a_good_call_works():
     env = dict(os.environ, JAX_PLATFORMS="cuda,cpu", XLA_PYTHON_CLIENT_PREALLOCATE="false",
                JAX_LNBWD_TEST_DEVICE_LIMITS=f"smem={4 * real_smem}")
     env.pop("JAX_LNBWD_COOPERATIVE_FINISH", None)
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(real_smem)], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(real_smem)], env=env, cwd=CHILD_CWD, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from conftest import RTOL
+from conftest import CHILD_CWD, RTOL
 
 pytestmark = pytest.mark.gpu
 
@@ -104,7 +104,7 @@ print(json.dumps(dict(limits=_jax_lnbwd.device_limits(dev), results=results)))
 def run_matrix(caps: str, cooperative: str, cases=CASES) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cuda,cpu", XLA_PYTHON_CLIENT_PREALLOCATE="false",
                JAX_LNBWD_TEST_DEVICE_LIMITS=caps, JAX_LNBWD_COOPERATIVE_FINISH=cooperative)
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(cases)], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(cases)], env=env, cwd=CHILD_CWD, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

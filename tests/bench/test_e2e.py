@@ -30,12 +30,11 @@ pytest.importorskip("optax")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from conftest import RTOL  # noqa: E402
+from conftest import CHECKOUT, RTOL, bench_cwd  # noqa: E402
 
 import jax_lnbwd  # noqa: E402
 
-ROOT = os.path.join(os.path.dirname(__file__), "..")
-sys.path.insert(0, ROOT)  # the checkout: benchmarks/
+sys.path.insert(0, str(CHECKOUT))  # the checkout: benchmarks/
 from benchmarks.e2e import cli, config, report, trace, train, variants  # noqa: E402
 
 
@@ -66,6 +65,7 @@ def test_linen_and_nnx_build_the_same_model_and_every_step_traces(name):
     assert len(set(counts.values())) == 1, counts  # 13 LayerNorms' scale and bias in every one
 
 
+@pytest.mark.slow
 def test_the_jnp_forward_variant_traces_the_jnp_forward_only():
     """jax_lnbwd_jnp_forward: the drop-in traced under use_ffi_forward(False), whatever the
     process-wide setting; the drop-in itself, under use_ffi_forward(True), calls the fused
@@ -120,11 +120,12 @@ def run_e2e(tmp_path, *extra, platform="cpu", cpu_devices=1):
     cmd = [sys.executable, "-m", "benchmarks.e2e", "--small", "--layers", "1", "--models", "vit", "--apis", "linen,nnx",
            "--rounds", "2", "--steps", "1", "--warmup", "1", "--trace-steps", "1", "--round-seconds", "0",
            "--out", str(tmp_path), *extra]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(cmd, cwd=bench_cwd(tmp_path), env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout + done.stderr, json.loads((tmp_path / "e2e.json").read_text())["rows"]
 
 
+@pytest.mark.slow
 def test_the_command_runs_end_to_end_in_a_pipe(tmp_path):
     # --round-seconds: the rounds are sized from a probe after the warm-up (a short round here)
     printed, rows = run_e2e(tmp_path, "--kernels", "3", "--round-seconds", "0.01")
@@ -163,6 +164,7 @@ def test_the_command_runs_end_to_end_in_a_pipe(tmp_path):
         assert (tmp_path / "e2e.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
 def test_the_data_parallel_command_runs_end_to_end(tmp_path):
     """--devices 2 on two host CPU devices: every variant runs data parallel, its trace sees
     both devices and their all-reduce, and the table gains the communication columns."""
@@ -191,6 +193,7 @@ OUR_CALL = re.compile(r'= \(?(\w+)\[([\d,]*)\].*custom_call_target="(jax_lnbwd_\
 
 @pytest.mark.skipif(jax.default_backend() != "cpu" or len(jax.devices()) < 2,
                     reason="runs on the CPU's host devices (conftest); a GPU runs the command")
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["jax_lnbwd", "add_layernorm"])
 def test_data_parallel_step_equals_one_device_and_moves_no_activations(variant):
     """2 devices with 2 examples each against 1 device with the same 4: the same losses, step

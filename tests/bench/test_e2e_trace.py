@@ -6,14 +6,15 @@ busy time), the median of repeated traces, the kinds of kernel names, and the --
 """
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
 
 pytest.importorskip("flax")
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the checkout: benchmarks/
+from conftest import CHECKOUT  # noqa: E402
+
+sys.path.insert(0, str(CHECKOUT))  # the checkout: benchmarks/
 from benchmarks.e2e import breakdown, trace  # noqa: E402
 
 HLO = """\

@@ -172,7 +172,8 @@ def test_jvp_of_jvp(platform):
 # --- check_grads, default modes (fwd and rev), orders 1 and 2 ----------------------------------
 
 # Order 2 with both parameters and with none (order 1 covers each combination; order 2 is slow).
-CHECK_GRADS_CASES = [(1, p) for p in PARAMS] + [(2, "weight-bias"), (2, "none")]
+# Order 2 is `slow` (a quick run has order 2 through test_double_backward.py's check_grads).
+CHECK_GRADS_CASES = [(1, p) for p in PARAMS] + [pytest.param(2, p, marks=pytest.mark.slow) for p in ("weight-bias", "none")]
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)

@@ -127,6 +127,7 @@ def test_vmap_of_grad_more_examples_than_resident_blocks(platform, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_vmap_of_grad_over_100000_examples(platform="gpu"):
     # 100,000 segments: more than a grid's y dimension allows (65,535), so the finalize kernel's
     # grid is one-dimensional over (segment, tile) (ffi/kernels/backward/partials_finalize.cu).

@@ -27,6 +27,7 @@ import sys
 
 import pytest
 
+from conftest import CHILD_CWD
 from jax_lnbwd import TARGET
 
 pytestmark = pytest.mark.gpu
@@ -100,7 +101,7 @@ def run_cases(flags: str):
     """Run SCRIPT under XLA_FLAGS += flags; (its results, its stderr)."""
     env = dict(os.environ, **LOG_ENV, JAX_PLATFORMS="cuda", XLA_PYTHON_CLIENT_PREALLOCATE="false",
                XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip())
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(CASES)], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(CASES)], env=env, cwd=CHILD_CWD, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, f"XLA_FLAGS={env['XLA_FLAGS']}: exit {proc.returncode}\n{proc.stderr[-5000:]}"
     line = next(line for line in reversed(proc.stdout.splitlines()) if line.startswith("RESULT "))
@@ -178,7 +179,7 @@ def test_raw_op_is_bit_identical_with_graphs():
     def run(flags):
         env = dict(os.environ, JAX_PLATFORMS="cuda", XLA_PYTHON_CLIENT_PREALLOCATE="false",
                    XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip())
-        proc = subprocess.run([sys.executable, "-c", RAW_SCRIPT, json.dumps(RAW_CASES)], env=env,
+        proc = subprocess.run([sys.executable, "-c", RAW_SCRIPT, json.dumps(RAW_CASES)], env=env, cwd=CHILD_CWD,
                               capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return json.loads(next(l for l in reversed(proc.stdout.splitlines()) if l.startswith("RESULT "))[7:])
