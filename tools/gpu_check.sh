@@ -6,8 +6,10 @@
 #   tests      the GPU test suite (pytest -m gpu), the `slow` ones (a second build, 100,000
 #              segments) included only with SLOW=1
 #   check      tests/cuda/check.cu for every kernel (LNBWD_QUICK=1), and the forward's check
-#   sanitize   compute-sanitizer over kernels 11 and 12 and the forward (run_sanitizers.sh)
+#   sanitize   compute-sanitizer over kernels 11 and 12 and the forward (run_sanitizers.sh,
+#              run_forward_sanitizers.sh) and RMSNorm through both (run_rms_sanitizers.sh)
 #   kernels    the kernel bench on the issue shapes, three dtypes
+#   rms        the kernel bench's rmsnorm rows (forward, backward, add) with every peer
 #   coop       the same bench with the cooperative in-grid finish (A/B of the launch path)
 #   forward    the forward bench
 #   e2e        the training-step bench
@@ -46,15 +48,19 @@ for stage in "$@"; do
       ;;
     sanitize)
       KERNELS="11 12" run sanitize tests/cuda/run_sanitizers.sh "$OUT/sanitizers"
-      run sanitize_forward tests/cuda/run_forward_sanitizers.sh "$OUT/forward_sanitizers" ;;
+      run sanitize_forward tests/cuda/run_forward_sanitizers.sh "$OUT/forward_sanitizers"
+      run sanitize_rms tests/cuda/run_rms_sanitizers.sh "$OUT/rms_sanitizers" ;;
     kernels)
       run kernels python3 -m benchmarks.kernels --dtypes bfloat16,float32,float16 --shapes "$SHAPES" \
         --no-progress --out "$OUT/kernels" ;;
     coop)
       JAX_LNBWD_COOPERATIVE_FINISH=1 run coop python3 -m benchmarks.kernels --dtypes bfloat16,float32,float16 \
         --shapes "$SHAPES" --peers copy --no-progress --out "$OUT/coop" ;;
+    rms)
+      run rms python3 -m benchmarks.kernels --op rmsnorm_fwd,rmsnorm_bwd,add_rmsnorm_fwd --dtypes bfloat16,float32 \
+        --no-progress --out "$OUT/rms" ;;
     forward)
-      run forward python3 benchmarks/forward.py ;;
+      run forward python3 -m benchmarks.kernels --op forward,add_forward --no-progress --out "$OUT/forward" ;;
     e2e)
       TAIL=40 run e2e python3 -m benchmarks.e2e ${E2E_ARGS:-} --out "$OUT/e2e" ;;
     *) echo "unknown stage $stage"; status=2 ;;
