@@ -63,12 +63,21 @@ def max_smem_bytes() -> int:
     return int(device_limits()["max_smem_per_block"])
 
 
-def _refuse(kernel: int) -> Callable[[int, str, int], str | None]:
-    def refuse(C: int, dtype: str, block_size: int) -> str | None:
+def dtype_name(dtype) -> str:
+    """The name of any dtype-like ('bfloat16', jnp.bfloat16, np.dtype('float32'), an array's
+    .dtype): what the C++ registry takes."""
+    import jax.numpy as jnp   # here: this module is read before jax is needed elsewhere
+
+    return jnp.dtype(dtype).name
+
+
+def _refuse(kernel: int) -> Callable[[int, object, int], str | None]:
+    def refuse(C: int, dtype, block_size: int) -> str | None:
         limits = device_limits()
-        return _jax_lnbwd.kernel_refusal(kernel, dtype, int(C), int(block_size),
+        return _jax_lnbwd.kernel_refusal(kernel, dtype_name(dtype), int(C), int(block_size),
                                          int(limits["max_smem_per_block"]), str(limits["source"]))
-    refuse.__doc__ = f"None if kernel {kernel} takes rows of C columns of dtype at block_size, else why not."
+    refuse.__doc__ = (f"None if kernel {kernel} takes rows of C columns of dtype (any dtype-like) at "
+                      "block_size, else why not.")
     return refuse
 
 

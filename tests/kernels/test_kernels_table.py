@@ -371,3 +371,13 @@ def test_gpu_build_has_cuda():
     # On a GPU machine the extension must have been built with the CUDA handler, or every
     # GPU test above would be testing nothing but an error.
     assert jax_lnbwd.WITH_CUDA
+
+
+def test_refuse_takes_any_dtype_like():
+    """refuse() takes a name, a jnp scalar type or a numpy dtype alike."""
+    import jax.numpy as jnp
+    import numpy as np
+    from jax_lnbwd import KERNELS
+    for like in ("float32", jnp.float32, np.dtype("float32")):
+        assert "C must be a multiple of 128" in KERNELS[8].refuse(16, like, 256)
+        assert KERNELS[8].refuse(128, like, 256) is None

@@ -25,6 +25,7 @@ import jax_lnbwd
 from conftest import HAS_GPU, assert_close
 from jax_lnbwd import reference
 from jax_lnbwd import ShardingFallbackWarning
+from jax_lnbwd.norms import LAYERNORM
 from jax_lnbwd.ops import backward as backward_op
 
 COLLECTIVE = re.compile(r"\b(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(-start)?\(")
@@ -151,7 +152,8 @@ def test_baseline_gathers(env):
     def bare(x, w, b, r):
         _, mean, rstd = reference.layernorm_fwd(x, w, b)
         kernel = jax_lnbwd.KERNELS[jax_lnbwd.DEFAULT_KERNEL]
-        return backward_op._local(False, r.astype(x.dtype), x, w, mean, rstd, 0, kernel.id, kernel.default_block_size)
+        return backward_op._local(LAYERNORM, False, 0.0, r.astype(x.dtype), x, w, mean, rstd, 0, kernel.id,
+                                  kernel.default_block_size)
     args = inputs((2 * env.n, 16, 256))
     jitted, _ = env.sharded(bare, env.mesh1, P("data"), *args)
     ops = collectives(jitted.lower(*args).compile().as_text())
@@ -371,50 +373,3 @@ def test_export_inside_shard_map(env):
     restored = export.deserialize(exported.serialize())
     for got, want in zip(jax.jit(restored.call)(*args), program(*args)):
         np.testing.assert_array_equal(got, want)
-
-
-def test_gspmd_partitioner(env):
-    """The older GSPMD partitioner (jax_use_shardy_partitioner=False) uses the same partition
-    and infer_sharding_from_operands: same results, same single psum."""
-    args = inputs(env.grid(128))
-    f = grads(jax_lnbwd.layernorm)
-    want = env.one_device(f, *args)
-    jax.config.update("jax_use_shardy_partitioner", False)
-    try:
-        jitted, got = env.sharded(f, env.mesh2, P("a", "b"), *args)
-        assert_grads_close(got, want)
-        assert_one_psum_no_gather(jitted, args, 128)
-    finally:
-        jax.config.update("jax_use_shardy_partitioner", True)
-
-
-@pytest.mark.parametrize("residual", [False, True], ids=["no-residual", "residual"])
-@pytest.mark.parametrize("shardy", [True, False], ids=["shardy", "gspmd"])
-def test_v2_mixed_precision_and_residual_rows_sharded(env, residual, shardy):
-    """Target v2 (ops.backward.partitioned_call) with bf16 data, a float32 weight and a
-    residual gradient, rows over both mesh axes: equal to one device's, dx keeps x's sharding,
-    dweight/dbias are float32, and the one psum is f32[2, C]; with both partitioners."""
-    from jax_lnbwd.ops import backward as backward_op
-    rng = np.random.default_rng(3)
-    shape, C = env.grid(128), 128
-    x, dy, res = (rng.standard_normal(shape).astype(jnp.bfloat16) for _ in range(3))
-    w = (1 + 0.1 * rng.standard_normal(C)).astype(np.float32)
-    _, mean, rstd = reference.layernorm_fwd(jnp.asarray(x), None, None)
-
-    def f(dy, x, w, mean, rstd, res):
-        return backward_op.partitioned_call(dy, x, w, mean, rstd, *((res,) if residual else ()), seg_dims=0,
-                                            kernel=12, block_size=0, v2=True)
-    args = (dy, x, w, mean, rstd, res)
-    want = env.one_device(f, *args)
-    rows, rep = NamedSharding(env.mesh2, P("a", "b")), NamedSharding(env.mesh2, P())
-    jax.config.update("jax_use_shardy_partitioner", shardy)
-    try:
-        jitted = jax.jit(f, in_shardings=(rows, rows, rep, rows, rows, rows))
-        got = jitted(*args)
-        assert got[1].dtype == got[2].dtype == jnp.float32
-        for name, g, w_ in zip(("dx", "dweight", "dbias"), got, want):
-            assert_close(name, g, w_, "bfloat16" if name == "dx" else "float32")
-        assert got[0].sharding.is_equivalent_to(rows, 3), got[0].sharding
-        assert_one_psum_no_gather(jitted, args, C)
-    finally:
-        jax.config.update("jax_use_shardy_partitioner", True)
