@@ -125,6 +125,17 @@ def stats(fn: str, x, **saved) -> None:
                             f"for x of dtype {dtype_name(x)}")
 
 
+def backward_args(fn: str, dy, x, weight, **saved) -> None:
+    """A raw backward's arguments: x, dy like x, a weight (required: for no scale pass ones) and
+    the saved statistics."""
+    globals()["x"](fn, x)
+    like_x(fn, "dy", dy, x)
+    if weight is None:
+        raise TypeError(f"{fn}: 'weight' must be an array (for no scale pass ones)")
+    param(fn, "weight", weight, x)
+    stats(fn, x, **saved)
+
+
 def kernel(fn: str, kernel_, block_size, dtype: str, C: int, *, mixed: bool = False,
            residual: bool = False, norm: str = "layernorm") -> tuple[int, int]:
     """(kernel id, block size) for the backward, checked against x's dtype and C, and against

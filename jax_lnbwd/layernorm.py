@@ -83,12 +83,7 @@ def layernorm_bwd(dy, x, weight, mean, rstd, *, kernel: int | None = None, block
     for every kernel. Differentiable (both modes, any order), and batchable.
     """
     fn = "layernorm_bwd"
-    _checks.x(fn, x)
-    _checks.like_x(fn, "dy", dy, x)
-    if weight is None:
-        raise TypeError(f"{fn}: 'weight' must be an array (for no scale pass ones)")
-    _checks.param(fn, "weight", weight, x)
-    _checks.stats(fn, x, mean=mean, rstd=rstd)
+    _checks.backward_args(fn, dy, x, weight, mean=mean, rstd=rstd)
     kernel, block_size = _checks.kernel(fn, kernel, block_size, _checks.dtype_name(x), x.shape[-1],
                                         mixed=_checks.is_mixed(x, weight))
     if config.xla_backward_enabled():

@@ -70,12 +70,7 @@ def rmsnorm_bwd(dy, x, weight, rstd, *, offset: float = 0.0, kernel: int | None 
     summed over all leading axes (under vmap: per example). Differentiable and batchable.
     """
     fn = "rmsnorm_bwd"
-    _checks.x(fn, x)
-    _checks.like_x(fn, "dy", dy, x)
-    if weight is None:
-        raise TypeError(f"{fn}: 'weight' must be an array (for no scale pass ones)")
-    _checks.param(fn, "weight", weight, x)
-    _checks.stats(fn, x, rstd=rstd)
+    _checks.backward_args(fn, dy, x, weight, rstd=rstd)
     offset = _checks.offset(fn, offset, weight)
     kernel, block_size = _checks.kernel(fn, kernel, block_size, _checks.dtype_name(x), x.shape[-1],
                                         mixed=_checks.is_mixed(x, weight), norm="rmsnorm")

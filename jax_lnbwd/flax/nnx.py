@@ -11,6 +11,19 @@ from flax import nnx
 from ._options import add_normalize, check_options, normalize
 
 
+class _XBias:
+    """The Add* modules' one extra Param: `x_bias` (num_features,) with use_x_bias=True, made by
+    x_bias_init (zeros) in param_dtype, else None. Put before the Flax class in the bases."""
+
+    def __init__(self, num_features: int, *args, use_x_bias: bool = False,
+                 x_bias_init=nnx.initializers.zeros_init(), rngs: nnx.Rngs, **kwargs):
+        super().__init__(num_features, *args, rngs=rngs, **kwargs)
+        self.x_bias = nnx.Param(x_bias_init(rngs.params(), (num_features,), self.param_dtype)) if use_x_bias else None
+
+    def x_bias_value(self):
+        return None if self.x_bias is None else self.x_bias[...]
+
+
 class LayerNorm(nnx.LayerNorm):
     """flax.nnx.LayerNorm, normalizing with jax_lnbwd.layernorm (backward: our FFI op).
 
@@ -28,7 +41,7 @@ class LayerNorm(nnx.LayerNorm):
         return normalize("nnx", x, *_params(self), epsilon=self.epsilon, dtype=self.dtype)
 
 
-class AddLayerNorm(nnx.LayerNorm):
+class AddLayerNorm(_XBias, nnx.LayerNorm):
     """The residual add and a LayerNorm in one: `y, s = AddLayerNorm(n, rngs=rngs)(x, residual)`
     is `s = x + residual; y = LayerNorm(n, rngs=rngs)(s)` (same arguments, state and dtypes as
     LayerNorm above) through jax_lnbwd.add_layernorm, whose backward adds s's cotangent inside
@@ -39,16 +52,10 @@ class AddLayerNorm(nnx.LayerNorm):
     (use_bias=False), added by the forward kernel: s = (x + x_bias) + residual (as linen's
     AddLayerNorm, jax_lnbwd/flax/linen.py)."""
 
-    def __init__(self, num_features: int, *args, use_x_bias: bool = False,
-                 x_bias_init=nnx.initializers.zeros_init(), rngs: nnx.Rngs, **kwargs):
-        super().__init__(num_features, *args, rngs=rngs, **kwargs)
-        self.x_bias = nnx.Param(x_bias_init(rngs.params(), (num_features,), self.param_dtype)) if use_x_bias else None
-
     def __call__(self, x, residual=None, *, mask=None):
         check_options(self, x, mask)
-        x_bias = None if self.x_bias is None else self.x_bias[...]
         return add_normalize("nnx", x, residual, *_params(self), epsilon=self.epsilon, dtype=self.dtype,
-                             x_bias=x_bias)
+                             x_bias=self.x_bias_value())
 
 
 def _params(module):
@@ -75,21 +82,15 @@ class RMSNorm(nnx.RMSNorm):
                          offset=self.offset)
 
 
-class AddRMSNorm(RMSNorm):
+class AddRMSNorm(_XBias, RMSNorm):
     """The residual add and an RMSNorm in one: `y, s = AddRMSNorm(n, rngs=rngs)(x, residual)`
     is `s = x + residual; y = RMSNorm(n, rngs=rngs)(s)` through jax_lnbwd.add_rmsnorm (as
     AddLayerNorm; use_x_bias adds the Param `x_bias`)."""
 
-    def __init__(self, num_features: int, *args, use_x_bias: bool = False,
-                 x_bias_init=nnx.initializers.zeros_init(), rngs: nnx.Rngs, **kwargs):
-        super().__init__(num_features, *args, rngs=rngs, **kwargs)
-        self.x_bias = nnx.Param(x_bias_init(rngs.params(), (num_features,), self.param_dtype)) if use_x_bias else None
-
     def __call__(self, x, residual=None, *, mask=None):
         check_options(self, x, mask)
-        x_bias = None if self.x_bias is None else self.x_bias[...]
         return add_normalize("nnx", x, residual, _scale(self), None, epsilon=self.epsilon, dtype=self.dtype,
-                             x_bias=x_bias, rms=True, offset=self.offset)
+                             x_bias=self.x_bias_value(), rms=True, offset=self.offset)
 
 
 def _scale(module):
