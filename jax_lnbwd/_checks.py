@@ -91,10 +91,16 @@ def fused_forward_args(fn: str, x_, weight, bias, eps_, x_bias=None):
     16-bit parameter next to a float32 one upcast to float32 (exact), so that all reach the
     kernel in one dtype."""
     eps_ = forward_args(fn, x_, {"weight": weight, "bias": bias, "x_bias": x_bias}, eps_)
-    present = [p for p in (weight, bias, x_bias) if p is not None]
+    return (eps_, *one_param_dtype(weight, bias, x_bias))
+
+
+def one_param_dtype(*params):
+    """The parameters (None stays None) in one dtype: a 16-bit one next to a float32 one is
+    upcast to float32 (exact), as the fused forward's kernels take one parameter dtype."""
+    present = [p for p in params if p is not None]
     if len({jnp.dtype(p.dtype) for p in present}) > 1:   # exact: bf16/f16 -> f32
-        weight, bias, x_bias = (None if p is None else p.astype(jnp.float32) for p in (weight, bias, x_bias))
-    return eps_, weight, bias, x_bias
+        return tuple(None if p is None else p.astype(jnp.float32) for p in params)
+    return params
 
 
 def like_x(fn: str, name: str, a, x) -> None:

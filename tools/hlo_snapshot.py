@@ -3,7 +3,8 @@
     python tools/hlo_snapshot.py OUT_DIR             # one file per program and platform
     diff -r BEFORE_DIR AFTER_DIR                      # a refactor must leave this empty
 
-The programs cover what the package promises: grad (with mixed precision), vmap with
+The programs cover what the package promises: grad (with mixed precision, also a float32
+weight beside a 16-bit bias), vmap with
 per-example weights, jvp, hessian, a sharded jit (Shardy), shard_map, add_layernorm with
 x_bias, the raw layernorm_fwd/layernorm_bwd, and the Flax drop-ins (linen and nnx). Each is
 lowered for the CPU and for CUDA (cross-platform lowering: no GPU needed). The text is
@@ -66,6 +67,9 @@ def programs():
         "grad_f32": (jax.grad(loss, argnums=(0, 1, 2)), (x, w, b)),
         "grad_bf16_mixed": (jax.grad(lambda x, w, b: jnp.sum(ln(x, w, b).astype(jnp.float32) ** 2),
                                      argnums=(0, 1, 2)), (xb, w, b)),
+        "grad_bf16_w32_b16": (jax.grad(lambda x, w, b: jnp.sum(ln(x, w, b).astype(jnp.float32) ** 2),
+                                       argnums=(0, 1, 2)), (xb, w, b.astype(jnp.bfloat16))),
+        "fwd_bf16_w32_b16": (lambda x, w, b: jax_lnbwd.layernorm_fwd(x, w, b), (xb, w, b.astype(jnp.bfloat16))),
         "grad_no_params": (jax.grad(lambda x: jnp.sum(ln(x, None, None) ** 2)), (x,)),
         "grad_kernel11": (jax.grad(lambda x, w, b: jnp.sum(ln(x, w, b, kernel=11) ** 2), argnums=(0, 1)), (x, w, b)),
         "vmap_grad_per_example": (jax.vmap(jax.grad(loss, argnums=(0, 1, 2))),

@@ -213,6 +213,7 @@ def _op(seg_dims: int, has_w: bool, has_b: bool, eps: float, has_res: bool = Fal
 def norm_fwd_op(norm: Norm, x, weight, bias, eps: float, offset: float = 0.0):
     """(y, *stats) of `norm` over the last axis by the fused FFI forward, for any rank >= 1
     (checked by the caller's public function or fused_forward_args)."""
+    weight, bias = _checks.one_param_dtype(weight, bias)
     params = tuple(p for p in (weight, bias) if p is not None)
     op = _op(0, weight is not None, bias is not None, eps, False, False, norm, offset)
     if x.ndim == 1:  # one row: the op needs a row axis
@@ -223,6 +224,7 @@ def norm_fwd_op(norm: Norm, x, weight, bias, eps: float, offset: float = 0.0):
 def add_norm_fwd_op(norm: Norm, x, residual, weight, bias, eps: float, x_bias=None, offset: float = 0.0):
     """(y, s, *stats): s = x + residual rounded to x's dtype (with x_bias, (x + x_bias) +
     residual), and `norm`'s (y, *stats) of s, by the residual-fused FFI forward."""
+    weight, bias, x_bias = _checks.one_param_dtype(weight, bias, x_bias)
     params = tuple(p for p in (x_bias, weight, bias) if p is not None)
     op = _op(0, weight is not None, bias is not None, eps, True, x_bias is not None, norm, offset)
     if x.ndim == 1:  # one row: the op needs a row axis
