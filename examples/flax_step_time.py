@@ -2,7 +2,7 @@
 
 For measurements use ``python -m benchmarks.e2e`` (GPT-, BERT- and ViT-style models in linen and
 nnx, interleaved rounds, a kernel trace attributed to layernorm). This script stays as the
-small model that tests/test_flax.py trains to compare the two LayerNorms' loss curves.
+small model that tests/flax/test_flax.py trains to compare the two LayerNorms' loss curves.
 
     python examples/flax_step_time.py            # H200-sized: batch 16, seq 1024, d_model 1600, bf16
     python examples/flax_step_time.py --small    # a few seconds on a CPU
@@ -21,7 +21,7 @@ jax.block_until_ready; the median is printed, with the loss after the last step 
 should agree to the compute dtype's precision). The compute dtype is `--dtype` (params stay
 float32, as in mixed-precision training).
 
-tests/test_flax.py trains this model, --small, for 20 steps with each LayerNorm and checks
+tests/flax/test_flax.py trains this model, --small, for 20 steps with each LayerNorm and checks
 that parameters and losses match and that our custom call is in the compiled step.
 """
 from __future__ import annotations

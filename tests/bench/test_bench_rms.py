@@ -1,4 +1,4 @@
-"""The kernel bench's rmsnorm rows and its Pallas peer, on CPU (tests/test_bench.py: the rest).
+"""The kernel bench's rmsnorm rows and its Pallas peer, on CPU (tests/bench/test_bench.py: the rest).
 
 Our rmsnorm rows need the rmsnorm FFI handlers; with a build that has none yet, the tests of
 those rows skip (rms_handler_missing) and the peers' rows are still checked."""
