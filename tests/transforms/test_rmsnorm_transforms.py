@@ -161,3 +161,30 @@ def test_bit_identical_runs():
     for _ in range(3):
         for a, b in zip(first, f(*args)):
             np.testing.assert_array_equal(a, np.asarray(b))
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("kernel", [11, 12])
+def test_nested_vmap_add_rmsnorm_per_example(platform, kernel):
+    """vmap of vmap of add_rmsnorm's gradient with per-example weights, on kernels 11 and 12: one
+    backward call, each example's dweight its own sum, x and residual getting the same ds."""
+    rng = np.random.default_rng(11)
+    x, r = (rng.standard_normal((2, 3, 4, 24)).astype(np.float32) for _ in range(2))
+    ws = (1 + 0.1 * rng.standard_normal((2, 3, 24))).astype(np.float32)
+
+    def g(x, r, w):
+        return jax.grad(lambda x, r, w: jnp.sum(add_rmsnorm(x, r, w, kernel=kernel)[0] ** 2), argnums=(0, 1, 2))(x, r, w)
+
+    f = jax.jit(jax.vmap(jax.vmap(g)))
+    args = put(platform, x, r, ws)
+    assert f.lower(*args).as_text().count(BWD_CALL) == 1
+    got = f(*args)
+
+    def ref(x, r, w):
+        return jnp.sum(reference.rmsnorm(x + r, w) ** 2)
+
+    for i in range(2):
+        for j in range(3):
+            want = jax.grad(ref, argnums=(0, 1, 2))(*(jnp.asarray(f64(a[i, j])) for a in (x, r, ws)))
+            for name, a, b in zip(("dx", "dresidual", "dweight"), got, want):
+                assert_close(f"{name}[{i},{j}]", a[i, j], b, "float32")
