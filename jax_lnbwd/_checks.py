@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import reference
+from . import kernels
 from .kernels import DEFAULT_KERNEL, KERNELS, v2_refusal
 
 SUPPORTED = ("float32", "bfloat16", "float16", "float64")
@@ -20,7 +21,8 @@ SIXTEEN_BIT = ("bfloat16", "float16")
 
 
 def dtype_name(a) -> str:
-    return str(jnp.dtype(a.dtype))
+    """The name of an array's dtype, as kernels.dtype_name gives it for any dtype-like."""
+    return kernels.dtype_name(a.dtype)
 
 
 def array(fn: str, name: str, a, *, optional: bool = False) -> None:
@@ -86,14 +88,6 @@ def forward_args(fn: str, x_, params: dict, eps_) -> float:
     return eps_
 
 
-def fused_forward_args(fn: str, x_, weight, bias, eps_, x_bias=None):
-    """The fused FFI forward's arguments; returns (eps as float, weight, bias, x_bias) with a
-    16-bit parameter next to a float32 one upcast to float32 (exact), so that all reach the
-    kernel in one dtype."""
-    eps_ = forward_args(fn, x_, {"weight": weight, "bias": bias, "x_bias": x_bias}, eps_)
-    return (eps_, *one_param_dtype(weight, bias, x_bias))
-
-
 def one_param_dtype(*params):
     """The parameters (None stays None) in one dtype: a 16-bit one next to a float32 one is
     upcast to float32 (exact), as the fused forward's kernels take one parameter dtype."""
@@ -131,15 +125,15 @@ def stats(fn: str, x, **saved) -> None:
                             f"for x of dtype {dtype_name(x)}")
 
 
-def backward_args(fn: str, dy, x, weight, **saved) -> None:
+def backward_args(fn: str, dy, x_, weight, **saved) -> None:
     """A raw backward's arguments: x, dy like x, a weight (required: for no scale pass ones) and
     the saved statistics."""
-    globals()["x"](fn, x)
-    like_x(fn, "dy", dy, x)
+    x(fn, x_)
+    like_x(fn, "dy", dy, x_)
     if weight is None:
         raise TypeError(f"{fn}: 'weight' must be an array (for no scale pass ones)")
-    param(fn, "weight", weight, x)
-    stats(fn, x, **saved)
+    param(fn, "weight", weight, x_)
+    stats(fn, x_, **saved)
 
 
 def kernel(fn: str, kernel_, block_size, dtype: str, C: int, *, mixed: bool = False,

@@ -15,6 +15,8 @@ import functools
 import math
 from typing import Callable, Mapping
 
+import jax.numpy as jnp
+
 from . import _jax_lnbwd
 
 # Bytes at the start of the workspace before the partial sums (ffi/kernels/backward/api.h).
@@ -66,8 +68,6 @@ def max_smem_bytes() -> int:
 def dtype_name(dtype) -> str:
     """The name of any dtype-like ('bfloat16', jnp.bfloat16, np.dtype('float32'), an array's
     .dtype): what the C++ registry takes."""
-    import jax.numpy as jnp   # here: this module is read before jax is needed elsewhere
-
     return jnp.dtype(dtype).name
 
 

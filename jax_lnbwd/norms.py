@@ -34,10 +34,6 @@ class Norm:
     offset: bool = False      # takes `offset`, added to the weight by the kernels
 
     @property
-    def add_name(self) -> str:
-        return "add_" + self.name
-
-    @property
     def targets(self) -> tuple[str, ...]:
         return tuple(t for t in (self.bwd_target, self.bwd_target_v2, self.fwd_target, self.add_fwd_target,
                                  self.add_bias_fwd_target) if t is not None)

@@ -168,16 +168,18 @@ def _transpose(fn: str, tangent_names, linear_transpose, nonlinear_names, cts, *
 
 
 def define(name: str, formula, linear_transpose, *, fn: str, tangent_names: tuple[str, ...], n_out: int = 1,
-           norm=LAYERNORM, static: tuple[str, ...] = STATIC) -> Primitive:
+           norm=LAYERNORM) -> Primitive:
     """The primitive `name`, a tangent map of `fn` (a function of `norm`) with the rules above.
 
     formula(x, weight, *stats, *tangents, **static) -> its n_out results in jnp.
     linear_transpose(cts, x, weight, *stats, *tangents, **static) -> the cotangents of the
     tangent operands (named `tangent_names`, None where not transposed).
+    static: seg_dims, kernel, block_size, and offset for a norm that takes one.
     """
     p = Primitive(name)
     p.multiple_results = n_out > 1
     n_stats, n_params = len(norm.stats), len(norm.params)
+    static = STATIC + (("offset",) if norm.offset else ())
 
     def impl(*args, **params):
         out = formula(*args, **params)
@@ -193,118 +195,96 @@ def define(name: str, formula, linear_transpose, *, fn: str, tangent_names: tupl
     return p
 
 
-# --- layernorm ------------------------------------------------------------------------------
+# --- each norm's formula ------------------------------------------------------------------------
+
+def _per_column(p, rows: int, acc):
+    """(*segments', C) -> (*segments', 1 per row axis, C) in `acc`: broadcasts against x."""
+    return p.astype(acc).reshape(p.shape[:-1] + (1,) * rows + p.shape[-1:])
+
 
 def tangent_reference(x, weight, mean, rstd, dx, dweight, dbias, *, seg_dims: int, **_):
     """dy, layernorm's formula above in jnp, accumulated in float32 (float64 for float64)."""
     acc = reference.acc_dtype(x.dtype)
     rows = x.ndim - 1 - seg_dims
-
-    def per_column(p):  # (*segments', C) -> (*segments', 1 per row axis, C): broadcasts against x
-        return p.astype(acc).reshape(p.shape[:-1] + (1,) * rows + p.shape[-1:])
-
     r = rstd.astype(acc)[..., None]
     xhat = (x.astype(acc) - mean.astype(acc)[..., None]) * r
     d = dx.astype(acc)
     dxhat = (d - jnp.mean(d, axis=-1, keepdims=True) - xhat * jnp.mean(xhat * d, axis=-1, keepdims=True)) * r
-    dy = dxhat * per_column(weight) + xhat * per_column(dweight) + per_column(dbias)
+    dy = dxhat * _per_column(weight, rows, acc) + xhat * _per_column(dweight, rows, acc) \
+        + _per_column(dbias, rows, acc)
     return dy.astype(x.dtype)
-
-
-def _layernorm_transpose(ct, x, weight, mean, rstd, dx, dweight, dbias, *, seg_dims, kernel, block_size):
-    """(dx, dweight, dbias) cotangents by the FFI op: dy -> the layernorm backward."""
-    linear = (dx, dweight, dbias)
-    if type(ct) is ad.Zero or not any(ad.is_undefined_primal(t) for t in linear):
-        return (None,) * 3
-    gx, gweight, gbias = ffi_backward(LAYERNORM, ct, x, weight, (mean, rstd), (dweight, dbias), None,
-                                      seg_dims=seg_dims, kernel=kernel, block_size=block_size)
-    return gx if ad.is_undefined_primal(dx) else None, gweight, gbias
-
-
-tangent_p = define("jax_lnbwd_layernorm_tangent", tangent_reference, _layernorm_transpose,
-                   fn="layernorm", tangent_names=("dx", "dweight", "dbias"))
-
-
-def add_tangent_reference(s, weight, mean, rstd, dx, dresidual, dweight, dbias, *, seg_dims: int, **_):
-    """(dy, ds) in jnp: ds = dx + dresidual in s's dtype (as jnp's x + residual), dy from ds."""
-    ds = dx + dresidual
-    return tangent_reference(s, weight, mean, rstd, ds, dweight, dbias, seg_dims=seg_dims), ds
-
-
-def _add_transpose(cts, s, weight, mean, rstd, dx, dresidual, dweight, dbias, *, seg_dims, kernel, block_size):
-    """(gy, gs) -> (dx, dresidual, dweight, dbias) cotangents: one FFI call, gs added to dx in it."""
-    gy, gs = cts
-    if type(gy) is ad.Zero:          # only s is used: its cotangent passes to x and residual
-        if type(gs) is ad.Zero:
-            return (None,) * 4
-        g, gweight, gbias = gs, None, None
-    else:
-        g, gweight, gbias = ffi_backward(LAYERNORM, gy, s, weight, (mean, rstd), (dweight, dbias),
-                                         None if type(gs) is ad.Zero else gs,
-                                         seg_dims=seg_dims, kernel=kernel, block_size=block_size)
-    return tuple(g if ad.is_undefined_primal(t) else None for t in (dx, dresidual)) + (gweight, gbias)
-
-
-add_tangent_p = define("jax_lnbwd_add_layernorm_tangent", add_tangent_reference, _add_transpose,
-                       fn="add_layernorm", tangent_names=("dx", "dresidual", "dweight", "dbias"), n_out=2)
-
-
-# --- rmsnorm --------------------------------------------------------------------------------
-
-RMS_STATIC = STATIC + ("offset",)
 
 
 def rms_tangent_reference(x, weight, rstd, dx, dweight, *, seg_dims: int, offset: float, **_):
     """dy, rmsnorm's formula above in jnp, accumulated in float32 (float64 for float64)."""
     acc = reference.acc_dtype(x.dtype)
     rows = x.ndim - 1 - seg_dims
-
-    def per_column(p):  # (*segments', C) -> (*segments', 1 per row axis, C): broadcasts against x
-        return p.reshape(p.shape[:-1] + (1,) * rows + p.shape[-1:])
-
     r = rstd.astype(acc)[..., None]
     xhat = x.astype(acc) * r
     d = dx.astype(acc)
     dxhat = (d - xhat * jnp.mean(xhat * d, axis=-1, keepdims=True)) * r
-    dy = dxhat * per_column(reference.scale(weight, offset, acc)) + xhat * per_column(dweight.astype(acc))
+    dy = dxhat * _per_column(reference.scale(weight, offset, acc), rows, acc) + xhat * _per_column(dweight, rows, acc)
     return dy.astype(x.dtype)
 
 
-def _rms_transpose(ct, x, weight, rstd, dx, dweight, *, seg_dims, kernel, block_size, offset):
-    """(dx, dweight) cotangents by the FFI op: dy -> the rmsnorm backward."""
-    if type(ct) is ad.Zero or not any(ad.is_undefined_primal(t) for t in (dx, dweight)):
-        return (None,) * 2
-    gx, gweight = ffi_backward(RMSNORM, ct, x, weight, (rstd,), (dweight,), None, seg_dims=seg_dims,
-                               kernel=kernel, block_size=block_size, offset=offset)
-    return gx if ad.is_undefined_primal(dx) else None, gweight
+# --- the plain and the add_* map of a norm, written once -----------------------------------------
+# Operands: (x, weight, *stats, dx, *ptangents) and (s, weight, *stats, dx, dresidual, *ptangents),
+# ptangents the parameters' tangents (dweight[, dbias]).
+
+def _add_formula(formula, n_stats: int):
+    """add_*'s (dy, ds) in jnp: ds = dx + dresidual in s's dtype (as jnp's x + residual), dy the
+    norm's map applied to ds."""
+    def add_formula(s, weight, *rest, **params):
+        stats, (dx, dresidual), ptangents = rest[:n_stats], rest[n_stats:n_stats + 2], rest[n_stats + 2:]
+        ds = dx + dresidual
+        return formula(s, weight, *stats, ds, *ptangents, **params), ds
+    return add_formula
 
 
-rms_tangent_p = define("jax_lnbwd_rmsnorm_tangent", rms_tangent_reference, _rms_transpose, fn="rmsnorm",
-                       tangent_names=("dx", "dweight"), norm=RMSNORM, static=RMS_STATIC)
+def _norm_transpose(norm):
+    """dy -> (dx, *parameter cotangents) by the FFI op: the norm's backward."""
+    n = len(norm.stats)
+
+    def transpose(ct, x, weight, *rest, **params):
+        stats, dx, ptangents = rest[:n], rest[n], rest[n + 1:]
+        if type(ct) is ad.Zero or not any(ad.is_undefined_primal(t) for t in (dx, *ptangents)):
+            return (None,) * (1 + len(ptangents))
+        gx, *grads = ffi_backward(norm, ct, x, weight, stats, ptangents, None, **params)
+        return (gx if ad.is_undefined_primal(dx) else None, *grads)
+    return transpose
 
 
-def add_rms_tangent_reference(s, weight, rstd, dx, dresidual, dweight, **params):
-    """(dy, ds) in jnp: ds = dx + dresidual in s's dtype, dy from ds."""
-    ds = dx + dresidual
-    return rms_tangent_reference(s, weight, rstd, ds, dweight, **params), ds
+def _add_norm_transpose(norm):
+    """(gy, gs) -> (dx, dresidual, *parameter cotangents): one FFI call, gs added to dx in it."""
+    n = len(norm.stats)
+
+    def transpose(cts, s, weight, *rest, **params):
+        stats, (dx, dresidual), ptangents = rest[:n], rest[n:n + 2], rest[n + 2:]
+        gy, gs = cts
+        if type(gy) is ad.Zero:          # only s is used: its cotangent passes to x and residual
+            if type(gs) is ad.Zero:
+                return (None,) * (2 + len(ptangents))
+            g, grads = gs, (None,) * len(ptangents)
+        else:
+            g, *grads = ffi_backward(norm, gy, s, weight, stats, ptangents, None if type(gs) is ad.Zero else gs,
+                                     **params)
+        return tuple(g if ad.is_undefined_primal(t) else None for t in (dx, dresidual)) + tuple(grads)
+    return transpose
 
 
-def _add_rms_transpose(cts, s, weight, rstd, dx, dresidual, dweight, *, seg_dims, kernel, block_size, offset):
-    """(gy, gs) -> (dx, dresidual, dweight) cotangents: one FFI call, gs added to dx in it."""
-    gy, gs = cts
-    if type(gy) is ad.Zero:
-        if type(gs) is ad.Zero:
-            return (None,) * 3
-        g, gweight = gs, None
-    else:
-        g, gweight = ffi_backward(RMSNORM, gy, s, weight, (rstd,), (dweight,), None if type(gs) is ad.Zero else gs,
-                                  seg_dims=seg_dims, kernel=kernel, block_size=block_size, offset=offset)
-    return tuple(g if ad.is_undefined_primal(t) else None for t in (dx, dresidual)) + (gweight,)
+def _primitives(norm, formula):
+    """(the norm's tangent-map primitive, add_*'s), e.g. jax_lnbwd_layernorm_tangent and
+    jax_lnbwd_add_layernorm_tangent."""
+    ptangents = tuple("d" + p for p in norm.params)
+    plain = define(f"jax_lnbwd_{norm.name}_tangent", formula, _norm_transpose(norm), fn=norm.name,
+                   tangent_names=("dx", *ptangents), norm=norm)
+    add = define(f"jax_lnbwd_add_{norm.name}_tangent", _add_formula(formula, len(norm.stats)),
+                 _add_norm_transpose(norm), fn=f"add_{norm.name}", tangent_names=("dx", "dresidual", *ptangents),
+                 n_out=2, norm=norm)
+    return plain, add
 
 
-add_rms_tangent_p = define("jax_lnbwd_add_rmsnorm_tangent", add_rms_tangent_reference, _add_rms_transpose,
-                           fn="add_rmsnorm", tangent_names=("dx", "dresidual", "dweight"), n_out=2,
-                           norm=RMSNORM, static=RMS_STATIC)
+_PRIMITIVES = {LAYERNORM: _primitives(LAYERNORM, tangent_reference), RMSNORM: _primitives(RMSNORM, rms_tangent_reference)}
 
 
 # --- bound by the norms' custom_jvps (autodiff.py) ---------------------------------------------
@@ -313,11 +293,9 @@ def tangent_map(norm, x, weight, stats, ptangents, dx, **params):
     """dy = `norm`'s tangent map at (x, weight, *stats) applied to (dx, *ptangents). Operands in
     the layout above; params: seg_dims, kernel and block_size of the FFI backward that the
     transpose runs (and rmsnorm's offset)."""
-    p = tangent_p if norm.centered else rms_tangent_p
-    return bind(p, x, weight, *stats, dx, *ptangents, **params)
+    return bind(_PRIMITIVES[norm][0], x, weight, *stats, dx, *ptangents, **params)
 
 
 def add_tangent_map(norm, s, weight, stats, ptangents, dx, dresidual, **params):
     """(dy, ds), the tangents of add_*'s (y, s)."""
-    p = add_tangent_p if norm.centered else add_rms_tangent_p
-    return bind(p, s, weight, *stats, dx, dresidual, *ptangents, **params)
+    return bind(_PRIMITIVES[norm][1], s, weight, *stats, dx, dresidual, *ptangents, **params)

@@ -178,9 +178,15 @@ def forward_xla(x, w, b):
     return reference.layernorm_fwd(x, w, b, EPS)
 
 
-def _forward_impls(case, args, combos):
-    return [Impl("ours", forward_ours, False)] + (
-        [Impl("xla", forward_xla, True)] if "xla" in args.peers else []) + _pallas("layernorm_fwd", args)
+def _forward_impls_of(ours, xla, op: str):
+    """An op's forward entries: ours, XLA's jnp (with --peers xla) and Pallas's."""
+    def impls(case, args, combos):
+        return [Impl("ours", ours, False)] + ([Impl("xla", xla, True)] if "xla" in args.peers else []) \
+            + _pallas(op, args)
+    return impls
+
+
+_forward_impls = _forward_impls_of(forward_ours, forward_xla, "layernorm_fwd")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,14 +223,21 @@ def add_forward_xla(x, r, w, b):
     return y, s, mean, rstd
 
 
-def _add_forward_impls(case, args, combos):
-    exact_s = {"s": 0}
-    out = [Impl("ours", add_forward_ours, False, exact_s)]
-    if "ours-unfus" in args.peers:
-        out.append(Impl("ours-unfus", add_forward_unfused, False, exact_s))
-    if "xla" in args.peers:
-        out.append(Impl("xla", add_forward_xla, True, exact_s))
-    return out
+def _add_forward_impls_of(ours, unfused, xla):
+    """An add_* forward's entries: ours, jnp's add then our forward (ours-unfus), XLA's; s must
+    equal jnp's add bit for bit in each."""
+    def impls(case, args, combos):
+        exact_s = {"s": 0}
+        out = [Impl("ours", ours, False, exact_s)]
+        if "ours-unfus" in args.peers:
+            out.append(Impl("ours-unfus", unfused, False, exact_s))
+        if "xla" in args.peers:
+            out.append(Impl("xla", xla, True, exact_s))
+        return out
+    return impls
+
+
+_add_forward_impls = _add_forward_impls_of(add_forward_ours, add_forward_unfused, add_forward_xla)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,9 +310,7 @@ def rms_forward_xla(x, w):
     return reference.rmsnorm_fwd(x, w, EPS)
 
 
-def _rms_forward_impls(case, args, combos):
-    return [Impl("ours", rms_forward_ours, False)] + (
-        [Impl("xla", rms_forward_xla, True)] if "xla" in args.peers else []) + _pallas("rmsnorm_fwd", args)
+_rms_forward_impls = _forward_impls_of(rms_forward_ours, rms_forward_xla, "rmsnorm_fwd")
 
 
 def _prepare_add_rms_forward(rows, C, dtype, params, key) -> Case:
@@ -327,14 +338,7 @@ def add_rms_forward_xla(x, r, w):
     return y, s, rstd
 
 
-def _add_rms_forward_impls(case, args, combos):
-    exact_s = {"s": 0}
-    out = [Impl("ours", add_rms_forward_ours, False, exact_s)]
-    if "ours-unfus" in args.peers:
-        out.append(Impl("ours-unfus", add_rms_forward_unfused, False, exact_s))
-    if "xla" in args.peers:
-        out.append(Impl("xla", add_rms_forward_xla, True, exact_s))
-    return out
+_add_rms_forward_impls = _add_forward_impls_of(add_rms_forward_ours, add_rms_forward_unfused, add_rms_forward_xla)
 
 
 OPS = {op.name: op for op in (

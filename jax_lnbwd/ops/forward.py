@@ -212,7 +212,8 @@ def _op(seg_dims: int, has_w: bool, has_b: bool, eps: float, has_res: bool = Fal
 
 def norm_fwd_op(norm: Norm, x, weight, bias, eps: float, offset: float = 0.0):
     """(y, *stats) of `norm` over the last axis by the fused FFI forward, for any rank >= 1
-    (checked by the caller's public function or fused_forward_args)."""
+    (checked by the caller: a public function or one of the *_fwd_op below). Parameters of
+    two dtypes reach the kernel in one (_checks.one_param_dtype)."""
     weight, bias = _checks.one_param_dtype(weight, bias)
     params = tuple(p for p in (weight, bias) if p is not None)
     op = _op(0, weight is not None, bias is not None, eps, False, False, norm, offset)
@@ -235,7 +236,7 @@ def add_norm_fwd_op(norm: Norm, x, residual, weight, bias, eps: float, x_bias=No
 def layernorm_fwd_op(x, weight, bias, eps: float = 1e-5):
     """(y, mean, rstd) of layernorm over the last axis, by the fused FFI forward (see the module
     docstring for shapes and dtypes)."""
-    eps, weight, bias, _ = _checks.fused_forward_args("layernorm_fwd", x, weight, bias, eps)
+    eps = _checks.forward_args("layernorm_fwd", x, {"weight": weight, "bias": bias}, eps)
     return norm_fwd_op(LAYERNORM, x, weight, bias, eps)
 
 
@@ -244,14 +245,14 @@ def add_layernorm_fwd_op(x, residual, weight, bias, eps: float = 1e-5, x_bias=No
     residual), and layernorm's (y, mean, rstd) of s, by the residual-fused FFI forward (see the
     module docstring). residual must have x's shape and dtype; x_bias is a (C,) parameter."""
     fn = "add_layernorm_fwd"
-    eps, weight, bias, x_bias = _checks.fused_forward_args(fn, x, weight, bias, eps, x_bias)
+    eps = _checks.forward_args(fn, x, {"weight": weight, "bias": bias, "x_bias": x_bias}, eps)
     _checks.residual(fn, residual, x)
     return add_norm_fwd_op(LAYERNORM, x, residual, weight, bias, eps, x_bias)
 
 
 def rmsnorm_fwd_op(x, weight, eps: float = 1e-6, offset: float = 0.0):
     """(y, rstd) of rmsnorm over the last axis, by the fused FFI forward."""
-    eps, weight, _, _ = _checks.fused_forward_args("rmsnorm_fwd", x, weight, None, eps)
+    eps = _checks.forward_args("rmsnorm_fwd", x, {"weight": weight}, eps)
     return norm_fwd_op(RMSNORM, x, weight, None, eps, _checks.offset("rmsnorm_fwd", offset, weight))
 
 
@@ -259,6 +260,6 @@ def add_rmsnorm_fwd_op(x, residual, weight, eps: float = 1e-6, x_bias=None, offs
     """(y, s, rstd): s = x + residual (with x_bias, (x + x_bias) + residual) rounded to x's
     dtype, and rmsnorm's (y, rstd) of s, by the residual-fused FFI forward."""
     fn = "add_rmsnorm_fwd"
-    eps, weight, _, x_bias = _checks.fused_forward_args(fn, x, weight, None, eps, x_bias)
+    eps = _checks.forward_args(fn, x, {"weight": weight, "x_bias": x_bias}, eps)
     _checks.residual(fn, residual, x)
     return add_norm_fwd_op(RMSNORM, x, residual, weight, None, eps, x_bias, _checks.offset(fn, offset, weight))
