@@ -6,6 +6,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <type_traits>
+
 #include "forward/api.h"
 #include "forward/forward_math.cuh"
 
@@ -34,6 +36,17 @@ cudaError_t dispatch_fwd_types(const LayernormFwdParams& p, F&& f) {
   return cudaErrorInvalidValue;
 }
 
+// Calls f(kind, T{}, P{}) with the norm kind as a type (std::integral_constant<NormKind, K>):
+// the kernels take it as a template parameter (forward_math.cuh says why).
+template <typename F>
+cudaError_t dispatch_fwd_kinds(const LayernormFwdParams& p, F&& f) {
+  return dispatch_fwd_types(p, [&](auto t, auto pt) -> cudaError_t {
+    if (p.norm == NormKind::kRmsNorm) return f(std::integral_constant<NormKind, NormKind::kRmsNorm>{}, t, pt);
+    if (p.norm == NormKind::kLayerNorm) return f(std::integral_constant<NormKind, NormKind::kLayerNorm>{}, t, pt);
+    return cudaErrorInvalidValue;
+  });
+}
+
 template <typename T, typename P>
 FwdArgs<T, P> fwd_args(const LayernormFwdParams& p) {
   FwdArgs<T, P> a;
@@ -48,7 +61,7 @@ FwdArgs<T, P> fwd_args(const LayernormFwdParams& p) {
   a.weight_div = p.rows / (p.weight_rows > 0 ? p.weight_rows : 1);
   a.bias_div = p.rows / (p.bias_rows > 0 ? p.bias_rows : 1);
   a.eps = static_cast<acc_t<T>>(p.eps);
-  // -0.0 for layernorm (kernel_offset, norm_kind.h): its weight is used exactly as loaded.
+  // RMSNorm's kernels add it to the weight; -0.0 where there is none (kernel_offset, norm_kind.h).
   a.offset = static_cast<acc_t<T>>(kernel_offset(p.norm, p.offset));
   a.residual = static_cast<const T*>(p.residual);
   a.s = static_cast<T*>(p.s);

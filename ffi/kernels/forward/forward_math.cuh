@@ -11,12 +11,14 @@
 namespace lnbwd {
 
 // The kernels' arguments, typed. P is the parameters' storage type: T, or float for 16-bit T.
-// RMSNorm (NormKind::kRmsNorm) is told by mean == nullptr: the kernels then skip the mean's
-// reduction and use mean = 0, so that pass 2's sum of squares about the mean is sum x_i^2.
+// The norm kind is the kernels' template parameter K, not a field: layernorm's kernels compile
+// to exactly the instructions they had before RMSNorm joined them, and RMSNorm's carry no mean
+// pass. The bf16 forward is close to its issue limit (about a thousand instructions per row of
+// 1600 per warp), so an add per element that layernorm does not need costs it time.
 template <typename T, typename P>
 struct FwdArgs {
   T* y;
-  stat_t<T>* mean;      // nullptr: RMSNorm (no mean taken, subtracted or written)
+  stat_t<T>* mean;      // nullptr for RMSNorm (not read by its kernels)
   stat_t<T>* rstd;
   const T* x;
   const P* weight;      // nullptr: scale 1
@@ -26,7 +28,7 @@ struct FwdArgs {
   int64_t weight_div;   // rows per weight row: row r uses weight row r / weight_div
   int64_t bias_div;
   acc_t<T> eps;
-  acc_t<T> offset;      // added to the weight (RMSNorm's 1 + w); -0.0 for layernorm (kernel_offset)
+  acc_t<T> offset;      // RMSNorm's: added to the weight (offset + w); unread by layernorm's kernels
   // The residual variant only (the kernels' RES flag; unread otherwise): s = x + residual.
   const T* residual;
   T* s;
@@ -102,28 +104,57 @@ __device__ __forceinline__ A squares_about(const Packed<A, N>& v, A mean) {
   return s;
 }
 
-// y for one vector at column `col`: ((x - mean) * rstd) * (offset + w) + b in the accumulator
-// type, rounded once to T. w and b are the parameter rows, or nullptr (absent): a uniform
-// branch, the same for every thread of the launch. offset (RMSNorm's shifted weight) is added
-// without a branch: layernorm's is -0.0 (kernel_offset, norm_kind.h), which leaves w exactly as
-// loaded.
-template <typename T, typename P, int VEC>
+// Pass 2's share for norm kind K: layernorm's squared deviations about the mean, RMSNorm's
+// plain squares x_k^2 (it has no mean).
+template <NormKind K, typename A, int N>
+__device__ __forceinline__ A squares_of(const Packed<A, N>& v, A mean) {
+  if constexpr (K == NormKind::kLayerNorm) {
+    return squares_about(v, mean);
+  } else {
+    A s = A(0);
+#pragma unroll
+    for (int k = 0; k < N; ++k) s += v[k] * v[k];
+    return s;
+  }
+}
+
+// y for one vector at column `col`, in the accumulator type, rounded once to T:
+//   layernorm (K = kLayerNorm): ((x - mean) * rstd) * w + b
+//   RMSNorm   (K = kRmsNorm):   (x * rstd) * (offset + w)      (no bias: b is null)
+// w and b are the parameter rows, or nullptr (absent): a uniform branch, the same for every
+// thread of the launch. RMSNorm's offset + w is added unconditionally; where the caller gave
+// no offset it is -0.0 (kernel_offset, norm_kind.h), which leaves w exactly as loaded.
+template <NormKind K, typename T, typename P, int VEC>
 __device__ __forceinline__ Packed<T, VEC> normalize(const Packed<T, VEC>& xv, acc_t<T> mean, acc_t<T> rstd,
                                                     const P* w, const P* b, int col, acc_t<T> offset) {
   using A = acc_t<T>;
   const Packed<A, VEC> xf = to_acc(xv);
   Packed<A, VEC> out;
 #pragma unroll
-  for (int k = 0; k < VEC; ++k) out[k] = (xf[k] - mean) * rstd;
+  for (int k = 0; k < VEC; ++k) {
+    if constexpr (K == NormKind::kLayerNorm) {
+      out[k] = (xf[k] - mean) * rstd;
+    } else {
+      out[k] = xf[k] * rstd;
+    }
+  }
   if (w != nullptr) {
     const Packed<A, VEC> wf = load_params<A, P, VEC>(w + col);
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) out[k] *= wf[k] + offset;
+    for (int k = 0; k < VEC; ++k) {
+      if constexpr (K == NormKind::kLayerNorm) {
+        out[k] *= wf[k];
+      } else {
+        out[k] *= wf[k] + offset;
+      }
+    }
   }
-  if (b != nullptr) {
-    const Packed<A, VEC> bf = load_params<A, P, VEC>(b + col);
+  if constexpr (K == NormKind::kLayerNorm) {
+    if (b != nullptr) {
+      const Packed<A, VEC> bf = load_params<A, P, VEC>(b + col);
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) out[k] += bf[k];
+      for (int k = 0; k < VEC; ++k) out[k] += bf[k];
+    }
   }
   Packed<T, VEC> y;
 #pragma unroll
@@ -151,8 +182,8 @@ __device__ __forceinline__ A row_sum(A v, A* ex, int warps, int warp, int lane, 
 }
 
 // rstd from the sum of squared deviations: 1 / sqrt(var + eps), IEEE sqrt and division (not
-// rsqrt's approximation: one per row, and the C++ reference computes the same). For RMSNorm the
-// deviations are about 0, so this is 1 / sqrt(mean(x^2) + eps).
+// rsqrt's approximation: one per row, and the C++ reference computes the same). For RMSNorm
+// `squares` is sum x_i^2, so this is 1 / sqrt(mean(x^2) + eps).
 template <typename A>
 __device__ __forceinline__ A rstd_of(A squares, int C, A eps) {
   return A(1) / sqrt(squares / A(C) + eps);

@@ -27,8 +27,8 @@
 //   pass 1: mean = (1/C) sum x_i                  (registers, then the group's sum)
 //   pass 2: var  = (1/C) sum (x_i - mean)^2       (the same registers: centered, exact two-pass)
 //   pass 3: y_i  = ((x_i - mean) rstd) w_i + b_i, rstd = 1/sqrt(var + eps), stored as T.
-// RMSNorm (api.h; a.mean null): pass 1 is skipped (mean = 0), so pass 2 sums x_i^2 and pass 3
-// is y_i = (x_i rstd) (offset + w_i).
+// RMSNorm (api.h; the kernels' K = kRmsNorm): pass 1 is not compiled in (no mean), pass 2 sums
+// x_i^2 and pass 3 is y_i = (x_i rstd) (offset + w_i).
 // RES (the residual variant, add_layernorm): the residual row is loaded next to x, the row
 // becomes s = x + residual rounded to T (add_round; with x's own bias, (x + x_bias) + residual:
 // add_bias_round, the bias from L1 like weight and bias) in the same registers, s is stored, and the
@@ -41,7 +41,7 @@ namespace lnbwd {
 namespace {
 
 // The kernel's body; the two kernels below differ only in their register budget.
-template <typename T, typename P, int VEC, int NV, bool RES>
+template <NormKind K, typename T, typename P, int VEC, int NV, bool RES>
 __device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tpr, int groups) {
   using A = acc_t<T>;
   using V = Packed<T, VEC>;
@@ -93,20 +93,22 @@ __device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tp
       }
     }
 
-    // Pass 1: the mean. RMSNorm (a.mean null, the same for the whole launch) skips its
-    // reduction: its mean is 0, and pass 2 then sums x_i^2.
-    A s = A(0);
+    // Pass 1: the mean (layernorm only: RMSNorm has none, and pass 2 then sums x_i^2).
+    A mean = A(0);
+    if constexpr (K == NormKind::kLayerNorm) {
+      A s = A(0);
 #pragma unroll
-    for (int j = 0; j < NV; ++j) {
-      if ((j * tpr + t) * VEC < C) s += sum_of(to_acc(xv[j]));
+      for (int j = 0; j < NV; ++j) {
+        if ((j * tpr + t) * VEC < C) s += sum_of(to_acc(xv[j]));
+      }
+      mean = row_sum(s, ex_mean, warps, warp, lane, sync) / A(C);
     }
-    const A mean = a.mean != nullptr ? row_sum(s, ex_mean, warps, warp, lane, sync) / A(C) : A(0);
 
     // Pass 2: the variance about that mean, from the same registers.
     A q = A(0);
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
-      if ((j * tpr + t) * VEC < C) q += squares_about(to_acc(xv[j]), mean);
+      if ((j * tpr + t) * VEC < C) q += squares_of<K>(to_acc(xv[j]), mean);
     }
     const A rstd = rstd_of(row_sum(q, ex_var, warps, warp, lane, sync), C, a.eps);
 
@@ -117,12 +119,12 @@ __device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tp
     for (int j = 0; j < NV; ++j) {
       const int col = (j * tpr + t) * VEC;
       if (col < C) {
-        const V y = normalize<T, P, VEC>(xv[j], mean, rstd, w, b, col, a.offset);
+        const V y = normalize<K, T, P, VEC>(xv[j], mean, rstd, w, b, col, a.offset);
         *reinterpret_cast<V*>(a.y + row * C + col) = y;
       }
     }
     if (t == 0) {
-      if (a.mean != nullptr) a.mean[row] = mean;
+      if constexpr (K == NormKind::kLayerNorm) a.mean[row] = mean;
       a.rstd[row] = rstd;
     }
   }
@@ -133,9 +135,9 @@ __device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tp
 // kFwdLeanRowRegs with __maxnreg__ where that fits without spilling: sm_90 and later (on sm_80,
 // ptxas spills the bf16 rows beside fp32 parameters). Elsewhere, and with nvcc before 12.4 (no
 // __maxnreg__), it compiles exactly like forward_rows.
-template <typename T, typename P, int VEC, int NV, bool RES>
+template <NormKind K, typename T, typename P, int VEC, int NV, bool RES>
 __global__ void __launch_bounds__(kFwdMaxRowThreads) forward_rows(FwdArgs<T, P> a, int tpr, int groups) {
-  forward_rows_body<T, P, VEC, NV, RES>(a, tpr, groups);
+  forward_rows_body<K, T, P, VEC, NV, RES>(a, tpr, groups);
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && \
@@ -145,19 +147,19 @@ __global__ void __launch_bounds__(kFwdMaxRowThreads) forward_rows(FwdArgs<T, P> 
 #define LNBWD_FWD_LEAN_REGS __launch_bounds__(kFwdMaxRowThreads)
 #endif
 
-template <typename T, typename P, int VEC, int NV>
+template <NormKind K, typename T, typename P, int VEC, int NV>
 __global__ void LNBWD_FWD_LEAN_REGS forward_rows_lean(FwdArgs<T, P> a, int tpr, int groups) {
-  forward_rows_body<T, P, VEC, NV, false>(a, tpr, groups);
+  forward_rows_body<K, T, P, VEC, NV, false>(a, tpr, groups);
 }
 
-template <typename T, typename P, int VEC, int NV, bool RES>
+template <NormKind K, typename T, typename P, int VEC, int NV, bool RES>
 cudaError_t launch(const FwdArgs<T, P>& a, const LayernormFwdConfig& cfg, cudaStream_t stream) {
   unsigned int blocks = 0;
   LNBWD_FWD_RETURN_IF_ERROR(fwd_grid(ceil_div<int64_t>(a.rows, cfg.rows_per_block), &blocks));
   if constexpr (fwd_row_lean(NV, RES)) {
-    forward_rows_lean<T, P, VEC, NV><<<blocks, cfg.threads, 0, stream>>>(a, cfg.tpr, cfg.rows_per_block);
+    forward_rows_lean<K, T, P, VEC, NV><<<blocks, cfg.threads, 0, stream>>>(a, cfg.tpr, cfg.rows_per_block);
   } else {
-    forward_rows<T, P, VEC, NV, RES><<<blocks, cfg.threads, 0, stream>>>(a, cfg.tpr, cfg.rows_per_block);
+    forward_rows<K, T, P, VEC, NV, RES><<<blocks, cfg.threads, 0, stream>>>(a, cfg.tpr, cfg.rows_per_block);
   }
   return cudaGetLastError();
 }
@@ -165,21 +167,21 @@ cudaError_t launch(const FwdArgs<T, P>& a, const LayernormFwdConfig& cfg, cudaSt
 // The NV variants compiled: every NV up to kFwdMaxNv for 16-byte vectors (the pick uses the
 // smallest NV that holds the row, so no thread holds dead registers), and powers of two for
 // one element per access (unaligned rows, kept to fewer variants).
-template <typename T, typename P, int VEC, bool RES>
+template <NormKind K, typename T, typename P, int VEC, bool RES>
 cudaError_t launch_nv(const FwdArgs<T, P>& a, const LayernormFwdConfig& cfg, cudaStream_t stream) {
   static_assert(kFwdMaxNv == 8, "the variant list below covers NV = 1..8");
   switch (cfg.nv) {
-    case 1: return launch<T, P, VEC, 1, RES>(a, cfg, stream);
-    case 2: return launch<T, P, VEC, 2, RES>(a, cfg, stream);
-    case 4: return launch<T, P, VEC, 4, RES>(a, cfg, stream);
-    case 8: return launch<T, P, VEC, 8, RES>(a, cfg, stream);
+    case 1: return launch<K, T, P, VEC, 1, RES>(a, cfg, stream);
+    case 2: return launch<K, T, P, VEC, 2, RES>(a, cfg, stream);
+    case 4: return launch<K, T, P, VEC, 4, RES>(a, cfg, stream);
+    case 8: return launch<K, T, P, VEC, 8, RES>(a, cfg, stream);
   }
   if constexpr (VEC > 1) {
     switch (cfg.nv) {
-      case 3: return launch<T, P, VEC, 3, RES>(a, cfg, stream);
-      case 5: return launch<T, P, VEC, 5, RES>(a, cfg, stream);
-      case 6: return launch<T, P, VEC, 6, RES>(a, cfg, stream);
-      case 7: return launch<T, P, VEC, 7, RES>(a, cfg, stream);
+      case 3: return launch<K, T, P, VEC, 3, RES>(a, cfg, stream);
+      case 5: return launch<K, T, P, VEC, 5, RES>(a, cfg, stream);
+      case 6: return launch<K, T, P, VEC, 6, RES>(a, cfg, stream);
+      case 7: return launch<K, T, P, VEC, 7, RES>(a, cfg, stream);
     }
   }
   return cudaErrorInvalidValue;
@@ -189,18 +191,19 @@ cudaError_t launch_nv(const FwdArgs<T, P>& a, const LayernormFwdConfig& cfg, cud
 
 cudaError_t layernorm_fwd_rows(const LayernormFwdParams& p, const LayernormFwdConfig& cfg, cudaStream_t stream) {
   if (cfg.path != FwdPath::kRegisters) return cudaErrorInvalidValue;
-  return dispatch_fwd_types(p, [&](auto t, auto pt) -> cudaError_t {
+  return dispatch_fwd_kinds(p, [&](auto kind, auto t, auto pt) -> cudaError_t {
+    constexpr NormKind K = decltype(kind)::value;
     using T = decltype(t);
     using P = decltype(pt);
     constexpr int kVec = 16 / sizeof(T);
     const FwdArgs<T, P> a = fwd_args<T, P>(p);
     if (p.residual != nullptr) {
-      if (cfg.vec == kVec) return launch_nv<T, P, kVec, true>(a, cfg, stream);
-      if (cfg.vec == 1) return launch_nv<T, P, 1, true>(a, cfg, stream);
+      if (cfg.vec == kVec) return launch_nv<K, T, P, kVec, true>(a, cfg, stream);
+      if (cfg.vec == 1) return launch_nv<K, T, P, 1, true>(a, cfg, stream);
       return cudaErrorInvalidValue;
     }
-    if (cfg.vec == kVec) return launch_nv<T, P, kVec, false>(a, cfg, stream);
-    if (cfg.vec == 1) return launch_nv<T, P, 1, false>(a, cfg, stream);
+    if (cfg.vec == kVec) return launch_nv<K, T, P, kVec, false>(a, cfg, stream);
+    if (cfg.vec == 1) return launch_nv<K, T, P, 1, false>(a, cfg, stream);
     return cudaErrorInvalidValue;
   });
 }

@@ -11,7 +11,8 @@
 //                  from L2 (a row per block in flight is a few MB on the whole GPU), and pass
 //                  3 a streaming load, as nothing reads the row after it.
 // The math is the register path's (forward_rows.cu): mean, centered variance, then
-// y_i = ((x_i - mean) rstd) w_i + b_i, in fp32 (fp64 for fp64).
+// y_i = ((x_i - mean) rstd) w_i + b_i, in fp32 (fp64 for fp64); for RMSNorm (K = kRmsNorm) no
+// mean, rstd from sum x_i^2, y_i = (x_i rstd) (offset + w_i).
 //
 // RES (the residual variant): pass 1 reads x and residual once (streaming: neither is read
 // again), forms s = x + residual rounded to T (add_round; (x + x_bias) + residual with x's own
@@ -28,7 +29,7 @@
 namespace lnbwd {
 namespace {
 
-template <typename T, typename P, int VEC, bool IN_SMEM, bool RES>
+template <NormKind K, typename T, typename P, int VEC, bool IN_SMEM, bool RES>
 __global__ void __launch_bounds__(kFwdWideThreads)
 forward_wide(FwdArgs<T, P> a) {
   using A = acc_t<T>;
@@ -51,8 +52,8 @@ forward_wide(FwdArgs<T, P> a) {
       x = sum_row;          // passes 2 and 3 read the row from here (kGlobal)
     }
 
-    // Pass 1: the mean; the row goes to shared memory on the way. RMSNorm (a.mean null, the
-    // same for the whole launch) skips the mean's reduction: mean = 0, pass 2 sums x_i^2.
+    // Pass 1: the mean; the row goes to shared memory on the way. RMSNorm reads the row here
+    // too, but takes no mean (pass 2 sums x_i^2).
     A s = A(0);
     for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
       V v;
@@ -67,14 +68,15 @@ forward_wide(FwdArgs<T, P> a) {
         v = IN_SMEM ? load_cs(x + i) : load(x + i);
       }
       if (IN_SMEM) held[i] = v;
-      s += sum_of(to_acc(v));
+      if constexpr (K == NormKind::kLayerNorm) s += sum_of(to_acc(v));
     }
-    const A mean = a.mean != nullptr ? row_sum(s, exchange[0], warps, warp, lane, sync) / A(C) : A(0);
+    A mean = A(0);
+    if constexpr (K == NormKind::kLayerNorm) mean = row_sum(s, exchange[0], warps, warp, lane, sync) / A(C);
 
     // Pass 2: the centered variance.
     A q = A(0);
     for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
-      q += squares_about(to_acc(IN_SMEM ? held[i] : load(x + i)), mean);
+      q += squares_of<K>(to_acc(IN_SMEM ? held[i] : load(x + i)), mean);
     }
     const A rstd = rstd_of(row_sum(q, exchange[1], warps, warp, lane, sync), C, a.eps);
 
@@ -84,26 +86,26 @@ forward_wide(FwdArgs<T, P> a) {
     V* y = reinterpret_cast<V*>(a.y + row * C);
     for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
       const V v = IN_SMEM ? held[i] : load_cs(x + i);
-      y[i] = normalize<T, P, VEC>(v, mean, rstd, w, b, i * VEC, a.offset);
+      y[i] = normalize<K, T, P, VEC>(v, mean, rstd, w, b, i * VEC, a.offset);
     }
     if (threadIdx.x == 0) {
-      if (a.mean != nullptr) a.mean[row] = mean;
+      if constexpr (K == NormKind::kLayerNorm) a.mean[row] = mean;
       a.rstd[row] = rstd;
     }
   }
 }
 
-template <typename T, typename P, int VEC, bool RES>
+template <NormKind K, typename T, typename P, int VEC, bool RES>
 cudaError_t launch(const FwdArgs<T, P>& a, const LayernormFwdConfig& cfg, cudaStream_t stream) {
   unsigned int blocks = 0;
   LNBWD_FWD_RETURN_IF_ERROR(fwd_grid(a.rows, &blocks));
   if (cfg.path == FwdPath::kGlobal) {
-    forward_wide<T, P, VEC, false, RES><<<blocks, cfg.threads, 0, stream>>>(a);
+    forward_wide<K, T, P, VEC, false, RES><<<blocks, cfg.threads, 0, stream>>>(a);
     return cudaGetLastError();
   }
   // Opts the kernel in to the row's shared memory (remembered per device and kernel, so the
   // driver is asked once) and checks that a block of it fits at all.
-  auto kernel = forward_wide<T, P, VEC, true, RES>;
+  auto kernel = forward_wide<K, T, P, VEC, true, RES>;
   int fit = 0;
   LNBWD_FWD_RETURN_IF_ERROR(resident_units(-1, reinterpret_cast<const void*>(kernel), cfg.threads, cfg.smem_bytes, 1, &fit));
   if (fit < 1) return cudaErrorInvalidConfiguration;
@@ -115,18 +117,19 @@ cudaError_t launch(const FwdArgs<T, P>& a, const LayernormFwdConfig& cfg, cudaSt
 
 cudaError_t layernorm_fwd_wide(const LayernormFwdParams& p, const LayernormFwdConfig& cfg, cudaStream_t stream) {
   if (cfg.path != FwdPath::kSharedMemory && cfg.path != FwdPath::kGlobal) return cudaErrorInvalidValue;
-  return dispatch_fwd_types(p, [&](auto t, auto pt) -> cudaError_t {
+  return dispatch_fwd_kinds(p, [&](auto kind, auto t, auto pt) -> cudaError_t {
+    constexpr NormKind K = decltype(kind)::value;
     using T = decltype(t);
     using P = decltype(pt);
     constexpr int kVec = 16 / sizeof(T);
     const FwdArgs<T, P> a = fwd_args<T, P>(p);
     if (p.residual != nullptr) {
-      if (cfg.vec == kVec) return launch<T, P, kVec, true>(a, cfg, stream);
-      if (cfg.vec == 1) return launch<T, P, 1, true>(a, cfg, stream);
+      if (cfg.vec == kVec) return launch<K, T, P, kVec, true>(a, cfg, stream);
+      if (cfg.vec == 1) return launch<K, T, P, 1, true>(a, cfg, stream);
       return cudaErrorInvalidValue;
     }
-    if (cfg.vec == kVec) return launch<T, P, kVec, false>(a, cfg, stream);
-    if (cfg.vec == 1) return launch<T, P, 1, false>(a, cfg, stream);
+    if (cfg.vec == kVec) return launch<K, T, P, kVec, false>(a, cfg, stream);
+    if (cfg.vec == 1) return launch<K, T, P, 1, false>(a, cfg, stream);
     return cudaErrorInvalidValue;
   });
 }
