@@ -18,9 +18,10 @@ enum class NormKind { kLayerNorm, kRmsNorm };
 // The offset the kernels add to the weight: RMSNorm's, or -0.0 where there is none (layernorm,
 // or an offset of 0). w + (-0.0) is w bit for bit for every w (+0 + -0 = +0, -0 + -0 = -0; any
 // other w is unchanged exactly), while w + (+0.0) would turn a weight of -0 into +0. So the
-// kernels add it unconditionally: one add per weight element, and no branch, no predicate and
-// no register for it in layernorm's loops (a uniform branch on the offset made the compiler
-// allocate the register paths' rows worse).
+// backward kernels add it unconditionally: one add per weight element, and no branch, no
+// predicate and no register for it in layernorm's loops (a uniform branch on the offset made the
+// compiler allocate the register paths' rows worse). The fused forward, closer to its issue
+// limit, takes the norm kind as a template parameter instead: only RMSNorm's kernels add it.
 constexpr double kernel_offset(NormKind k, double offset) {
   return k == NormKind::kRmsNorm && offset != 0.0 ? offset : -0.0;
 }

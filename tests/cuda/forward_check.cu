@@ -312,7 +312,9 @@ static double time_us(F&& launch) {
 
 // residual: the residual variant, which reads x and residual and writes y and s; its copy moves
 // the same bytes (two copies of rows x C). x_bias (with residual): x's own bias added too.
-static int sweep(int64_t rows, int64_t C, const std::string& dtype, bool f32params, bool residual, bool x_bias) {
+// rms: RMSNorm's kernels (no mean, no bias).
+static int sweep(int64_t rows, int64_t C, const std::string& dtype, bool f32params, bool residual, bool x_bias,
+                 bool rms) {
   const Dtype d = dtype == "float32" ? Dtype::kF32 : dtype == "bfloat16" ? Dtype::kBF16 : dtype == "float16" ? Dtype::kF16 : Dtype::kF64;
   const Dtype pd = f32params ? Dtype::kF32 : d;
   const size_t n = static_cast<size_t>(rows * C), bytes = n * item_bytes(d);
@@ -331,14 +333,15 @@ static int sweep(int64_t rows, int64_t C, const std::string& dtype, bool f32para
     CHECK_CUDA(cudaMemcpyAsync(y.ptr, x.ptr, bytes, cudaMemcpyDeviceToDevice));
     if (residual) CHECK_CUDA(cudaMemcpyAsync(sum.ptr, res.ptr, bytes, cudaMemcpyDeviceToDevice));
   });
-  std::printf("%lldx%lld %s (params %s)%s%s: copy %.2f us (%.0f GB/s)\n", (long long)rows, (long long)C, dtype.c_str(),
-              dtype_name(pd), residual ? " residual" : "", x_bias ? " x_bias" : "", copy, tensors * bytes / copy / 1e3);
+  std::printf("%s %lldx%lld %s (params %s)%s%s: copy %.2f us (%.0f GB/s)\n", rms ? "rmsnorm" : "layernorm", (long long)rows, (long long)C,
+              dtype.c_str(), dtype_name(pd), residual ? " residual" : "", x_bias ? " x_bias" : "", copy, tensors * bytes / copy / 1e3);
   std::vector<std::pair<FwdPath, int>> paths = {{FwdPath::kAuto, 0}, {FwdPath::kSharedMemory, 0}, {FwdPath::kGlobal, 0}};
   for (int tpr = 32; tpr <= 512; tpr *= 2) paths.push_back({FwdPath::kRegisters, tpr});
   for (auto [path, tpr] : paths) {
-    LayernormFwdParams p = {y.ptr, mean.ptr, rstd.ptr, x.ptr, w.ptr, b.ptr, rows, C, 1, 1, d, pd, 1e-5, path, tpr,
-                            residual ? res.ptr : nullptr, residual ? sum.ptr : nullptr, x_bias ? xb.ptr : nullptr,
-                            x_bias ? 1 : 0};
+    LayernormFwdParams p = {y.ptr, rms ? nullptr : mean.ptr, rstd.ptr, x.ptr, w.ptr, rms ? nullptr : b.ptr, rows, C, 1,
+                            rms ? 0 : 1, d, pd, 1e-5, path, tpr, residual ? res.ptr : nullptr,
+                            residual ? sum.ptr : nullptr, x_bias ? xb.ptr : nullptr, x_bias ? 1 : 0};
+    p.norm = rms ? NormKind::kRmsNorm : NormKind::kLayerNorm;
     LayernormFwdConfig cfg;
     if (layernorm_fwd_pick(p, &cfg) != cudaSuccess) continue;
     const double us = time_us([&] { CHECK_CUDA(layernorm_fwd(p, 0)); });
@@ -353,14 +356,15 @@ int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "check";
   if (mode == "check") return check();
   if (mode == "sweep" && argc >= 5) {
-    bool f32params = false, residual = false, x_bias = false;
+    bool f32params = false, residual = false, x_bias = false, rms = false;
     for (int i = 5; i < argc; ++i) {
+      rms |= std::string(argv[i]) == "rms";
       f32params |= std::string(argv[i]) == "f32params";
       residual |= std::string(argv[i]) == "residual";
       x_bias |= std::string(argv[i]) == "x_bias";
     }
-    return sweep(std::atoll(argv[2]), std::atoll(argv[3]), argv[4], f32params, residual, x_bias);
+    return sweep(std::atoll(argv[2]), std::atoll(argv[3]), argv[4], f32params, residual, x_bias, rms);
   }
-  std::fprintf(stderr, "usage: %s check | sweep ROWS C DTYPE [f32params] [residual [x_bias]]\n", argv[0]);
+  std::fprintf(stderr, "usage: %s check | sweep ROWS C DTYPE [f32params] [residual [x_bias]] [rms]\n", argv[0]);
   return 2;
 }

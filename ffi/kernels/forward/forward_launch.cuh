@@ -89,9 +89,15 @@ constexpr int kFwdWideThreads = 1024;     // the wide path's block: one row at a
 // 128-thread block at 80 registers per thread takes 10K of them, so 6 blocks (24 warps) fit,
 // against 5 (20 warps) at the 82-88 the compiler picks by itself for plain rows of 7 vectors.
 // More warps hold more rows' loads in flight. Only those variants get the cap: below 7 vectors
-// the compiler stays under 80 by itself, 8 vectors beside 32-byte fp32 parameters spill at 80,
-// and the residual variant holds two rows while it adds them.
+// the compiler stays under 80 by itself, and the residual variant holds two rows while it adds
+// them.
 constexpr int kFwdLeanRowRegs = 80;
 constexpr bool fwd_row_lean(int nv, bool residual) { return !residual && nv == kFwdMaxNv - 1; }
+
+// The pair budget (forward_rows.cu's forward_rows_pair): plain rows in blocks of
+// kFwdMaxRowThreads threads, two blocks per SM. The pick takes that many threads only for rows of
+// more than kFwdMaxRowThreads / 2 * kFwdMaxNv vectors, so NV > kFwdMaxNv / 2 (a forced row group
+// of 512 threads with fewer vectors runs the other kernels).
+constexpr bool fwd_row_pair(int nv, bool residual) { return !residual && nv > kFwdMaxNv / 2; }
 
 }  // namespace lnbwd

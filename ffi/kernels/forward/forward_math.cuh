@@ -4,6 +4,8 @@
 // warps that share a row.
 #pragma once
 
+#include <type_traits>
+
 #include "common/row_reduce.cuh"
 #include "common/vec.cuh"
 #include "forward/api.h"
@@ -83,12 +85,41 @@ __device__ __forceinline__ Packed<T, VEC> add_bias_round(const Packed<T, VEC>& x
   return out;
 }
 
-// Sum of a vector's elements, in order.
+// Widening of pass PASS (1, 2 or 3) of the register path: to_acc's values. For bf16 each pass
+// widens through byte permutes with its own selectors (which differ only in which zero byte
+// they copy). Written once as to_acc, nvcc would compute the widened row once and keep it live
+// across both row sums: 64 fp32 registers for 8 vectors instead of 32 packed ones, 128
+// registers a thread, and too few warps per SM for the loads in flight. Distinct expressions
+// are widened again in each pass (one PRMT per element, what to_acc costs too).
+template <int PASS, typename T, int N>
+__device__ __forceinline__ Packed<acc_t<T>, N> widen(const Packed<T, N>& v) {
+  if constexpr (std::is_same<T, __nv_bfloat16>::value && N % 2 == 0) {
+    static_assert(PASS >= 1 && PASS <= 3, "three passes");
+    // Bytes 0-3 are the pair's, 4-7 zeros: the low element is bytes (x0, x1) over two zero
+    // bytes, the high one bytes (x2, x3) over two.
+    constexpr uint32_t kLow = PASS == 1 ? 0x1054u : PASS == 2 ? 0x1044u : 0x1055u;
+    constexpr uint32_t kHigh = PASS == 1 ? 0x3254u : PASS == 2 ? 0x3244u : 0x3255u;
+    Packed<float, N> out;
+#pragma unroll
+    for (int i = 0; i < N; i += 2) {
+      uint32_t pair;
+      memcpy(&pair, &v.v[i], sizeof(pair));
+      out[i] = __uint_as_float(__byte_perm(pair, 0u, kLow));
+      out[i + 1] = __uint_as_float(__byte_perm(pair, 0u, kHigh));
+    }
+    return out;
+  } else {
+    return to_acc(v);
+  }
+}
+
+// Sum of a vector's elements, in order (from the first element, not from 0 + v[0]: an add the
+// compiler may not drop, as 0 + (-0) is +0).
 template <typename A, int N>
 __device__ __forceinline__ A sum_of(const Packed<A, N>& v) {
-  A s = A(0);
+  A s = v[0];
 #pragma unroll
-  for (int k = 0; k < N; ++k) s += v[k];
+  for (int k = 1; k < N; ++k) s += v[k];
   return s;
 }
 
@@ -124,11 +155,11 @@ __device__ __forceinline__ A squares_of(const Packed<A, N>& v, A mean) {
 // w and b are the parameter rows, or nullptr (absent): a uniform branch, the same for every
 // thread of the launch. RMSNorm's offset + w is added unconditionally; where the caller gave
 // no offset it is -0.0 (kernel_offset, norm_kind.h), which leaves w exactly as loaded.
+// xf: the vector widened to the accumulator type.
 template <NormKind K, typename T, typename P, int VEC>
-__device__ __forceinline__ Packed<T, VEC> normalize(const Packed<T, VEC>& xv, acc_t<T> mean, acc_t<T> rstd,
-                                                    const P* w, const P* b, int col, acc_t<T> offset) {
+__device__ __forceinline__ Packed<T, VEC> normalize(const Packed<acc_t<T>, VEC>& xf, acc_t<T> mean, acc_t<T> rstd,
+                                                    const P* w, const P* b, uint32_t col, acc_t<T> offset) {
   using A = acc_t<T>;
-  const Packed<A, VEC> xf = to_acc(xv);
   Packed<A, VEC> out;
 #pragma unroll
   for (int k = 0; k < VEC; ++k) {

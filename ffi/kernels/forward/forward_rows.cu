@@ -12,10 +12,14 @@
 // so for every j the group's loads are one contiguous, coalesced span of the row. tpr and NV
 // are chosen by layernorm_fwd_pick (forward_launch.cu): the fewest threads per row that hold
 // it with at most kFwdMaxNv vectors each. Blocks are small (128 threads, or one larger group)
-// so that the SM's register file fills evenly: at 88 registers per thread (what the compiler
-// picks by itself for 16-bit rows of 7 vectors per thread) 23 warps fit, 128-thread blocks use
-// 20 of them and 256-thread blocks 16; at the lean kernel's 80, 128-thread blocks use 24.
-// The registers are what holds the bytes in flight.
+// so that the SM's register file fills evenly: at 80 registers a thread (the lean kernel's cap)
+// 128-thread blocks use 24 warps of an SM; blocks of 512 threads are held to 64 registers so
+// that two fit (the pair kernel). The registers are what holds the bytes in flight, so the
+// packed 16-bit row is widened again in every pass (widen) rather than kept widened.
+//
+// Instructions. At C = 1600 bf16 a warp issues about a thousand instructions a row, and the
+// SM's schedulers issue in 3 cycles of 4 what a copy's bytes would allow: the per-access work
+// is kept small (pointers stepped by tpr vectors, only the last slot tested against C).
 //
 // Bytes in flight. A memory-bound kernel is as fast as the loads it keeps outstanding: each
 // thread issues all NV of its 16-byte loads before it uses any, and a row's reductions (two
@@ -34,6 +38,7 @@
 // add_bias_round, the bias from L1 like weight and bias) in the same registers, s is stored, and the
 // three passes run on s. The RES = false instantiations are the plain forward, unchanged.
 #include <algorithm>
+#include <type_traits>
 
 #include "forward/forward_launch.cuh"
 
@@ -61,34 +66,50 @@ __device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tp
   // whole block (groups == 1, layernorm_fwd_pick), so it is __syncthreads.
   auto sync = [] { __syncthreads(); };
 
+  // Thread t's vector slots: slot j is vector j * tpr + t of the row, VEC elements at column
+  // (j * tpr + t) * VEC. Each pass walks its slots with a pointer that steps tpr vectors (one
+  // wide add per access) instead of forming a 64-bit address per column: the forward issues
+  // about a thousand instructions per row of 1600 bf16 per warp, close to the SM's issue rate.
+  // Only the last slot can lie past the row's end: for 16-byte vectors the pick makes NV exactly
+  // ceil(C / VEC / tpr) (launch checks it), so slots j < NV - 1 are inside every row and their
+  // test folds away; scalar access rounds NV up to a power of two, so every slot tests.
+  auto in_row = [&](int j) { return (VEC > 1 && j < NV - 1) || (j * tpr + t) * VEC < C; };
+  // Each pass widens the row again from its packed registers (widen, forward_math.cuh); the
+  // residual variant, which holds two rows while it adds them, widens with to_acc.
+  auto wide = [](auto pass, const V& v) {
+    if constexpr (RES) return to_acc(v);
+    else return widen<decltype(pass)::value>(v);
+  };
+  using Pass1 = std::integral_constant<int, 1>;
+  using Pass2 = std::integral_constant<int, 2>;
+  using Pass3 = std::integral_constant<int, 3>;
+
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * groups + g; row < a.rows;
        row += static_cast<int64_t>(gridDim.x) * groups) {
-    const T* x = a.x + row * C;
+    const V* x = reinterpret_cast<const V*>(a.x + row * C) + t;
     // Streaming loads (evict first): this kernel reads each element once.
     V xv[NV];
 #pragma unroll
-    for (int j = 0; j < NV; ++j) {
-      const int col = (j * tpr + t) * VEC;
-      if (col < C) xv[j] = load_cs(reinterpret_cast<const V*>(x + col));
+    for (int j = 0; j < NV; ++j, x += tpr) {
+      if (in_row(j)) xv[j] = load_cs(x);
     }
     if constexpr (RES) {
       // The residual's loads go out before any use of x's; then the row is s, stored once.
-      const T* r = a.residual + row * C;
+      const V* r = reinterpret_cast<const V*>(a.residual + row * C) + t;
       V rv[NV];
 #pragma unroll
-      for (int j = 0; j < NV; ++j) {
-        const int col = (j * tpr + t) * VEC;
-        if (col < C) rv[j] = load_cs(reinterpret_cast<const V*>(r + col));
+      for (int j = 0; j < NV; ++j, r += tpr) {
+        if (in_row(j)) rv[j] = load_cs(r);
       }
+      V* sp = reinterpret_cast<V*>(a.s + row * C) + t;
       const P* xb = param_row(a.x_bias, row, a.x_bias_div, C);   // x's own bias, or nullptr
 #pragma unroll
-      for (int j = 0; j < NV; ++j) {
-        const int col = (j * tpr + t) * VEC;
-        if (col < C) {
+      for (int j = 0; j < NV; ++j, sp += tpr) {
+        if (in_row(j)) {
           // A uniform branch: x_bias is there for the whole launch or not at all.
           xv[j] = xb == nullptr ? add_round(xv[j], rv[j])
-                                : add_bias_round(xv[j], load_params<A, P, VEC>(xb + col), rv[j]);
-          *reinterpret_cast<V*>(a.s + row * C + col) = xv[j];
+                                : add_bias_round(xv[j], load_params<A, P, VEC>(xb + (j * tpr + t) * VEC), rv[j]);
+          *sp = xv[j];
         }
       }
     }
@@ -99,7 +120,7 @@ __device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tp
       A s = A(0);
 #pragma unroll
       for (int j = 0; j < NV; ++j) {
-        if ((j * tpr + t) * VEC < C) s += sum_of(to_acc(xv[j]));
+        if (in_row(j)) s += sum_of(wide(Pass1{}, xv[j]));
       }
       mean = row_sum(s, ex_mean, warps, warp, lane, sync) / A(C);
     }
@@ -108,20 +129,17 @@ __device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tp
     A q = A(0);
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
-      if ((j * tpr + t) * VEC < C) q += squares_of<K>(to_acc(xv[j]), mean);
+      if (in_row(j)) q += squares_of<K>(wide(Pass2{}, xv[j]), mean);
     }
     const A rstd = rstd_of(row_sum(q, ex_var, warps, warp, lane, sync), C, a.eps);
 
     // Pass 3: y, one 16-byte store per vector.
     const P* w = param_row(a.weight, row, a.weight_div, C);
     const P* b = param_row(a.bias, row, a.bias_div, C);
+    V* y = reinterpret_cast<V*>(a.y + row * C) + t;
 #pragma unroll
-    for (int j = 0; j < NV; ++j) {
-      const int col = (j * tpr + t) * VEC;
-      if (col < C) {
-        const V y = normalize<K, T, P, VEC>(xv[j], mean, rstd, w, b, col, a.offset);
-        *reinterpret_cast<V*>(a.y + row * C + col) = y;
-      }
+    for (int j = 0; j < NV; ++j, y += tpr) {
+      if (in_row(j)) *y = normalize<K, T, P, VEC>(wide(Pass3{}, xv[j]), mean, rstd, w, b, (j * tpr + t) * VEC, a.offset);
     }
     if (t == 0) {
       if constexpr (K == NormKind::kLayerNorm) a.mean[row] = mean;
@@ -130,11 +148,12 @@ __device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tp
   }
 }
 
-// Registers. __launch_bounds__(kFwdMaxRowThreads) lets the compiler use up to 128 per thread.
-// The lean kernel (the plain variants of 7 vectors a thread, fwd_row_lean) is held to
-// kFwdLeanRowRegs with __maxnreg__ where that fits without spilling: sm_90 and later (on sm_80,
-// ptxas spills the bf16 rows beside fp32 parameters). Elsewhere, and with nvcc before 12.4 (no
-// __maxnreg__), it compiles exactly like forward_rows.
+// Registers, three budgets (forward_launch.cuh says which variant gets which):
+//   forward_rows       __launch_bounds__(kFwdMaxRowThreads): up to 128 a thread;
+//   forward_rows_lean  kFwdLeanRowRegs with __maxnreg__ where that fits without spilling: sm_90
+//                      and later (on sm_80, ptxas spills the bf16 rows beside fp32 parameters);
+//                      elsewhere, and with nvcc before 12.4 (no __maxnreg__), as forward_rows;
+//   forward_rows_pair  two blocks of kFwdMaxRowThreads per SM: 64 a thread.
 template <NormKind K, typename T, typename P, int VEC, int NV, bool RES>
 __global__ void __launch_bounds__(kFwdMaxRowThreads) forward_rows(FwdArgs<T, P> a, int tpr, int groups) {
   forward_rows_body<K, T, P, VEC, NV, RES>(a, tpr, groups);
@@ -152,10 +171,28 @@ __global__ void LNBWD_FWD_LEAN_REGS forward_rows_lean(FwdArgs<T, P> a, int tpr, 
   forward_rows_body<K, T, P, VEC, NV, false>(a, tpr, groups);
 }
 
+// The widest register rows (the plain variants whose pick takes kFwdMaxRowThreads threads a row:
+// the row group is the whole block) are held to two blocks per SM (fwd_row_pair): an SM's 64K
+// registers over two 512-thread blocks are 64 a thread. With one block an SM has no loads in
+// flight while that block sums its row and stores it.
+template <NormKind K, typename T, typename P, int VEC, int NV>
+__global__ void __launch_bounds__(kFwdMaxRowThreads, 2) forward_rows_pair(FwdArgs<T, P> a, int tpr, int groups) {
+  forward_rows_body<K, T, P, VEC, NV, false>(a, tpr, groups);
+}
+
 template <NormKind K, typename T, typename P, int VEC, int NV, bool RES>
 cudaError_t launch(const FwdArgs<T, P>& a, const LayernormFwdConfig& cfg, cudaStream_t stream) {
+  // The kernel tests only its last slot against the row's end for 16-byte vectors (see
+  // forward_rows_body): that needs NV = ceil(C / VEC / tpr) exactly, as layernorm_fwd_pick makes it.
+  if (VEC > 1 && NV != ceil_div<int64_t>(a.C / VEC, cfg.tpr)) return cudaErrorInvalidValue;
   unsigned int blocks = 0;
   LNBWD_FWD_RETURN_IF_ERROR(fwd_grid(ceil_div<int64_t>(a.rows, cfg.rows_per_block), &blocks));
+  if constexpr (fwd_row_pair(NV, RES)) {
+    if (cfg.threads == kFwdMaxRowThreads) {
+      forward_rows_pair<K, T, P, VEC, NV><<<blocks, cfg.threads, 0, stream>>>(a, cfg.tpr, cfg.rows_per_block);
+      return cudaGetLastError();
+    }
+  }
   if constexpr (fwd_row_lean(NV, RES)) {
     forward_rows_lean<K, T, P, VEC, NV><<<blocks, cfg.threads, 0, stream>>>(a, cfg.tpr, cfg.rows_per_block);
   } else {

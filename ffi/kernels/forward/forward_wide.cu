@@ -86,7 +86,7 @@ forward_wide(FwdArgs<T, P> a) {
     V* y = reinterpret_cast<V*>(a.y + row * C);
     for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
       const V v = IN_SMEM ? held[i] : load_cs(x + i);
-      y[i] = normalize<K, T, P, VEC>(v, mean, rstd, w, b, i * VEC, a.offset);
+      y[i] = normalize<K, T, P, VEC>(to_acc(v), mean, rstd, w, b, i * VEC, a.offset);
     }
     if (threadIdx.x == 0) {
       if constexpr (K == NormKind::kLayerNorm) a.mean[row] = mean;
