@@ -37,11 +37,11 @@ grep -q FAILED "$OUT"/*.result && status=1
 # Positive controls: each planted bug must make its tool fail.
 ctl=$OUT/controls
 mkdir -p "$ctl"
-sed 's|\*reinterpret_cast<V\*>(a.y + row \* C + col) = y;|*reinterpret_cast<V*>(a.y + row * C + col + (row + 1 == a.rows ? C : 0)) = y;|' \
+sed 's|if (in_row(j)) \*y = normalize|if (in_row(j)) y[row + 1 == a.rows ? C / VEC : 0] = normalize|' \
   ffi/kernels/forward/forward_rows.cu > "$ctl/forward_rows_oob.cu"
 sed 's|auto sync = \[\] { __syncthreads(); };|auto sync = [] {};|' \
   ffi/kernels/forward/forward_rows.cu > "$ctl/forward_rows_race.cu"
-sed 's|\*reinterpret_cast<V\*>(a.s + row \* C + col) = xv\[j\];|*reinterpret_cast<V*>(a.s + row * C + col + (row + 1 == a.rows ? C : 0)) = xv[j];|' \
+sed 's|\*sp = xv\[j\];|sp[row + 1 == a.rows ? C / VEC : 0] = xv[j];|' \
   ffi/kernels/forward/forward_rows.cu > "$ctl/forward_rows_oob_s.cu"
 for planted in oob race oob_s; do
   if cmp -s "$ctl/forward_rows_$planted.cu" ffi/kernels/forward/forward_rows.cu; then
