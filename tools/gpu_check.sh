@@ -12,6 +12,9 @@
 #   rms        the kernel bench's rmsnorm rows (forward, backward, add) with every peer
 #   coop       the same bench with the cooperative in-grid finish (A/B of the launch path)
 #   forward    the forward bench
+#   ncu        ncu's key lines (DRAM throughput, issue rate, stalls, occupancy, registers, waves) of
+#              the forward on NCU_SHAPES (forward_check sweep arguments, comma-separated; the auto
+#              pick) and of kernel 12 at 16384x1600 bf16
 #   e2e        the training-step bench
 # Wheels under .carry/wheels (e.g. liger-kernel, a bench peer) are installed first when present.
 set -uo pipefail
@@ -61,6 +64,25 @@ for stage in "$@"; do
         --no-progress --out "$OUT/rms" ;;
     forward)
       run forward python3 -m benchmarks.kernels --op forward,add_forward --no-progress --out "$OUT/forward" ;;
+    ncu)
+      nvcc -O3 -std=c++17 -arch=sm_90 -lineinfo -Iffi/kernels tests/cuda/forward_check.cu ffi/kernels/forward/*.cu \
+        ffi/kernels/common/occupancy.cu ffi/kernels/common/device_limits.cu -o /tmp/lnbwd_forward_check || status=1
+      keys='Duration|DRAM Throughput|Issued Warp Per Scheduler|No Eligible|Warp Cycles Per Issued|Registers Per|Waves Per SM'
+      keys="$keys|Theoretical Occupancy|Achieved Occupancy|Block Limit Registers|Stall"
+      sections=(--section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats
+                --section SchedulerStats)
+      # NCU_SHAPES: comma-separated forward_check sweep arguments, "ROWS C DTYPE [f32params] [residual] [rms]"
+      IFS=, read -ra ncu_shapes <<< "${NCU_SHAPES:-16384 1600 bfloat16,16384 2048 bfloat16,4096 16384 float32,16384 2048 bfloat16 rms}"
+      for s in "${ncu_shapes[@]}"; do
+        echo "### forward $s"
+        # shellcheck disable=SC2086 (the arguments split on purpose)
+        ncu "${sections[@]}" -k regex:forward --launch-count 1 /tmp/lnbwd_forward_check sweep $s 2>&1 |
+          grep -E "forward_|$keys"
+      done > "$OUT/ncu.log" 2>&1
+      echo "### kernel 12, 16384 x 1600 bfloat16" >> "$OUT/ncu.log"
+      ncu "${sections[@]}" -k regex:kernel12 --launch-count 1 python3 -m benchmarks.kernels --op layernorm_bwd \
+        --dtypes bfloat16 --shapes 16384x1600 --peers copy --reps 1 --no-progress 2>&1 | grep -E "kernel12|$keys" >> "$OUT/ncu.log"
+      tail -n 60 "$OUT/ncu.log" ;;
     e2e)
       TAIL=40 run e2e python3 -m benchmarks.e2e ${E2E_ARGS:-} --out "$OUT/e2e" ;;
     *) echo "unknown stage $stage"; status=2 ;;
