@@ -45,7 +45,7 @@
 namespace lnbwd {
 namespace {
 
-// The kernel's body; the two kernels below differ only in their register budget.
+// The kernel's body; the three kernels below differ only in their register budget.
 template <NormKind K, typename T, typename P, int VEC, int NV, bool RES>
 __device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tpr, int groups) {
   using A = acc_t<T>;
