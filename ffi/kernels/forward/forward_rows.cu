@@ -73,7 +73,8 @@ __device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tp
   // Only the last slot can lie past the row's end: for 16-byte vectors the pick makes NV exactly
   // ceil(C / VEC / tpr) (launch checks it), so slots j < NV - 1 are inside every row and their
   // test folds away; scalar access rounds NV up to a power of two, so every slot tests.
-  auto in_row = [&](int j) { return (VEC > 1 && j < NV - 1) || (j * tpr + t) * VEC < C; };
+  auto col = [&](int j) { return (j * tpr + t) * VEC; };   // slot j's first column
+  auto in_row = [&](int j) { return (VEC > 1 && j < NV - 1) || col(j) < C; };
   // Each pass widens the row again from its packed registers (widen, forward_math.cuh); the
   // residual variant, which holds two rows while it adds them, widens with to_acc.
   auto wide = [](auto pass, const V& v) {
@@ -108,7 +109,7 @@ __device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tp
         if (in_row(j)) {
           // A uniform branch: x_bias is there for the whole launch or not at all.
           xv[j] = xb == nullptr ? add_round(xv[j], rv[j])
-                                : add_bias_round(xv[j], load_params<A, P, VEC>(xb + (j * tpr + t) * VEC), rv[j]);
+                                : add_bias_round(xv[j], load_params<A, P, VEC>(xb + col(j)), rv[j]);
           *sp = xv[j];
         }
       }
@@ -139,7 +140,7 @@ __device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tp
     V* y = reinterpret_cast<V*>(a.y + row * C) + t;
 #pragma unroll
     for (int j = 0; j < NV; ++j, y += tpr) {
-      if (in_row(j)) *y = normalize<K, T, P, VEC>(wide(Pass3{}, xv[j]), mean, rstd, w, b, (j * tpr + t) * VEC, a.offset);
+      if (in_row(j)) *y = normalize<K, T, P, VEC>(wide(Pass3{}, xv[j]), mean, rstd, w, b, col(j), a.offset);
     }
     if (t == 0) {
       if constexpr (K == NormKind::kLayerNorm) a.mean[row] = mean;
