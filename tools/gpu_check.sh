@@ -16,7 +16,8 @@
 #              the forward on NCU_SHAPES (forward_check sweep arguments, comma-separated; the auto
 #              pick) and of kernel 12 at 16384x1600 bf16
 #   e2e        the training-step bench
-# Wheels under .carry/wheels (e.g. liger-kernel, a bench peer) are installed first when present.
+# Wheels under .carry/wheels (e.g. liger-kernel, a bench peer; tools/fetch_peer_wheels.sh downloads
+# them) are installed first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}
