@@ -36,13 +36,25 @@ cudaError_t dispatch_fwd_types(const LayernormFwdParams& p, F&& f) {
   return cudaErrorInvalidValue;
 }
 
-// Calls f(kind, T{}, P{}) with the norm kind as a type (std::integral_constant<NormKind, K>):
-// the kernels take it as a template parameter (forward_math.cuh says why).
+// Calls f(kind, T{}, P{}, vec, res), each a type: the norm kind (the kernels take it as a template
+// parameter; forward_math.cuh says why), x's and the parameters' types, the vector width the
+// configuration chose (16 bytes of T, or one element) and whether the residual variant runs
+// (residual and s set). Both launchers instantiate their kernels through it, so the variants a
+// launch can reach are listed once.
 template <typename F>
-cudaError_t dispatch_fwd_kinds(const LayernormFwdParams& p, F&& f) {
+cudaError_t dispatch_fwd_variant(const LayernormFwdParams& p, const LayernormFwdConfig& cfg, F&& f) {
   return dispatch_fwd_types(p, [&](auto t, auto pt) -> cudaError_t {
-    if (p.norm == NormKind::kRmsNorm) return f(std::integral_constant<NormKind, NormKind::kRmsNorm>{}, t, pt);
-    if (p.norm == NormKind::kLayerNorm) return f(std::integral_constant<NormKind, NormKind::kLayerNorm>{}, t, pt);
+    constexpr int kVec = 16 / sizeof(decltype(t));
+    auto with_kind = [&](auto kind) -> cudaError_t {
+      auto with_res = [&](auto res) -> cudaError_t {
+        if (cfg.vec == kVec) return f(kind, t, pt, std::integral_constant<int, kVec>{}, res);
+        if (cfg.vec == 1) return f(kind, t, pt, std::integral_constant<int, 1>{}, res);
+        return cudaErrorInvalidValue;
+      };
+      return p.residual != nullptr ? with_res(std::true_type{}) : with_res(std::false_type{});
+    };
+    if (p.norm == NormKind::kRmsNorm) return with_kind(std::integral_constant<NormKind, NormKind::kRmsNorm>{});
+    if (p.norm == NormKind::kLayerNorm) return with_kind(std::integral_constant<NormKind, NormKind::kLayerNorm>{});
     return cudaErrorInvalidValue;
   });
 }

@@ -229,20 +229,11 @@ cudaError_t launch_nv(const FwdArgs<T, P>& a, const LayernormFwdConfig& cfg, cud
 
 cudaError_t layernorm_fwd_rows(const LayernormFwdParams& p, const LayernormFwdConfig& cfg, cudaStream_t stream) {
   if (cfg.path != FwdPath::kRegisters) return cudaErrorInvalidValue;
-  return dispatch_fwd_kinds(p, [&](auto kind, auto t, auto pt) -> cudaError_t {
-    constexpr NormKind K = decltype(kind)::value;
+  return dispatch_fwd_variant(p, cfg, [&](auto kind, auto t, auto pt, auto vec, auto res) -> cudaError_t {
     using T = decltype(t);
     using P = decltype(pt);
-    constexpr int kVec = 16 / sizeof(T);
-    const FwdArgs<T, P> a = fwd_args<T, P>(p);
-    if (p.residual != nullptr) {
-      if (cfg.vec == kVec) return launch_nv<K, T, P, kVec, true>(a, cfg, stream);
-      if (cfg.vec == 1) return launch_nv<K, T, P, 1, true>(a, cfg, stream);
-      return cudaErrorInvalidValue;
-    }
-    if (cfg.vec == kVec) return launch_nv<K, T, P, kVec, false>(a, cfg, stream);
-    if (cfg.vec == 1) return launch_nv<K, T, P, 1, false>(a, cfg, stream);
-    return cudaErrorInvalidValue;
+    constexpr NormKind K = decltype(kind)::value;
+    return launch_nv<K, T, P, decltype(vec)::value, decltype(res)::value>(fwd_args<T, P>(p), cfg, stream);
   });
 }
 
