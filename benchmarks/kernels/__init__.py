@@ -16,9 +16,10 @@ float32 (float64 for float64) (a failure is printed in red and that entry is not
 timed. Peers are timed the same way: ``xla`` (the jnp op under jit: reference.layernorm_bwd
 given mean/rstd, reference.layernorm_fwd), ``copy`` (one same-bytes device copy: the ceiling),
 for the backward ``autodiff`` (XLA's VJP of a jnp layernorm, recomputing the statistics) and,
-where they import on a CUDA GPU, ``torch`` and ``liger`` (layernorm_bwd; rmsnorm_fwd and
-rmsnorm_bwd: torch.nn.functional.rms_norm, its backward by autograd, and Liger's RMSNorm,
-peers_rms.py) and ``pallas`` (JAX's Pallas GPU ``layer_norm`` and ``rms_norm``, forward and
+where they import on a CUDA GPU, ``torch`` and ``liger`` (layernorm_bwd and layernorm_fwd:
+aten's native_layer_norm and its backward, Liger's layer_norm_forward and _backward, peers.py,
+only y compared; rmsnorm_fwd and rmsnorm_bwd: torch.nn.functional.rms_norm, its backward by
+autograd, and Liger's RMSNorm, peers_rms.py) and ``pallas`` (JAX's Pallas GPU ``layer_norm`` and ``rms_norm``, forward and
 backward: pallas.py); for the add_ ops ``ours-unfus`` (jnp's add, then our fused forward of s). Backward kernels come from jax_lnbwd.KERNELS, so new
 ones are benchmarked with no change here. ``--params float32`` gives the forward ops float32
 weight and bias beside 16-bit x (mixed precision).

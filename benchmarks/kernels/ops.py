@@ -50,7 +50,7 @@ class Case:
     ref: list            # float64 numpy arrays, in the order of Op.outputs
     params: str          # the dtype of weight and bias
     # The torch and Liger peers' inputs (peers.torch_step): layernorm_bwd (x, w, b, dy),
-    # rmsnorm_bwd (x, w, dy), rmsnorm_fwd (x, w).
+    # layernorm_fwd (x, w, b), rmsnorm_bwd (x, w, dy), rmsnorm_fwd (x, w).
     torch_inputs: tuple = ()
 
 
@@ -167,7 +167,7 @@ def _forward_ref(x, w, b):
 def _prepare_forward(rows, C, dtype, params, key) -> Case:
     x, w, b = _inputs(key, rows, C, dtype, params, 1)
     return Case(forward_bytes(rows, C, dtype, params), x, (w, b), _f64(_forward_ref(x, w, b)),
-                str(w.dtype))
+                str(w.dtype), torch_inputs=(x, w, b))
 
 
 def forward_ours(x, w, b):
@@ -346,7 +346,7 @@ OPS = {op.name: op for op in (
        BACKWARD_GPU_SHAPES, ("xla", "autodiff", "torch", "liger", "pallas"), _prepare_backward,
        _backward_impls, kernels=True),
     Op("layernorm_fwd", "forward", "layernorm forward", ("y", "mean", "rstd"),
-       FORWARD_GPU_SHAPES, ("xla", "pallas"), _prepare_forward, _forward_impls),
+       FORWARD_GPU_SHAPES, ("xla", "torch", "liger", "pallas"), _prepare_forward, _forward_impls),
     Op("add_layernorm_fwd", "add_forward", "add + layernorm forward", ("y", "s", "mean", "rstd"),
        FORWARD_GPU_SHAPES, ("xla", "ours-unfus"), _prepare_add_forward, _add_forward_impls),
     Op("rmsnorm_bwd", "rms_backward", "rmsnorm backward", ("dx", "dweight"), RMS_GPU_SHAPES,

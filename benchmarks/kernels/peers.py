@@ -1,6 +1,7 @@
 """The torch and Liger peers of the kernel bench: CUDA only, imported lazily, timed like the
 JAX entries (the same k-step chain, captured in a CUDA graph, between two CUDA events); which
-peers run here. layernorm_bwd's are here, rmsnorm's in peers_rms.py, the Pallas peer in pallas.py."""
+peers run here. layernorm_bwd's and layernorm_fwd's are here, rmsnorm's in peers_rms.py, the Pallas
+peer in pallas.py."""
 from __future__ import annotations
 
 import statistics
@@ -26,6 +27,8 @@ def torch_step(op: str, impl: str, *inputs):
     chained input (dy for a backward, x for a forward). inputs: ops.Case.torch_inputs."""
     if op == "layernorm_bwd":
         return _layernorm_backward(impl, *inputs)
+    if op == "layernorm_fwd":
+        return _layernorm_forward(impl, *inputs)
     from . import peers_rms
     return peers_rms.step(op, impl, *(to_torch(a) for a in inputs))
 
@@ -49,6 +52,26 @@ def _layernorm_backward(impl: str, x, w, b, dy):
         def step(d):
             return tuple(layer_norm_backward(d, tx, tw, tb, mean, rstd))[:3]
     return step, tdy
+
+
+def _layernorm_forward(impl: str, x, w, b):
+    """y, with the statistics each peer's forward writes beside it (torch: mean and rstd of
+    shape (rows, 1); Liger: mean and rstd of shape (rows,)): the bytes ours moves. Only y is
+    compared with the reference (the statistics' shapes differ)."""
+    import torch
+
+    tx, tw, tb = (to_torch(a) for a in (x, w, b))
+    C = tx.shape[-1]
+    if impl == "torch":
+        def step(x):
+            with torch.no_grad():
+                return torch.ops.aten.native_layer_norm(x, [C], tw, tb, EPS)[:1]
+    else:
+        from liger_kernel.ops.layer_norm import layer_norm_forward
+        def step(x):
+            with torch.no_grad():
+                return layer_norm_forward(x, tw, tb, EPS)[:1]
+    return step, tx
 
 
 def time_torch(step, d0, k: int, reps: int, min_run_s: float) -> tuple[float, bool]:
