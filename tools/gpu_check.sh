@@ -12,6 +12,7 @@
 #   rms        the kernel bench's rmsnorm rows (forward, backward, add) with every peer
 #   coop       the same bench with the cooperative in-grid finish (A/B of the launch path)
 #   forward    the forward bench
+#   l2         the L2-resident shapes (8192x768, 1024x768): every norm op against every peer
 #   ncu        ncu's key lines (DRAM throughput, issue rate, stalls, occupancy, registers, waves) of
 #              the forward on NCU_SHAPES (forward_check sweep arguments, comma-separated; the auto
 #              pick) and of kernel 12 at 16384x1600 bf16
@@ -63,6 +64,9 @@ for stage in "$@"; do
     rms)
       run rms python3 -m benchmarks.kernels --op rmsnorm_fwd,rmsnorm_bwd,add_rmsnorm_fwd --dtypes bfloat16,float32 \
         --no-progress --out "$OUT/rms" ;;
+    l2)
+      run l2 python3 -m benchmarks.kernels --op layernorm_fwd,layernorm_bwd,add_layernorm_fwd,rmsnorm_fwd,rmsnorm_bwd \
+        --dtypes bfloat16,float32 --shapes 8192x768,1024x768 --no-progress --out "$OUT/l2" ;;
     forward)
       run forward python3 -m benchmarks.kernels --op forward,add_forward --no-progress --out "$OUT/forward" ;;
     ncu)

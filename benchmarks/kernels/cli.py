@@ -144,7 +144,8 @@ def parse_args(argv, on_gpu: bool):
                         "precision; ignored for 32- and 64-bit x); the backward's are x's dtype")
     p.add_argument("--peers", default=None,
                    help=f"comma list from {','.join(PEERS)} (default: all that run); each op takes those "
-                        "that apply: autodiff the backwards, torch and liger layernorm_bwd and rmsnorm's, "
+                        "that apply: autodiff the backwards, torch and liger layernorm's and rmsnorm's "
+                        "(not the add_ ops), "
                         "pallas layernorm's and rmsnorm's (JAX's Pallas GPU ops), ours-unfus the add_ ops")
     p.add_argument("--reps", type=int, default=7, help="timed runs; the median is reported (default 7)")
     p.add_argument("--chain", type=int, default=None,
