@@ -61,8 +61,8 @@ implementation of each form could cut it by and the step ratio it could at best 
 the configs and versions) and DIR/e2e.png (needs matplotlib: ``pip install -e ".[bench]"``).
 
 Files: config.py (models and sizes), models_linen.py, models_nnx.py, rope.py (rotary
-embeddings), variants.py (the LayerNorm variants and the hook for more), variants_rms.py (the
-RMSNorm variants), train.py (the step and its timing), trace/
+embeddings), registry.py (what a variant is, and the hook for more), variants.py (the LayerNorm
+variants), variants_rms.py (the RMSNorm variants), train.py (the step and its timing), trace/
 (collection, attribution and kinds), report.py (table and plot), floor.py (the byte floor),
 breakdown.py (--kernels), cli.py (options and the run).
 """

@@ -23,8 +23,7 @@ of each norm is the baseline that the others' step-time ratios are taken against
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Callable
+from typing import Any
 
 import flax.linen as nn
 from flax import nnx
@@ -32,23 +31,7 @@ from flax import nnx
 import jax_lnbwd.flax
 import jax_lnbwd.flax.nnx
 
-
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    name: str
-    linen: Callable[..., nn.Module]   # (dtype=, epsilon=) -> module: (x, residual) -> (y, x + residual)
-    nnx: Callable[..., nnx.Module]    # (features, dtype=, epsilon=, rngs=) -> the same
-    # Whether the module also takes x's own bias: constructed with x_bias=True, it holds the bias
-    # of the projection in front of it and returns (y, (x + x_bias) + residual); the models then
-    # build that projection without one (models_linen.Transformer).
-    x_bias: bool = False
-    # Whether the add & norm is one op each way (the residual add inside the forward kernel, the
-    # stream's gradient inside the backward's): what its layernorm-only kernels move, for the byte
-    # floor of our own kernels (floor.py).
-    fused: bool = False
-    # The norm it computes: a model (config.ModelConfig.norm) runs the variants of its norm.
-    # An rmsnorm variant's modules also take offset= (the models pass cfg.offset).
-    norm: str = "layernorm"
+from .registry import VARIANTS, Variant, register  # noqa: F401 (the hook's names, for callers of this module)
 
 
 def linen_add_norm(norm_cls: type) -> type:
@@ -76,15 +59,6 @@ def nnx_add_norm(norm_cls: type) -> type:
             return self.norm(s), s
     AddNorm.__name__ = AddNorm.__qualname__ = f"AddNorm_{norm_cls.__module__.split('.')[0]}"
     return AddNorm
-
-
-VARIANTS: dict[str, Variant] = {}
-
-
-def register(variant: Variant) -> Variant:
-    """Adds a variant (replacing one of the same name) and returns it."""
-    VARIANTS[variant.name] = variant
-    return variant
 
 
 register(Variant("flax", linen=linen_add_norm(nn.LayerNorm), nnx=nnx_add_norm(nnx.LayerNorm)))
@@ -149,5 +123,5 @@ register(Variant("add_layernorm_dense_bias", linen=linen_fused_add_norm(jax_lnbw
                  nnx=nnx_fused_add_norm(jax_lnbwd.flax.nnx.AddLayerNorm), fused=True))
 
 
-# Registered last: they use Variant and register from here.
+# Registered after the LayerNorm variants (VARIANTS keeps that order).
 from . import variants_rms  # noqa: E402,F401

@@ -22,7 +22,7 @@ from jax import lax
 
 import jax_lnbwd.flax
 
-from .variants import Variant, register
+from .registry import Variant, register
 
 
 class OursMissing(ImportError):
