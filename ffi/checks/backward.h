@@ -228,4 +228,39 @@ inline ffi::Error CheckOffset(double offset, NormKind norm) {
   return ArgError("'offset' is " + std::to_string(offset) + " but expected a finite number", norm);
 }
 
+// Each target's checks, in the order both of its handlers run them (after them the CPU handler
+// checks the kernel against the default device limits, the CUDA handler against this GPU's).
+// Target layernorm_bwd v2: v1's buffers with a float32 weight allowed, the residual gradient,
+// and the kernel's support for those two.
+inline ffi::Error CheckLayernormBwdV2Target(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x,
+                                            const ffi::AnyBuffer& weight, const ffi::AnyBuffer& mean,
+                                            const ffi::AnyBuffer& rstd, const ffi::AnyBuffer& dresidual,
+                                            const ffi::AnyBuffer& dx, const ffi::AnyBuffer& dweight,
+                                            const ffi::AnyBuffer& dbias, int32_t kernel, bool has_residual,
+                                            LayernormBwdShape* shape) {
+  if (auto e = CheckLayernormBwdArgs(dy, x, weight, mean, rstd, dx, dweight, dbias, shape, /*allow_f32_weight=*/true);
+      e.failure()) {
+    return e;
+  }
+  if (auto e = CheckResidual(dresidual, has_residual, x); e.failure()) return e;
+  return CheckV2Kernel(kernel, *shape, has_residual);
+}
+
+// Target rmsnorm_bwd: v2's buffers without mean and dbias, kernels 11 and 12, a finite offset.
+inline ffi::Error CheckRmsnormBwdTarget(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x,
+                                        const ffi::AnyBuffer& weight, const ffi::AnyBuffer& rstd,
+                                        const ffi::AnyBuffer& dresidual, const ffi::AnyBuffer& dx,
+                                        const ffi::AnyBuffer& dweight, int32_t kernel, bool has_residual,
+                                        double offset, LayernormBwdShape* shape) {
+  constexpr NormKind kRms = NormKind::kRmsNorm;
+  if (auto e = CheckNormBwdArgs(kRms, dy, x, weight, nullptr, rstd, dx, dweight, nullptr, shape,
+                                /*allow_f32_weight=*/true);
+      e.failure()) {
+    return e;
+  }
+  if (auto e = CheckResidual(dresidual, has_residual, x, kRms); e.failure()) return e;
+  if (auto e = CheckRmsnormKernel(kernel); e.failure()) return e;
+  return CheckOffset(offset, kRms);
+}
+
 }  // namespace lnbwd

@@ -157,13 +157,11 @@ ffi::Error LayernormBwdV2Cpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer
                              bool has_residual) {
   (void)workspace;
   LayernormBwdShape shape;
-  if (auto e = CheckLayernormBwdArgs(dy, x, weight, mean, rstd, *dx, *dweight, *dbias, &shape,
-                                     /*allow_f32_weight=*/true);
+  if (auto e = CheckLayernormBwdV2Target(dy, x, weight, mean, rstd, dresidual, *dx, *dweight, *dbias, kernel,
+                                         has_residual, &shape);
       e.failure()) {
     return e;
   }
-  if (auto e = CheckResidual(dresidual, has_residual, x); e.failure()) return e;
-  if (auto e = CheckV2Kernel(kernel, shape, has_residual); e.failure()) return e;
   if (auto e = CheckKernel(kernel, block_size, shape, x); e.failure()) return e;
   return Run(dy, x, weight, &mean, rstd, has_residual ? dresidual.untyped_data() : nullptr, *dx, *dweight, &*dbias,
              shape);
@@ -176,16 +174,12 @@ ffi::Error RmsnormBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer wei
                          ffi::Result<ffi::AnyBuffer> workspace, int32_t kernel, int32_t block_size, bool has_residual,
                          double offset) {
   (void)workspace;
-  constexpr NormKind kRms = NormKind::kRmsNorm;
   LayernormBwdShape shape;
-  if (auto e = CheckNormBwdArgs(kRms, dy, x, weight, nullptr, rstd, *dx, *dweight, nullptr, &shape,
-                                /*allow_f32_weight=*/true);
+  if (auto e = CheckRmsnormBwdTarget(dy, x, weight, rstd, dresidual, *dx, *dweight, kernel, has_residual, offset,
+                                     &shape);
       e.failure()) {
     return e;
   }
-  if (auto e = CheckResidual(dresidual, has_residual, x, kRms); e.failure()) return e;
-  if (auto e = CheckRmsnormKernel(kernel); e.failure()) return e;
-  if (auto e = CheckOffset(offset, kRms); e.failure()) return e;
   if (auto e = CheckKernel(kernel, block_size, shape, x); e.failure()) return e;
   return Run(dy, x, weight, nullptr, rstd, has_residual ? dresidual.untyped_data() : nullptr, *dx, *dweight, nullptr,
              shape, offset);

@@ -141,13 +141,11 @@ ffi::Error LayernormBwdV2Cuda(cudaStream_t stream, int32_t device, ffi::AnyBuffe
                               ffi::Result<ffi::AnyBuffer> workspace, int32_t kernel, int32_t block_size,
                               bool has_residual) {
   LayernormBwdShape shape;
-  if (auto e = CheckLayernormBwdArgs(dy, x, weight, mean, rstd, *dx, *dweight, *dbias, &shape,
-                                     /*allow_f32_weight=*/true);
+  if (auto e = CheckLayernormBwdV2Target(dy, x, weight, mean, rstd, dresidual, *dx, *dweight, *dbias, kernel,
+                                         has_residual, &shape);
       e.failure()) {
     return e;
   }
-  if (auto e = CheckResidual(dresidual, has_residual, x); e.failure()) return e;
-  if (auto e = CheckV2Kernel(kernel, shape, has_residual); e.failure()) return e;
   return Run(stream, device, dy, x, weight, &mean, rstd, has_residual ? dresidual.untyped_data() : nullptr, &*dx,
              &*dweight, &*dbias, &*workspace, kernel, block_size, shape);
 }
@@ -159,16 +157,12 @@ ffi::Error RmsnormBwdCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer dy
                           ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dweight,
                           ffi::Result<ffi::AnyBuffer> workspace, int32_t kernel, int32_t block_size, bool has_residual,
                           double offset) {
-  constexpr NormKind kRms = NormKind::kRmsNorm;
   LayernormBwdShape shape;
-  if (auto e = CheckNormBwdArgs(kRms, dy, x, weight, nullptr, rstd, *dx, *dweight, nullptr, &shape,
-                                /*allow_f32_weight=*/true);
+  if (auto e = CheckRmsnormBwdTarget(dy, x, weight, rstd, dresidual, *dx, *dweight, kernel, has_residual, offset,
+                                     &shape);
       e.failure()) {
     return e;
   }
-  if (auto e = CheckResidual(dresidual, has_residual, x, kRms); e.failure()) return e;
-  if (auto e = CheckRmsnormKernel(kernel); e.failure()) return e;
-  if (auto e = CheckOffset(offset, kRms); e.failure()) return e;
   return Run(stream, device, dy, x, weight, nullptr, rstd, has_residual ? dresidual.untyped_data() : nullptr, &*dx,
              &*dweight, nullptr, &*workspace, kernel, block_size, shape, offset);
 }
