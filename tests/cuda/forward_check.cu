@@ -36,18 +36,10 @@
 #include <string>
 #include <vector>
 
+#include "check_cuda.h"
 #include "forward/api.h"
 
 using namespace lnbwd;
-
-#define CHECK_CUDA(expr)                                                                       \
-  do {                                                                                         \
-    cudaError_t e_ = (expr);                                                                   \
-    if (e_ != cudaSuccess) {                                                                   \
-      std::fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
-      std::exit(2);                                                                            \
-    }                                                                                          \
-  } while (0)
 
 // Sizes and names from ffi/kernels/dtype.h.
 static size_t item_bytes(Dtype d) { return dtype_item_bytes(d); }

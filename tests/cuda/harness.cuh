@@ -21,19 +21,11 @@
 #include "backward/api.h"
 #include "backward/registers/kernel11.h"
 #include "backward/tma_ring/kernel12.h"
+#include "check_cuda.h"
 #include "registry.h"
 #include "registry_cuda.h"
 
 using namespace lnbwd;
-
-#define CHECK_CUDA(expr)                                                                       \
-  do {                                                                                         \
-    cudaError_t e_ = (expr);                                                                   \
-    if (e_ != cudaSuccess) {                                                                   \
-      std::fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
-      std::exit(2);                                                                            \
-    }                                                                                          \
-  } while (0)
 
 // An attribute of device 0, the one the check and the tools run on.
 inline int device0_attribute(cudaDeviceAttr attr) {
