@@ -19,8 +19,8 @@ for the backward ``autodiff`` (XLA's VJP of a jnp layernorm, recomputing the sta
 where they import on a CUDA GPU, ``torch`` and ``liger`` (layernorm_bwd and layernorm_fwd:
 aten's native_layer_norm and its backward, Liger's layer_norm_forward and _backward, peers.py,
 only y compared; rmsnorm_fwd and rmsnorm_bwd: torch.nn.functional.rms_norm, its backward by
-autograd, and Liger's RMSNorm, peers_rms.py) and ``pallas`` (JAX's Pallas GPU ``layer_norm`` and ``rms_norm``, forward and
-backward: pallas.py); for the add_ ops ``ours-unfus`` (jnp's add, then our fused forward of s). Backward kernels come from jax_lnbwd.KERNELS, so new
+autograd, and Liger's RMSNorm, peers_rms.py) and ``pallas`` (JAX's Pallas GPU ``layer_norm``
+and ``rms_norm``, forward and backward: pallas.py); for the add_ ops ``ours-unfus`` (jnp's add, then our fused forward of s). Backward kernels come from jax_lnbwd.KERNELS, so new
 ones are benchmarked with no change here. ``--params float32`` gives the forward ops float32
 weight and bias beside 16-bit x (mixed precision).
 

@@ -63,14 +63,14 @@ def _layernorm_forward(impl: str, x, w, b):
     tx, tw, tb = (to_torch(a) for a in (x, w, b))
     C = tx.shape[-1]
     if impl == "torch":
-        def step(x):
-            with torch.no_grad():
-                return torch.ops.aten.native_layer_norm(x, [C], tw, tb, EPS)[:1]
+        norm = lambda x: torch.ops.aten.native_layer_norm(x, [C], tw, tb, EPS)  # noqa: E731
     else:
         from liger_kernel.ops.layer_norm import layer_norm_forward
-        def step(x):
-            with torch.no_grad():
-                return layer_norm_forward(x, tw, tb, EPS)[:1]
+        norm = lambda x: layer_norm_forward(x, tw, tb, EPS)  # noqa: E731
+
+    def step(x):
+        with torch.no_grad():
+            return norm(x)[:1]  # y first in both
     return step, tx
 
 
