@@ -6,8 +6,10 @@
 #   tests      the GPU test suite (pytest -m gpu), the `slow` ones (a second build, 100,000
 #              segments) included only with SLOW=1
 #   check      tests/cuda/check.cu for every kernel (LNBWD_QUICK=1), and the forward's check
-#   sanitize   compute-sanitizer over kernels 11 and 12 and the forward (run_sanitizers.sh,
-#              run_forward_sanitizers.sh) and RMSNorm through both (run_rms_sanitizers.sh)
+#   sanitize   the three below (about 10 minutes together: more than one device call allows)
+#   sanitize_bwd  compute-sanitizer over kernels 11 and 12 (run_sanitizers.sh; about 5 minutes)
+#   sanitize_fwd  the forward (run_forward_sanitizers.sh)
+#   sanitize_rms  RMSNorm through both (run_rms_sanitizers.sh)
 #   kernels    the kernel bench on the issue shapes, three dtypes
 #   rms        the kernel bench's rmsnorm rows (forward, backward, add) with every peer
 #   coop       the same bench with the cooperative in-grid finish (A/B of the launch path)
@@ -15,7 +17,8 @@
 #   l2         the L2-resident shapes (8192x768, 1024x768): every norm op against every peer
 #   ncu        ncu's key lines (DRAM throughput, issue rate, stalls, occupancy, registers, waves) of
 #              the forward on NCU_SHAPES (forward_check sweep arguments, comma-separated; the auto
-#              pick) and of kernel 12 at 16384x1600 bf16
+#              pick), of kernel 12 at 16384x1600 bf16, and of our rmsnorm forward beside Liger's
+#              (the bench's chain at 16384x2048 bf16; Liger installed from .carry/wheels)
 #   e2e        the training-step bench
 # Wheels under .carry/wheels (e.g. liger-kernel, a bench peer; tools/fetch_peer_wheels.sh downloads
 # them) are installed first when present.
@@ -51,10 +54,14 @@ for stage in "$@"; do
       nvcc -O3 -std=c++17 -arch=sm_90 -Iffi/kernels -Iffi tests/cuda/check.cu ffi/registry.cc \
         $(find ffi/kernels -name '*.cu') -o /tmp/lnbwd_check && LNBWD_QUICK=1 run check /tmp/lnbwd_check
       ;;
-    sanitize)
-      KERNELS="11 12" run sanitize tests/cuda/run_sanitizers.sh "$OUT/sanitizers"
-      run sanitize_forward tests/cuda/run_forward_sanitizers.sh "$OUT/forward_sanitizers"
-      run sanitize_rms tests/cuda/run_rms_sanitizers.sh "$OUT/rms_sanitizers" ;;
+    sanitize | sanitize_bwd | sanitize_fwd | sanitize_rms)
+      [[ $stage = sanitize || $stage = sanitize_bwd ]] &&
+        KERNELS="11 12" run sanitize tests/cuda/run_sanitizers.sh "$OUT/sanitizers"
+      [[ $stage = sanitize || $stage = sanitize_fwd ]] &&
+        run sanitize_forward tests/cuda/run_forward_sanitizers.sh "$OUT/forward_sanitizers"
+      [[ $stage = sanitize || $stage = sanitize_rms ]] &&
+        run sanitize_rms tests/cuda/run_rms_sanitizers.sh "$OUT/rms_sanitizers"
+      true ;;
     kernels)
       run kernels python3 -m benchmarks.kernels --dtypes bfloat16,float32,float16 --shapes "$SHAPES" \
         --no-progress --out "$OUT/kernels" ;;
@@ -76,8 +83,10 @@ for stage in "$@"; do
       keys="$keys|Theoretical Occupancy|Achieved Occupancy|Block Limit Registers|Stall"
       sections=(--section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats
                 --section SchedulerStats)
-      # NCU_SHAPES: comma-separated forward_check sweep arguments, "ROWS C DTYPE [f32params] [residual] [rms]"
-      IFS=, read -ra ncu_shapes <<< "${NCU_SHAPES:-16384 1600 bfloat16,16384 2048 bfloat16,4096 16384 float32,16384 2048 bfloat16 rms}"
+      # NCU_SHAPES: comma-separated forward_check sweep arguments, "ROWS C DTYPE [f32params] [residual]
+      # [rms] [tpr=N]" (tpr=N: that row group alone; 256 at C = 2048 bf16 is Liger's geometry, one
+      # row per 256-thread block, one vector a thread)
+      IFS=, read -ra ncu_shapes <<< "${NCU_SHAPES:-16384 1600 bfloat16,16384 2048 bfloat16,4096 16384 float32,16384 2048 bfloat16 rms,16384 2048 bfloat16 rms tpr=256}"
       for s in "${ncu_shapes[@]}"; do
         echo "### forward $s"
         # shellcheck disable=SC2086 (the arguments split on purpose)
@@ -87,6 +96,13 @@ for stage in "$@"; do
       echo "### kernel 12, 16384 x 1600 bfloat16" >> "$OUT/ncu.log"
       ncu "${sections[@]}" -k regex:kernel12 --launch-count 1 python3 -m benchmarks.kernels --op layernorm_bwd \
         --dtypes bfloat16 --shapes 16384x1600 --peers copy --reps 1 --no-progress 2>&1 | grep -E "kernel12|$keys" >> "$OUT/ncu.log"
+      # Liger's Triton rmsnorm forward is the fastest peer of ours (one row per program): the same
+      # sections for both, from the same bench chain, show what differs (occupancy, stalls, bytes).
+      echo "### rmsnorm forward, 16384 x 2048 bfloat16: ours (forward_rows) and Liger's" >> "$OUT/ncu.log"
+      for kernel in forward_rows rms_norm_forward; do
+        ncu "${sections[@]}" -k regex:$kernel --launch-count 1 python3 -m benchmarks.kernels --op rmsnorm_fwd \
+          --dtypes bfloat16 --shapes 16384x2048 --peers liger --reps 1 --no-progress 2>&1 | grep -E "$kernel|$keys"
+      done >> "$OUT/ncu.log"
       tail -n 60 "$OUT/ncu.log" ;;
     e2e)
       TAIL=40 run e2e python3 -m benchmarks.e2e ${E2E_ARGS:-} --out "$OUT/e2e" ;;

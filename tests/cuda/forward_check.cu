@@ -13,9 +13,11 @@
 //                                        sum bit for bit; and with x's own bias, s = (x + x_bias)
 //                                        + residual in the accumulator type), against a CPU
 //                                        reference in double
-//   forward_check sweep ROWS C DTYPE [f32params] [residual] [x_bias]
+//   forward_check sweep ROWS C DTYPE [f32params] [residual] [x_bias] [rms] [tpr=N]
 //                                        time each configuration of one shape and a same-bytes
-//                                        device copy (CUDA events, median of 7 runs of 20)
+//                                        device copy (CUDA events, median of 7 runs of 20);
+//                                        tpr=N: only the register path at N threads a row (one
+//                                        configuration, e.g. for ncu's first launch)
 //
 // Build and run (also under the sanitizers):
 //   nvcc -O3 -lineinfo -std=c++17 -arch=sm_90 -Iffi/kernels tests/cuda/forward_check.cu \
@@ -306,7 +308,7 @@ static double time_us(F&& launch) {
 // the same bytes (two copies of rows x C). x_bias (with residual): x's own bias added too.
 // rms: RMSNorm's kernels (no mean, no bias).
 static int sweep(int64_t rows, int64_t C, const std::string& dtype, bool f32params, bool residual, bool x_bias,
-                 bool rms) {
+                 bool rms, int only_tpr) {
   const Dtype d = dtype == "float32" ? Dtype::kF32 : dtype == "bfloat16" ? Dtype::kBF16 : dtype == "float16" ? Dtype::kF16 : Dtype::kF64;
   const Dtype pd = f32params ? Dtype::kF32 : d;
   const size_t n = static_cast<size_t>(rows * C), bytes = n * item_bytes(d);
@@ -327,8 +329,11 @@ static int sweep(int64_t rows, int64_t C, const std::string& dtype, bool f32para
   });
   std::printf("%s %lldx%lld %s (params %s)%s%s: copy %.2f us (%.0f GB/s)\n", rms ? "rmsnorm" : "layernorm", (long long)rows, (long long)C,
               dtype.c_str(), dtype_name(pd), residual ? " residual" : "", x_bias ? " x_bias" : "", copy, tensors * bytes / copy / 1e3);
-  std::vector<std::pair<FwdPath, int>> paths = {{FwdPath::kAuto, 0}, {FwdPath::kSharedMemory, 0}, {FwdPath::kGlobal, 0}};
-  for (int tpr = 32; tpr <= 512; tpr *= 2) paths.push_back({FwdPath::kRegisters, tpr});
+  std::vector<std::pair<FwdPath, int>> paths;
+  if (only_tpr == 0) paths = {{FwdPath::kAuto, 0}, {FwdPath::kSharedMemory, 0}, {FwdPath::kGlobal, 0}};
+  for (int tpr = 32; tpr <= 512; tpr *= 2) {
+    if (only_tpr == 0 || tpr == only_tpr) paths.push_back({FwdPath::kRegisters, tpr});
+  }
   for (auto [path, tpr] : paths) {
     LayernormFwdParams p = {y.ptr, rms ? nullptr : mean.ptr, rstd.ptr, x.ptr, w.ptr, rms ? nullptr : b.ptr, rows, C, 1,
                             rms ? 0 : 1, d, pd, 1e-5, path, tpr, residual ? res.ptr : nullptr,
@@ -349,14 +354,17 @@ int main(int argc, char** argv) {
   if (mode == "check") return check();
   if (mode == "sweep" && argc >= 5) {
     bool f32params = false, residual = false, x_bias = false, rms = false;
+    int only_tpr = 0;
     for (int i = 5; i < argc; ++i) {
+      if (std::strncmp(argv[i], "tpr=", 4) == 0) only_tpr = std::atoi(argv[i] + 4);
       rms |= std::string(argv[i]) == "rms";
       f32params |= std::string(argv[i]) == "f32params";
       residual |= std::string(argv[i]) == "residual";
       x_bias |= std::string(argv[i]) == "x_bias";
     }
-    return sweep(std::atoll(argv[2]), std::atoll(argv[3]), argv[4], f32params, residual, x_bias, rms);
+    return sweep(std::atoll(argv[2]), std::atoll(argv[3]), argv[4], f32params, residual, x_bias, rms, only_tpr);
   }
-  std::fprintf(stderr, "usage: %s check | sweep ROWS C DTYPE [f32params] [residual [x_bias]] [rms]\n", argv[0]);
+  std::fprintf(stderr, "usage: %s check | sweep ROWS C DTYPE [f32params] [residual [x_bias]] [rms] [tpr=N]\n",
+               argv[0]);
   return 2;
 }
