@@ -29,12 +29,13 @@ How one op is timed (device time, never one call by wall clock)
 * One JAX call costs tens of µs of host dispatch, more than a small kernel runs. So one jitted
   function applies the op k times in a chain (``--chain``; 50 on GPU, 3 on CPU): the first
   output of step i is the chained input of step i+1 (the backward's dx its dy, the forward's y
-  its x). Each step's outputs, and the constant inputs too, go through
+  its x; an add op's y and s its x and residual, a residual stream). Each step's outputs, and the constant inputs too, go through
   ``jax.lax.optimization_barrier``: XLA can then neither fuse steps, nor CSE them, nor hoist
   input-only work (the autodiff peer's statistics, x̂) out of the chain and share it between
   steps. XLA does drop barrier outputs that nothing reads, so every step's other outputs
-  leave the chain (dweight and dbias, or mean and rstd, stacked: one small copy per call;
-  add_layernorm's s as it is); else the peers would skip their column sums or statistics. Values drift along a chain (dx is about w*dy per column); nobody
+  leave the chain (dweight and dbias, or mean and rstd, stacked: one small copy per call, as
+  each output of the jitted function costs the host microseconds per call); else the peers
+  would skip their column sums or statistics. Values drift along a chain (dx is about w*dy per column); nobody
   looks at them, and GPU arithmetic runs at one speed whatever they are. Validation is
   separate: one call on the fresh inputs, before any timing.
 * On CPU, XLA removes the barriers before fusion (on GPU only after scheduling), so there the

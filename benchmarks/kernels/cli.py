@@ -80,7 +80,7 @@ def bench_group(op, rows: int, C: int, dtype: str, combos, peers, args, key, pro
                 ok, errs = validate(outs, case.ref, dtype, op.outputs, entry.tol)
                 if ok:
                     sec = time_jax(entry.step, case.state, case.consts, args.chain, args.reps,
-                                   args.min_run_s)
+                                   args.min_run_s, op.carry)
             if not ok:
                 msg = " ".join(f"{n}={e:.3g}" for n, e in errs.items())
                 tols = ", ".join(f"x{f:g} for {n}" for n, f in entry.tol.items())

@@ -76,6 +76,7 @@ class Op:
     impls: Callable          # (case, args, combos) -> [Impl], ours and the jnp peers
     kernels: bool = False    # takes --kernels / --block-sizes
     norm: str = "layernorm"  # which norm the backward kernels must run (their refusals)
+    carry: int = 1           # outputs chained into the next step (timing.time_jax): add ops 2
 
 
 def _stat_bytes(rows: int, dtype: str, stats: int = 2) -> int:
@@ -348,14 +349,14 @@ OPS = {op.name: op for op in (
     Op("layernorm_fwd", "forward", "layernorm forward", ("y", "mean", "rstd"),
        FORWARD_GPU_SHAPES, ("xla", "torch", "liger", "pallas"), _prepare_forward, _forward_impls),
     Op("add_layernorm_fwd", "add_forward", "add + layernorm forward", ("y", "s", "mean", "rstd"),
-       FORWARD_GPU_SHAPES, ("xla", "ours-unfus"), _prepare_add_forward, _add_forward_impls),
+       FORWARD_GPU_SHAPES, ("xla", "ours-unfus"), _prepare_add_forward, _add_forward_impls, carry=2),
     Op("rmsnorm_bwd", "rms_backward", "rmsnorm backward", ("dx", "dweight"), RMS_GPU_SHAPES,
        ("xla", "autodiff", "torch", "liger", "pallas"), _prepare_rms_backward, _rms_backward_impls,
        kernels=True, norm="rmsnorm"),
     Op("rmsnorm_fwd", "rms_forward", "rmsnorm forward", ("y", "rstd"), RMS_GPU_SHAPES,
        ("xla", "torch", "liger", "pallas"), _prepare_rms_forward, _rms_forward_impls),
     Op("add_rmsnorm_fwd", "add_rms_forward", "add + rmsnorm forward", ("y", "s", "rstd"),
-       RMS_GPU_SHAPES, ("xla", "ours-unfus"), _prepare_add_rms_forward, _add_rms_forward_impls),
+       RMS_GPU_SHAPES, ("xla", "ours-unfus"), _prepare_add_rms_forward, _add_rms_forward_impls, carry=2),
 )}
 ALIASES = {op.alias: name for name, op in OPS.items()}
 

@@ -70,18 +70,22 @@ def copy_words(nbytes: int):
     return jnp.zeros((max(1, nbytes // 8),), jnp.uint32)
 
 
-def time_jax(step, state, consts, k: int, reps: int, min_run_s: float) -> float:
-    """Median seconds per step of `step` chained k times inside one jitted function."""
+def time_jax(step, state, consts, k: int, reps: int, min_run_s: float, carry: int = 1) -> float:
+    """Median seconds per step of `step` chained k times inside one jitted function. The first
+    `carry` outputs of a step are the next step's first inputs (its state, then its first
+    consts: an add op's y and s become the next x and residual, a residual stream)."""
     def chain(state, consts):
         kept = []
         for _ in range(k):  # unrolled in the HLO: no while-loop overhead between steps
             # The barrier makes this step's outputs and the inputs opaque to XLA, so step i+1
             # can be neither fused with, nor CSE'd against, nor hoisted out of, step i.
-            (state, *rest), consts = jax.lax.optimization_barrier((step(state, *consts), consts))
-            kept += rest
+            outs, consts = jax.lax.optimization_barrier((step(state, *consts), consts))
+            state, consts = outs[0], (*outs[1:carry], *consts[carry - 1:])
+            kept += outs[carry:]
         # XLA drops barrier outputs that nothing reads, so every step's other outputs leave the
         # chain: stacked when they share a shape (dweight and dbias, mean and rstd: one small
-        # copy per call), else as they are (add_layernorm's s is a full tensor: no copy).
+        # copy per call). Each output of the jitted function costs the host microseconds per
+        # call, as much as a small step's kernel: hence the stack, and the carried s.
         if len({a.shape for a in kept}) == 1:
             return state, jnp.stack(kept)
         return state, tuple(kept)
