@@ -40,8 +40,11 @@ done
 # check and one binary per control, which differ only in their forward_rows object.
 sources=(tests/cuda/forward_check.cu ffi/kernels/forward/forward_rows.cu "${KERNELS[@]}")
 for planted in "${planted_all[@]}"; do sources+=("$ctl/forward_rows_$planted.cu"); done
-for f in "${sources[@]}"; do "${NVCC[@]}" -c "$f" -o "$OUT/obj/$(basename "$f" .cu).o" & done
-wait
+# A compile that fails stops the script (no stale object of an earlier run may stand in for it).
+rm -f "$OUT"/obj/*.o
+pids=()
+for f in "${sources[@]}"; do "${NVCC[@]}" -c "$f" -o "$OUT/obj/$(basename "$f" .cu).o" & pids+=($!); done
+for pid in "${pids[@]}"; do wait "$pid" || exit 2; done
 common=("$OUT/obj/forward_check.o")
 for f in "${KERNELS[@]}"; do common+=("$OUT/obj/$(basename "$f" .cu).o"); done
 "${NVCC[@]}" "${common[@]}" "$OUT/obj/forward_rows.o" -o "$OUT/forward_check" || exit 2

@@ -12,10 +12,14 @@ mkdir -p "$OUT/obj"
 NVCC=(nvcc -O3 -lineinfo -std=c++17 -arch=sm_90 -Iffi/kernels -Iffi)
 TIMEOUT=${LNBWD_SANITIZER_TIMEOUT:-900}
 
+# A compile that fails stops the script (no stale object of an earlier run may stand in for it).
+rm -f "$OUT"/obj/*.o
+pids=()
 for f in tests/cuda/rms_check.cu ffi/registry.cc $(find ffi/kernels -name "*.cu" | sort); do
   "${NVCC[@]}" -c "$f" -o "$OUT/obj/$(basename "$f").o" &
+  pids+=($!)
 done
-wait
+for pid in "${pids[@]}"; do wait "$pid" || exit 2; done
 "${NVCC[@]}" "$OUT"/obj/*.o -o "$OUT/rms_check" || exit 2
 "$OUT/rms_check" | tail -5 || exit 1
 

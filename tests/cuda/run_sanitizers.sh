@@ -15,8 +15,10 @@ build() {   # build OUT_BINARY KERNEL_SOURCES...
   local bin=$1 dir=$OUT/obj/$(basename "$1")
   shift
   mkdir -p "$dir"
-  for f in tests/cuda/check.cu ffi/registry.cc "$@"; do "${NVCC[@]}" -c "$f" -o "$dir/$(basename "$f").o" & done
-  wait
+  rm -f "$dir"/*.o   # the link takes every object here: none may be left from an earlier run
+  local pids=() pid
+  for f in tests/cuda/check.cu ffi/registry.cc "$@"; do "${NVCC[@]}" -c "$f" -o "$dir/$(basename "$f").o" & pids+=($!); done
+  for pid in "${pids[@]}"; do wait "$pid" || return 1; done
   "${NVCC[@]}" "$dir"/*.o -o "$bin"
 }
 # CHECK=path reuses a check built from the same sources (with -lineinfo, for file:line reports).
