@@ -13,11 +13,12 @@
 //                                        sum bit for bit; and with x's own bias, s = (x + x_bias)
 //                                        + residual in the accumulator type), against a CPU
 //                                        reference in double
-//   forward_check sweep ROWS C DTYPE [f32params] [residual] [x_bias] [rms] [tpr=N]
+//   forward_check sweep ROWS C DTYPE [f32params] [residual] [x_bias] [rms] [tpr=N] [chain]
 //                                        time each configuration of one shape and a same-bytes
 //                                        device copy (CUDA events, median of 7 runs of 20);
 //                                        tpr=N: only the register path at N threads a row (one
-//                                        configuration, e.g. for ncu's first launch)
+//                                        configuration, e.g. for ncu's first launch); chain:
+//                                        each launch reads the one before's output
 //
 // Build and run (also under the sanitizers):
 //   nvcc -O3 -lineinfo -std=c++17 -arch=sm_90 -Iffi/kernels tests/cuda/forward_check.cu \
@@ -306,9 +307,11 @@ static double time_us(F&& launch) {
 
 // residual: the residual variant, which reads x and residual and writes y and s; its copy moves
 // the same bytes (two copies of rows x C). x_bias (with residual): x's own bias added too.
-// rms: RMSNorm's kernels (no mean, no bias).
+// rms: RMSNorm's kernels (no mean, no bias). chain: each launch reads what the one before wrote
+// (x and y swap, for the copy too), as in a network or the kernel bench's chain; otherwise every
+// launch reads the same x, which may then be found partly in L2 from the launch before.
 static int sweep(int64_t rows, int64_t C, const std::string& dtype, bool f32params, bool residual, bool x_bias,
-                 bool rms, int only_tpr) {
+                 bool rms, int only_tpr, bool chain) {
   const Dtype d = dtype == "float32" ? Dtype::kF32 : dtype == "bfloat16" ? Dtype::kBF16 : dtype == "float16" ? Dtype::kF16 : Dtype::kF64;
   const Dtype pd = f32params ? Dtype::kF32 : d;
   const size_t n = static_cast<size_t>(rows * C), bytes = n * item_bytes(d);
@@ -323,12 +326,23 @@ static int sweep(int64_t rows, int64_t C, const std::string& dtype, bool f32para
   CHECK_CUDA(cudaMemset(w.ptr, 0, C * item_bytes(pd)));
   CHECK_CUDA(cudaMemset(b.ptr, 0, C * item_bytes(pd)));
   const int tensors = residual ? 4 : 2;   // read and written, rows x C each
+  CHECK_CUDA(cudaMemset(y.ptr, 0x3c, bytes));
+  int launches = 0;
+  auto swap_xy = [&](const void*& in, void*& out) {   // chain: odd launches read y and write x
+    const bool odd = chain && (launches++ % 2 == 1);
+    in = odd ? y.ptr : x.ptr;
+    out = odd ? x.ptr : y.ptr;
+  };
   const double copy = time_us([&] {
-    CHECK_CUDA(cudaMemcpyAsync(y.ptr, x.ptr, bytes, cudaMemcpyDeviceToDevice));
+    const void* in;
+    void* out;
+    swap_xy(in, out);
+    CHECK_CUDA(cudaMemcpyAsync(out, in, bytes, cudaMemcpyDeviceToDevice));
     if (residual) CHECK_CUDA(cudaMemcpyAsync(sum.ptr, res.ptr, bytes, cudaMemcpyDeviceToDevice));
   });
-  std::printf("%s %lldx%lld %s (params %s)%s%s: copy %.2f us (%.0f GB/s)\n", rms ? "rmsnorm" : "layernorm", (long long)rows, (long long)C,
-              dtype.c_str(), dtype_name(pd), residual ? " residual" : "", x_bias ? " x_bias" : "", copy, tensors * bytes / copy / 1e3);
+  std::printf("%s %lldx%lld %s (params %s)%s%s%s: copy %.2f us (%.0f GB/s)\n", rms ? "rmsnorm" : "layernorm", (long long)rows,
+              (long long)C, dtype.c_str(), dtype_name(pd), residual ? " residual" : "", x_bias ? " x_bias" : "",
+              chain ? " chain" : "", copy, tensors * bytes / copy / 1e3);
   std::vector<std::pair<FwdPath, int>> paths;
   if (only_tpr == 0) paths = {{FwdPath::kAuto, 0}, {FwdPath::kSharedMemory, 0}, {FwdPath::kGlobal, 0}};
   for (int tpr = 32; tpr <= 512; tpr *= 2) {
@@ -341,7 +355,10 @@ static int sweep(int64_t rows, int64_t C, const std::string& dtype, bool f32para
     p.norm = rms ? NormKind::kRmsNorm : NormKind::kLayerNorm;
     LayernormFwdConfig cfg;
     if (layernorm_fwd_pick(p, &cfg) != cudaSuccess) continue;
-    const double us = time_us([&] { CHECK_CUDA(layernorm_fwd(p, 0)); });
+    const double us = time_us([&] {
+      swap_xy(p.x, p.y);
+      CHECK_CUDA(layernorm_fwd(p, 0));
+    });
     std::printf("  %-9s tpr %3d nv %d vec %d rows/block %d threads %4d smem %7zu: %9.2f us %6.0f GB/s %5.1f%% of copy\n",
                 path_name(path), cfg.tpr, cfg.nv, cfg.vec, cfg.rows_per_block, cfg.threads, cfg.smem_bytes, us,
                 tensors * bytes / us / 1e3, 100.0 * copy / us);
@@ -353,7 +370,7 @@ int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "check";
   if (mode == "check") return check();
   if (mode == "sweep" && argc >= 5) {
-    bool f32params = false, residual = false, x_bias = false, rms = false;
+    bool f32params = false, residual = false, x_bias = false, rms = false, chain = false;
     int only_tpr = 0;
     for (int i = 5; i < argc; ++i) {
       if (std::strncmp(argv[i], "tpr=", 4) == 0) only_tpr = std::atoi(argv[i] + 4);
@@ -361,10 +378,11 @@ int main(int argc, char** argv) {
       f32params |= std::string(argv[i]) == "f32params";
       residual |= std::string(argv[i]) == "residual";
       x_bias |= std::string(argv[i]) == "x_bias";
+      chain |= std::string(argv[i]) == "chain";
     }
-    return sweep(std::atoll(argv[2]), std::atoll(argv[3]), argv[4], f32params, residual, x_bias, rms, only_tpr);
+    return sweep(std::atoll(argv[2]), std::atoll(argv[3]), argv[4], f32params, residual, x_bias, rms, only_tpr, chain);
   }
-  std::fprintf(stderr, "usage: %s check | sweep ROWS C DTYPE [f32params] [residual [x_bias]] [rms] [tpr=N]\n",
+  std::fprintf(stderr, "usage: %s check | sweep ROWS C DTYPE [f32params] [residual [x_bias]] [rms] [tpr=N] [chain]\n",
                argv[0]);
   return 2;
 }

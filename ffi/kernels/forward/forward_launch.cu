@@ -31,12 +31,26 @@ bool can_vectorize(const LayernormFwdParams& p) {
          (p.s == nullptr || aligned16(p.s)) && (p.x_bias == nullptr || aligned16(p.x_bias));
 }
 
+// The most vectors a thread of a tpr-thread row group holds, by norm kind: the register path's
+// rule, written once. A thread's vectors are its bytes in flight, and also the length of its
+// per-row work between one row's loads and the next's; the warps that share a row pay barrier
+// rounds and each repeat the row's scalar work (the sums, rstd).
+//   RMSNorm: one barrier round a row, so rows are spread over up to four warps at 4 vectors a
+//            thread; wider rows take 8.
+//   layernorm: two rounds (mean, then variance), so rows stay in as few warps as hold them at 8
+//            vectors a thread, except that a warp alone holds at most 7: a row of 8 a lane is
+//            split over two warps of 4.
+// docs/results/2026-12-02-forward_policy_h200.txt has the sweep over every row group behind it.
+int max_vectors(NormKind norm, int tpr) {
+  if (norm == NormKind::kRmsNorm) return tpr <= 128 ? kFwdMaxNv / 2 : kFwdMaxNv;
+  return tpr == 32 ? kFwdMaxNv - 1 : kFwdMaxNv;
+}
+
 // The register path's row group: the fewest threads per row (a power of two from 32 to
-// kFwdMaxRowThreads) whose threads hold the row in at most kFwdMaxNv vectors each. Fewer threads
-// per row means fewer warps to sum over (a warp alone needs no barrier) and more independent
-// rows per SM; kFwdMaxNv vectors per thread are enough bytes in flight per thread. Scalar
-// access (vec == 1) compiles only power-of-two NV.
-bool pick_registers(int64_t nvec, int vec, int only_tpr, LayernormFwdConfig* cfg) {
+// kFwdMaxRowThreads) whose threads hold the row in at most max_vectors each; a forced row
+// group (only_tpr) may take up to kFwdMaxNv. Scalar access (vec == 1) compiles only
+// power-of-two NV.
+bool pick_registers(int64_t nvec, int vec, NormKind norm, int only_tpr, LayernormFwdConfig* cfg) {
   for (int tpr = 32; tpr <= kFwdMaxRowThreads; tpr *= 2) {
     if (only_tpr != 0 && tpr != only_tpr) continue;
     int nv = static_cast<int>(ceil_div<int64_t>(nvec, tpr));
@@ -45,7 +59,7 @@ bool pick_registers(int64_t nvec, int vec, int only_tpr, LayernormFwdConfig* cfg
       while (pow2 < nv) pow2 *= 2;
       nv = pow2;
     }
-    if (nv > kFwdMaxNv) continue;
+    if (nv > (only_tpr != 0 ? kFwdMaxNv : max_vectors(norm, tpr))) continue;
     cfg->path = FwdPath::kRegisters;
     cfg->nv = nv;
     cfg->tpr = tpr;
@@ -75,7 +89,7 @@ cudaError_t layernorm_fwd_pick(const LayernormFwdParams& p, LayernormFwdConfig* 
   const int64_t nvec = ceil_div<int64_t>(p.C, cfg->vec);
 
   if (p.path == FwdPath::kAuto || p.path == FwdPath::kRegisters) {
-    if (pick_registers(nvec, cfg->vec, p.tpr, cfg)) return cudaSuccess;
+    if (pick_registers(nvec, cfg->vec, p.norm, p.tpr, cfg)) return cudaSuccess;
     if (p.path == FwdPath::kRegisters || p.tpr != 0) return cudaErrorInvalidValue;
   }
   cfg->threads = kFwdWideThreads;

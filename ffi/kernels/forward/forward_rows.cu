@@ -11,7 +11,7 @@
 //   col(j) = (j * tpr + t) * VEC,  j = 0..NV-1,
 // so for every j the group's loads are one contiguous, coalesced span of the row. tpr and NV
 // are chosen by layernorm_fwd_pick (forward_launch.cu): the fewest threads per row that hold
-// it with at most kFwdMaxNv vectors each. Blocks are small (128 threads, or one larger group)
+// it with at most max_vectors(norm kind, tpr) vectors each. Blocks are small (128 threads, or one larger group)
 // so that the SM's register file fills evenly: at 80 registers a thread (the lean kernel's cap)
 // 128-thread blocks use 24 warps of an SM; blocks of 512 threads are held to 64 registers so
 // that two fit (the pair kernel). The registers are what holds the bytes in flight, so the
@@ -88,11 +88,12 @@ __device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tp
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * groups + g; row < a.rows;
        row += static_cast<int64_t>(gridDim.x) * groups) {
     const V* x = reinterpret_cast<const V*>(a.x + row * C) + t;
-    // Streaming loads (evict first): this kernel reads each element once.
+    // x is read once: ld.global.cg caches it in L2 at normal priority and not in L1, so L1 holds
+    // only the parameters that every row reads again (docs/forward.md, on the cache policy).
     V xv[NV];
 #pragma unroll
     for (int j = 0; j < NV; ++j, x += tpr) {
-      if (in_row(j)) xv[j] = load_cs(x);
+      if (in_row(j)) xv[j] = load_cg(x);
     }
     if constexpr (RES) {
       // The residual's loads go out before any use of x's; then the row is s, stored once.
@@ -100,7 +101,7 @@ __device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tp
       V rv[NV];
 #pragma unroll
       for (int j = 0; j < NV; ++j, r += tpr) {
-        if (in_row(j)) rv[j] = load_cs(r);
+        if (in_row(j)) rv[j] = load_cg(r);
       }
       V* sp = reinterpret_cast<V*>(a.s + row * C) + t;
       const P* xb = param_row(a.x_bias, row, a.x_bias_div, C);   // x's own bias, or nullptr
