@@ -14,6 +14,9 @@
 #   rms        the kernel bench's rmsnorm rows (forward, backward, add) with every peer
 #   coop       the same bench with the cooperative in-grid finish (A/B of the launch path)
 #   forward    the forward bench
+#   sweep      the forward harness's sweep (every row group, and the pick) of SWEEP_SHAPES
+#              (forward_check sweep arguments, comma-separated), each in chain mode: every launch
+#              reads the launch before's output, as in the kernel bench
 #   l2         the L2-resident shapes (8192x768, 1024x768): every norm op against every peer
 #   ncu        ncu's key lines (DRAM throughput, issue rate, stalls, occupancy, registers, waves) of
 #              the forward on NCU_SHAPES (forward_check sweep arguments, comma-separated; the auto
@@ -76,6 +79,15 @@ for stage in "$@"; do
         --dtypes bfloat16,float32 --shapes 8192x768,1024x768 --no-progress --out "$OUT/l2" ;;
     forward)
       run forward python3 -m benchmarks.kernels --op forward,add_forward --no-progress --out "$OUT/forward" ;;
+    sweep)
+      nvcc -O3 -std=c++17 -arch=sm_90 -Iffi/kernels tests/cuda/forward_check.cu ffi/kernels/forward/*.cu \
+        ffi/kernels/common/occupancy.cu ffi/kernels/common/device_limits.cu -o /tmp/lnbwd_forward_check || status=1
+      IFS=, read -ra sweep_shapes <<< "${SWEEP_SHAPES:-16384 1600 bfloat16,16384 2048 bfloat16,8192 8192 bfloat16,16384 4096 bfloat16 rms,4096 16384 bfloat16 rms,8192 8192 float32 rms}"
+      for s in "${sweep_shapes[@]}"; do
+        # shellcheck disable=SC2086 (the arguments split on purpose)
+        /tmp/lnbwd_forward_check sweep $s chain
+      done > "$OUT/sweep.log" 2>&1
+      grep -E "copy|auto" "$OUT/sweep.log" ;;
     ncu)
       nvcc -O3 -std=c++17 -arch=sm_90 -lineinfo -Iffi/kernels tests/cuda/forward_check.cu ffi/kernels/forward/*.cu \
         ffi/kernels/common/occupancy.cu ffi/kernels/common/device_limits.cu -o /tmp/lnbwd_forward_check || status=1
