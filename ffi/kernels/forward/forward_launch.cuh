@@ -59,6 +59,9 @@ cudaError_t dispatch_fwd_variant(const LayernormFwdParams& p, const LayernormFwd
   });
 }
 
+// Rows per parameter row (param_row's div), 0 where one parameter row serves every row.
+inline int64_t param_div(int64_t rows, int64_t param_rows) { return param_rows > 1 ? rows / param_rows : 0; }
+
 template <typename T, typename P>
 FwdArgs<T, P> fwd_args(const LayernormFwdParams& p) {
   FwdArgs<T, P> a;
@@ -70,15 +73,15 @@ FwdArgs<T, P> fwd_args(const LayernormFwdParams& p) {
   a.bias = static_cast<const P*>(p.bias);
   a.rows = p.rows;
   a.C = static_cast<int>(p.C);
-  a.weight_div = p.rows / (p.weight_rows > 0 ? p.weight_rows : 1);
-  a.bias_div = p.rows / (p.bias_rows > 0 ? p.bias_rows : 1);
+  a.weight_div = param_div(p.rows, p.weight_rows);
+  a.bias_div = param_div(p.rows, p.bias_rows);
   a.eps = static_cast<acc_t<T>>(p.eps);
   // RMSNorm's kernels add it to the weight; -0.0 where there is none (kernel_offset, norm_kind.h).
   a.offset = static_cast<acc_t<T>>(kernel_offset(p.norm, p.offset));
   a.residual = static_cast<const T*>(p.residual);
   a.s = static_cast<T*>(p.s);
   a.x_bias = static_cast<const P*>(p.x_bias);
-  a.x_bias_div = p.rows / (p.x_bias_rows > 0 ? p.x_bias_rows : 1);
+  a.x_bias_div = param_div(p.rows, p.x_bias_rows);
   return a;
 }
 

@@ -27,7 +27,7 @@ struct FwdArgs {
   const P* bias;        // nullptr: shift 0
   int64_t rows;
   int C;
-  int64_t weight_div;   // rows per weight row: row r uses weight row r / weight_div
+  int64_t weight_div;   // rows per weight row: row r uses weight row r / weight_div (0: one row for all)
   int64_t bias_div;
   acc_t<T> eps;
   acc_t<T> offset;      // RMSNorm's: added to the weight (offset + w); unread by layernorm's kernels
@@ -38,10 +38,13 @@ struct FwdArgs {
   int64_t x_bias_div;
 };
 
-// The parameter row of `row`, or nullptr when the parameter is absent.
+// The parameter row of `row`, or nullptr when the parameter is absent. div = 0 means one row for
+// all (fwd_args): the common case skips a 64-bit division per row, which sits on the path from a
+// row's sums to its stores.
 template <typename P>
 __device__ __forceinline__ const P* param_row(const P* p, int64_t row, int64_t div, int C) {
-  return p == nullptr ? nullptr : p + (row / div) * C;
+  if (p == nullptr) return nullptr;
+  return div == 0 ? p : p + (row / div) * C;
 }
 
 // VEC parameters starting at p, widened to the accumulator type A. Loaded in 16-byte pieces (an

@@ -46,12 +46,14 @@ namespace lnbwd {
 namespace {
 
 // The kernel's body; the three kernels below differ only in their register budget.
-template <NormKind K, typename T, typename P, int VEC, int NV, bool RES>
+template <NormKind K, typename T, typename P, int VEC, int NV, bool RES, bool STREAM_X = false>
 __device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tpr, int groups) {
   using A = acc_t<T>;
   using V = Packed<T, VEC>;
-  const int g = threadIdx.x / tpr;
-  const int t = threadIdx.x % tpr;
+  // tpr is a power of two (layernorm_fwd_pick): a shift and a mask, not a division, stand before
+  // the row's first load.
+  const int g = threadIdx.x >> (__ffs(tpr) - 1);
+  const int t = threadIdx.x & (tpr - 1);
   const int lane = threadIdx.x % 32;
   const int warps = tpr / 32;
   const int warp = t / 32;
@@ -89,11 +91,13 @@ __device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tp
        row += static_cast<int64_t>(gridDim.x) * groups) {
     const V* x = reinterpret_cast<const V*>(a.x + row * C) + t;
     // x is read once: ld.global.cg caches it in L2 at normal priority and not in L1, so L1 holds
-    // only the parameters that every row reads again (docs/forward.md, on the cache policy).
+    // only the parameters that every row reads again. The lean kernel (STREAM_X: 7 vectors a
+    // thread, the fewest warps an SM holds) loads it evict-first instead (ld.global.cs), so that
+    // its lines leave L2 ahead of y's (docs/forward.md, on the cache policy).
     V xv[NV];
 #pragma unroll
     for (int j = 0; j < NV; ++j, x += tpr) {
-      if (in_row(j)) xv[j] = load_cg(x);
+      if (in_row(j)) xv[j] = STREAM_X ? load_cs(x) : load_cg(x);
     }
     if constexpr (RES) {
       // The residual's loads go out before any use of x's; then the row is s, stored once.
@@ -170,7 +174,7 @@ __global__ void __launch_bounds__(kFwdMaxRowThreads) forward_rows(FwdArgs<T, P> 
 
 template <NormKind K, typename T, typename P, int VEC, int NV>
 __global__ void LNBWD_FWD_LEAN_REGS forward_rows_lean(FwdArgs<T, P> a, int tpr, int groups) {
-  forward_rows_body<K, T, P, VEC, NV, false>(a, tpr, groups);
+  forward_rows_body<K, T, P, VEC, NV, false, true>(a, tpr, groups);
 }
 
 // The widest register rows (the plain variants whose pick takes kFwdMaxRowThreads threads a row:
