@@ -38,8 +38,7 @@ done
 names+=(work) roots+=(.)
 
 build() {   # build NAME ROOT: the harness from ROOT's sources
-  nvcc -O3 -std=c++17 -arch=sm_90 -I"$2/ffi/kernels" "$2/tests/cuda/forward_check.cu" "$2"/ffi/kernels/forward/*.cu \
-    "$2/ffi/kernels/common/occupancy.cu" "$2/ffi/kernels/common/device_limits.cu" -o "$BIN/$1" > "$OUT/build_$1.log" 2>&1
+  tools/build_forward_check.sh "$BIN/$1" "$2" > "$OUT/build_$1.log" 2>&1
 }
 t0=$SECONDS
 pids=()

@@ -80,8 +80,7 @@ for stage in "$@"; do
     forward)
       run forward python3 -m benchmarks.kernels --op forward,add_forward --no-progress --out "$OUT/forward" ;;
     sweep)
-      nvcc -O3 -std=c++17 -arch=sm_90 -Iffi/kernels tests/cuda/forward_check.cu ffi/kernels/forward/*.cu \
-        ffi/kernels/common/occupancy.cu ffi/kernels/common/device_limits.cu -o /tmp/lnbwd_forward_check || status=1
+      tools/build_forward_check.sh /tmp/lnbwd_forward_check || status=1
       IFS=, read -ra sweep_shapes <<< "${SWEEP_SHAPES:-16384 1600 bfloat16,16384 2048 bfloat16,8192 8192 bfloat16,16384 4096 bfloat16 rms,4096 16384 bfloat16 rms,8192 8192 float32 rms}"
       for s in "${sweep_shapes[@]}"; do
         # shellcheck disable=SC2086 (the arguments split on purpose)
@@ -89,8 +88,7 @@ for stage in "$@"; do
       done > "$OUT/sweep.log" 2>&1
       grep -E "copy|auto" "$OUT/sweep.log" ;;
     ncu)
-      nvcc -O3 -std=c++17 -arch=sm_90 -lineinfo -Iffi/kernels tests/cuda/forward_check.cu ffi/kernels/forward/*.cu \
-        ffi/kernels/common/occupancy.cu ffi/kernels/common/device_limits.cu -o /tmp/lnbwd_forward_check || status=1
+      tools/build_forward_check.sh /tmp/lnbwd_forward_check . -lineinfo || status=1
       keys='Duration|DRAM Throughput|Issued Warp Per Scheduler|No Eligible|Warp Cycles Per Issued|Registers Per|Waves Per SM'
       keys="$keys|Theoretical Occupancy|Achieved Occupancy|Block Limit Registers|Stall"
       sections=(--section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats

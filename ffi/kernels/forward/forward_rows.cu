@@ -92,8 +92,8 @@ __device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tp
     const V* x = reinterpret_cast<const V*>(a.x + row * C) + t;
     // x is read once: ld.global.cg caches it in L2 at normal priority and not in L1, so L1 holds
     // only the parameters that every row reads again. The lean kernel (STREAM_X: 7 vectors a
-    // thread, the fewest warps an SM holds) loads it evict-first instead (ld.global.cs), so that
-    // its lines leave L2 ahead of y's (docs/forward.md, on the cache policy).
+    // thread, the fewest warps an SM holds) loads it evict-first instead (ld.global.cs): the one
+    // row group where that policy measured faster (docs/forward.md, on the cache policy).
     V xv[NV];
 #pragma unroll
     for (int j = 0; j < NV; ++j, x += tpr) {
