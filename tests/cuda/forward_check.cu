@@ -92,6 +92,7 @@ struct Case {
   int tpr;
   bool residual;                    // the residual variant: y is the layernorm of s = x + residual
   int64_t x_bias_rows = 0;          // the residual variant only: x's own bias, 0 absent, 1 shared, S per segment
+  int64_t max_blocks = 0;           // > 0: a grid of at most this many blocks, which then stride over rows
 };
 
 // s as the kernels form it: (x + x_bias) + residual with each add in the accumulator type (fp32,
@@ -127,6 +128,7 @@ static int run_case(const Case& c, std::mt19937_64& rng) {
   p.eps = 1e-5;
   p.path = c.path;
   p.tpr = c.tpr;
+  p.max_blocks = c.max_blocks;
   const size_t n = static_cast<size_t>(c.rows * c.C), item = item_bytes(c.dtype), pitem = item_bytes(c.param_dtype);
   const size_t lead = c.misaligned ? item : 0;
   DeviceBuffer x(n * item, lead), y(n * item, lead), mean(c.rows * stat_bytes(c.dtype)), rstd(c.rows * stat_bytes(c.dtype));
@@ -178,6 +180,7 @@ static int run_case(const Case& c, std::mt19937_64& rng) {
                 (long long)c.C, dtype_name(c.dtype), dtype_name(c.param_dtype), (long long)c.weight_rows,
                 (long long)c.bias_rows, path_name(c.path), c.misaligned ? " misaligned" : "",
                 c.residual ? " residual" : "", (long long)c.x_bias_rows, c.rows > 0 ? cfg.tpr : 0);
+  if (c.max_blocks > 0) std::snprintf(label + std::strlen(label), sizeof(label) - std::strlen(label), " blocks %u", cfg.blocks);
   if (err != cudaSuccess) {
     std::printf("FAIL %s: %s\n", label, cudaGetErrorString(err));
     return 1;
@@ -277,6 +280,21 @@ static int check() {
             }
           }
         }
+      }
+    }
+  }
+  // Grid-stride: a grid capped below the row count, so that each block runs several rows in turn
+  // (at full size only beyond 2^31 - 1 row groups): a row group of one warp (4 a block), of four
+  // and of 16 warps (a block each), and the wide paths, plain and residual.
+  for (Dtype d : {Dtype::kBF16, Dtype::kF32}) {
+    for (auto [path, tpr] : std::vector<std::pair<FwdPath, int>>{{FwdPath::kRegisters, 32}, {FwdPath::kRegisters, 128},
+                                                                 {FwdPath::kRegisters, 512}, {FwdPath::kSharedMemory, 0},
+                                                                 {FwdPath::kGlobal, 0}}) {
+      for (bool res : {false, true}) {
+        const int r = run_case({37, 2048, d, d, 1, 1, false, path, tpr, res, 0, /*max_blocks=*/3}, rng);
+        if (r < 0) continue;
+        ++cases;
+        failures += r;
       }
     }
   }

@@ -17,6 +17,8 @@
 //        $(find ffi/kernels -name '*.cu') -o /tmp/rms_check
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
+#include <tuple>
 #include <vector>
 
 #include "forward/api.h"
@@ -79,6 +81,7 @@ struct FwdCase {
   bool residual;
   double offset;
   FwdPath path;
+  int64_t max_blocks = 0;   // > 0: a grid of at most this many blocks, which then stride over rows
 };
 
 int run_fwd(const FwdCase& c, std::mt19937& gen) {
@@ -133,12 +136,14 @@ int run_fwd(const FwdCase& c, std::mt19937& gen) {
   p.x_bias_rows = c.x_bias_rows;
   p.norm = NormKind::kRmsNorm;
   p.offset = c.offset;
+  p.max_blocks = c.max_blocks;
   LayernormFwdConfig cfg;
   if (layernorm_fwd_pick(p, &cfg) != cudaSuccess) return -1;   // a forced path that cannot hold the row
   char label[200];
   std::snprintf(label, sizeof(label), "fwd %lldx%lld %s/%s w%lld xb%lld%s offset %g path %d", (long long)c.rows,
                 (long long)c.C, dtype_name(c.dtype), dtype_name(c.pdtype), (long long)c.weight_rows,
                 (long long)c.x_bias_rows, c.residual ? " residual" : "", c.offset, int(cfg.path));
+  if (c.max_blocks > 0) std::snprintf(label + std::strlen(label), sizeof(label) - std::strlen(label), " blocks %u", cfg.blocks);
   cudaError_t err = layernorm_fwd(p, 0);
   if (err == cudaSuccess) err = cudaDeviceSynchronize();
   if (err != cudaSuccess) {
@@ -289,6 +294,17 @@ int main() {
           count(run_fwd({rows, C, d, pd, 0, 1, true, 1.0, path}, gen));
         }
       }
+    }
+  }
+  // Grid-stride: a grid capped below the row count, so that each block runs several rows in turn
+  // (at full size only beyond 2^31 - 1 rows): rows of four and eight warps (one sum a row, which
+  // alternates between two shared buffers), and the wide paths; plain and residual.
+  for (auto [rows, C, path] : std::vector<std::tuple<int64_t, int64_t, FwdPath>>{
+           {24, 4096, FwdPath::kAuto}, {24, 16384, FwdPath::kAuto}, {7, 20000, FwdPath::kSharedMemory},
+           {7, 20000, FwdPath::kGlobal}}) {
+    for (bool residual : {false, true}) {
+      count(run_fwd({rows, C, Dtype::kBF16, Dtype::kF32, 1, 0, residual, 1.0, path, /*max_blocks=*/5}, gen));
+      count(run_fwd({rows, C, Dtype::kF32, Dtype::kF32, 1, 0, residual, 0.0, path, /*max_blocks=*/3}, gen));
     }
   }
   // Backward on kernels 11 and 12 (12 falls back to 11 where its ring does not apply: the

@@ -79,11 +79,15 @@ struct LayernormFwdParams {
   // RMSNorm: mean and bias null; offset is added to the weight (ignored for kLayerNorm).
   NormKind norm = NormKind::kLayerNorm;
   double offset = 0.0;
+  // 0: as many blocks as row groups, up to the device's grid limit (what the FFI glue uses); else
+  // at most max_blocks, so that blocks stride over rows (the standalone checks' grid-stride cases:
+  // otherwise only more than 2^31 - 1 row groups would stride).
+  int64_t max_blocks = 0;
 };
 
 // What the launcher runs for a shape: the path, the vector width (elements per access: 16 bytes,
-// or 1 when rows are not 16-byte aligned), and for kRegisters the row group: `tpr` threads per
-// row, each holding `nv` vectors, and `rows_per_block` row groups per block.
+// or 1 when rows are not 16-byte aligned), for kRegisters the row group: `tpr` threads per row,
+// each holding `nv` vectors, and `rows_per_block` row groups per block; and the grid.
 struct LayernormFwdConfig {
   FwdPath path;
   int vec;
@@ -92,6 +96,8 @@ struct LayernormFwdConfig {
   int rows_per_block;
   int threads;            // per block
   size_t smem_bytes;      // dynamic shared memory per block
+  unsigned int blocks;    // the grid: a block per rows_per_block rows, up to the grid limit (and
+                          // max_blocks); the blocks then stride over the rest
 };
 
 // The configuration layernorm_fwd would launch for `p` on the current device (p.path forces a

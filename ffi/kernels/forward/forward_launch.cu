@@ -73,18 +73,8 @@ bool pick_registers(int64_t nvec, int vec, NormKind norm, int only_tpr, Layernor
   return false;
 }
 
-}  // namespace
-
-cudaError_t fwd_grid(int64_t units, unsigned int* blocks) {
-  int max_grid = 0;
-  LNBWD_FWD_RETURN_IF_ERROR(device_attribute(cudaDevAttrMaxGridDimX, &max_grid));
-  *blocks = static_cast<unsigned int>(std::max<int64_t>(1, std::min<int64_t>(units, max_grid)));
-  return cudaSuccess;
-}
-
-cudaError_t layernorm_fwd_pick(const LayernormFwdParams& p, LayernormFwdConfig* cfg) {
-  if (p.C < 1 || p.C > INT32_MAX || p.rows < 0) return cudaErrorInvalidValue;
-  *cfg = LayernormFwdConfig{};
+// The path and its block shape (layernorm_fwd_pick adds the grid).
+cudaError_t pick_path(const LayernormFwdParams& p, LayernormFwdConfig* cfg) {
   cfg->vec = can_vectorize(p) ? 16 / item_bytes(p.dtype) : 1;
   const int64_t nvec = ceil_div<int64_t>(p.C, cfg->vec);
 
@@ -108,6 +98,21 @@ cudaError_t layernorm_fwd_pick(const LayernormFwdParams& p, LayernormFwdConfig* 
   }
   cfg->path = FwdPath::kGlobal;
   cfg->smem_bytes = 0;
+  return cudaSuccess;
+}
+
+}  // namespace
+
+cudaError_t layernorm_fwd_pick(const LayernormFwdParams& p, LayernormFwdConfig* cfg) {
+  if (p.C < 1 || p.C > INT32_MAX || p.rows < 0 || p.max_blocks < 0) return cudaErrorInvalidValue;
+  *cfg = LayernormFwdConfig{};
+  LNBWD_FWD_RETURN_IF_ERROR(pick_path(p, cfg));
+  // A block per row group up to the grid's limit; beyond it the kernels' row loops stride.
+  int max_grid = 0;
+  LNBWD_FWD_RETURN_IF_ERROR(device_attribute(cudaDevAttrMaxGridDimX, &max_grid));
+  int64_t blocks = std::min<int64_t>(ceil_div<int64_t>(p.rows, cfg->rows_per_block), max_grid);
+  if (p.max_blocks > 0) blocks = std::min(blocks, p.max_blocks);
+  cfg->blocks = static_cast<unsigned int>(std::max<int64_t>(1, blocks));
   return cudaSuccess;
 }
 

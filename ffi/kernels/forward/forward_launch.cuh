@@ -85,10 +85,6 @@ FwdArgs<T, P> fwd_args(const LayernormFwdParams& p) {
   return a;
 }
 
-// Blocks for `units` units of work (rows, or row groups), capped at the device's grid limit:
-// the kernels loop over what is left (grid-stride), so any row count runs.
-cudaError_t fwd_grid(int64_t units, unsigned int* blocks);
-
 // The two kernels' launchers, for a configuration from layernorm_fwd_pick.
 cudaError_t layernorm_fwd_rows(const LayernormFwdParams& p, const LayernormFwdConfig& cfg, cudaStream_t stream);
 cudaError_t layernorm_fwd_wide(const LayernormFwdParams& p, const LayernormFwdConfig& cfg, cudaStream_t stream);

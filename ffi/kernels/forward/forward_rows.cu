@@ -58,8 +58,14 @@ __device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tp
   const int warps = tpr / 32;
   const int warp = t / 32;
   const int C = a.C;
-  // The warps' partial sums: two buffers per group (mean's and variance's, see row_sum), each of
-  // `warps` slots. Unused for tpr = 32.
+  // The warps' partial sums (row_sum): two buffers per group, each of `warps` slots; unused for
+  // tpr = 32. A buffer may be written again only once every warp has read it, and the only
+  // ordering between warps is the barrier inside row_sum. Layernorm's two sums a row take one
+  // each (mean's, variance's): a warp that posts the next row's mean has passed this row's
+  // variance barrier, which every warp reaches only after reading this row's mean. RMSNorm's one
+  // sum a row alternates between the two by the block's row parity, for the same reason: with a
+  // single buffer, a warp that strides on to its next row could post that row's sum while a
+  // slower warp still reads this row's (blocks stride once rows outnumber the grid).
   __shared__ A exchange[2][kFwdMaxRowThreads / 32 > kFwdBlockThreads / 32 ? kFwdMaxRowThreads / 32
                                                                           : kFwdBlockThreads / 32];
   A* ex_mean = exchange[0] + g * warps;
@@ -87,8 +93,9 @@ __device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tp
   using Pass2 = std::integral_constant<int, 2>;
   using Pass3 = std::integral_constant<int, 3>;
 
+  int64_t parity = 0;   // the block's rows so far, mod 2 (RMSNorm's buffer, above)
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * groups + g; row < a.rows;
-       row += static_cast<int64_t>(gridDim.x) * groups) {
+       row += static_cast<int64_t>(gridDim.x) * groups, parity ^= 1) {
     const V* x = reinterpret_cast<const V*>(a.x + row * C) + t;
     // x is read once: ld.global.cg caches it in L2 at normal priority and not in L1, so L1 holds
     // only the parameters that every row reads again. The lean kernel (STREAM_X: 7 vectors a
@@ -137,7 +144,8 @@ __device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tp
     for (int j = 0; j < NV; ++j) {
       if (in_row(j)) q += squares_of<K>(wide(Pass2{}, xv[j]), mean);
     }
-    const A rstd = rstd_of(row_sum(q, ex_var, warps, warp, lane, sync), C, a.eps);
+    A* ex_q = K == NormKind::kLayerNorm ? ex_var : exchange[parity] + g * warps;
+    const A rstd = rstd_of(row_sum(q, ex_q, warps, warp, lane, sync), C, a.eps);
 
     // Pass 3: y, one 16-byte store per vector.
     const P* w = param_row(a.weight, row, a.weight_div, C);
@@ -191,8 +199,7 @@ cudaError_t launch(const FwdArgs<T, P>& a, const LayernormFwdConfig& cfg, cudaSt
   // The kernel tests only its last slot against the row's end for 16-byte vectors (see
   // forward_rows_body): that needs NV = ceil(C / VEC / tpr) exactly, as layernorm_fwd_pick makes it.
   if (VEC > 1 && NV != ceil_div<int64_t>(a.C / VEC, cfg.tpr)) return cudaErrorInvalidValue;
-  unsigned int blocks = 0;
-  LNBWD_FWD_RETURN_IF_ERROR(fwd_grid(ceil_div<int64_t>(a.rows, cfg.rows_per_block), &blocks));
+  const unsigned int blocks = cfg.blocks;
   if constexpr (fwd_row_pair(NV, RES)) {
     if (cfg.threads == kFwdMaxRowThreads) {
       forward_rows_pair<K, T, P, VEC, NV><<<blocks, cfg.threads, 0, stream>>>(a, cfg.tpr, cfg.rows_per_block);

@@ -36,7 +36,9 @@ forward_wide(FwdArgs<T, P> a) {
   using V = Packed<T, VEC>;
   extern __shared__ __align__(16) unsigned char smem[];
   V* held = reinterpret_cast<V*>(smem);              // the row, for IN_SMEM
-  __shared__ A exchange[2][kFwdWideThreads / 32];    // the warps' sums: mean's, variance's
+  // The warps' sums: layernorm's mean's and variance's; RMSNorm's one sum a row alternates
+  // between the two by row parity (why: forward_rows.cu, at its exchange buffers).
+  __shared__ A exchange[2][kFwdWideThreads / 32];
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   const int warps = blockDim.x / 32;
@@ -44,7 +46,8 @@ forward_wide(FwdArgs<T, P> a) {
   const int nvec = C / VEC;   // VEC divides C (VEC = 1 otherwise)
   auto sync = [] { __syncthreads(); };
 
-  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+  int64_t parity = 0;   // the block's rows so far, mod 2
+  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x, parity ^= 1) {
     const V* x = reinterpret_cast<const V*>(a.x + row * C);
     V* sum_row = nullptr;   // RES: s's row, written in pass 1 (and re-read by kGlobal)
     if constexpr (RES) {
@@ -78,7 +81,8 @@ forward_wide(FwdArgs<T, P> a) {
     for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
       q += squares_of<K>(to_acc(IN_SMEM ? held[i] : load(x + i)), mean);
     }
-    const A rstd = rstd_of(row_sum(q, exchange[1], warps, warp, lane, sync), C, a.eps);
+    A* ex_q = K == NormKind::kLayerNorm ? exchange[1] : exchange[parity];
+    const A rstd = rstd_of(row_sum(q, ex_q, warps, warp, lane, sync), C, a.eps);
 
     // Pass 3: y.
     const P* w = param_row(a.weight, row, a.weight_div, C);
@@ -97,8 +101,7 @@ forward_wide(FwdArgs<T, P> a) {
 
 template <NormKind K, typename T, typename P, int VEC, bool RES>
 cudaError_t launch(const FwdArgs<T, P>& a, const LayernormFwdConfig& cfg, cudaStream_t stream) {
-  unsigned int blocks = 0;
-  LNBWD_FWD_RETURN_IF_ERROR(fwd_grid(a.rows, &blocks));
+  const unsigned int blocks = cfg.blocks;
   if (cfg.path == FwdPath::kGlobal) {
     forward_wide<K, T, P, VEC, false, RES><<<blocks, cfg.threads, 0, stream>>>(a);
     return cudaGetLastError();
