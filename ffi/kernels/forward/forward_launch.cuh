@@ -97,13 +97,15 @@ constexpr int kFwdBlockThreads = 128;     // a block holds 128 / tpr row groups 
 constexpr int kFwdWideThreads = 1024;     // the wide path's block: one row at a time
 
 // The lean register budget (forward_rows.cu's forward_rows_lean). An SM holds 64K registers; a
-// 128-thread block at 80 registers per thread takes 10K of them, so 6 blocks (24 warps) fit,
+// 128-thread block at 72 registers per thread takes 9K of them, so 7 blocks (28 warps) fit,
 // against 5 (20 warps) at the 82-88 the compiler picks by itself for plain rows of 7 vectors.
 // More warps hold more rows' loads in flight. Only those variants get the cap: below 7 vectors
-// the compiler stays under 80 by itself, and the residual variant holds two rows while it adds
-// them.
-constexpr int kFwdLeanRowRegs = 80;
-constexpr bool fwd_row_lean(int nv, bool residual) { return !residual && nv == kFwdMaxNv - 1; }
+// the compiler stays near 72 or under by itself, the residual variant holds two rows while it
+// adds them, and fp64 (two registers an element, also for the statistics) would spill.
+constexpr int kFwdLeanRowRegs = 72;
+constexpr bool fwd_row_lean(int nv, bool residual, int item_bytes) {
+  return !residual && nv == kFwdMaxNv - 1 && item_bytes < 8;
+}
 
 // The pair budget (forward_rows.cu's forward_rows_pair): plain rows in blocks of
 // kFwdMaxRowThreads threads, two blocks per SM. The pick takes that many threads only for rows of

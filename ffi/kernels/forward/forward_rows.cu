@@ -12,8 +12,8 @@
 // so for every j the group's loads are one contiguous, coalesced span of the row. tpr and NV
 // are chosen by layernorm_fwd_pick (forward_launch.cu): the fewest threads per row that hold
 // it with at most max_vectors(norm kind, tpr) vectors each. Blocks are small (128 threads, or one larger group)
-// so that the SM's register file fills evenly: at 80 registers a thread (the lean kernel's cap)
-// 128-thread blocks use 24 warps of an SM; blocks of 512 threads are held to 64 registers so
+// so that the SM's register file fills evenly: at 72 registers a thread (the lean kernel's cap)
+// 128-thread blocks use 28 warps of an SM; blocks of 512 threads are held to 64 registers so
 // that two fit (the pair kernel). The registers are what holds the bytes in flight, so the
 // packed 16-bit row is widened again in every pass (widen) rather than kept widened.
 //
@@ -206,7 +206,7 @@ cudaError_t launch(const FwdArgs<T, P>& a, const LayernormFwdConfig& cfg, cudaSt
       return cudaGetLastError();
     }
   }
-  if constexpr (fwd_row_lean(NV, RES)) {
+  if constexpr (fwd_row_lean(NV, RES, sizeof(T))) {
     forward_rows_lean<K, T, P, VEC, NV><<<blocks, cfg.threads, 0, stream>>>(a, cfg.tpr, cfg.rows_per_block);
   } else {
     forward_rows<K, T, P, VEC, NV, RES><<<blocks, cfg.threads, 0, stream>>>(a, cfg.tpr, cfg.rows_per_block);
