@@ -36,8 +36,9 @@ def format_table(rows, l2_mb: float = 60) -> str:
     if not all(r.get("kernel_timing", True) for r in rows):
         lines += ["", CPU_NOTE]
     if any(r.get("fits_l2") for r in rows):
-        lines += ["", f"L2: the op's bytes fit in the {l2_mb:g} MB L2 (--l2-mb): steps of a "
-                      "chain find their data there, so %copy may pass 100% and means little"]
+        lines += ["", f"L2: the op's bytes fit in the {l2_mb:g} MB L2 (--l2-mb), or its copy ran faster than "
+                      "the DRAM's peak (--dram-gbps): steps of a chain find their data there, so %copy "
+                      "may pass 100% and means little"]
     return "\n".join(lines)
 
 

@@ -144,6 +144,18 @@ def test_every_copy_moves_its_ops_bytes_once():
     assert ops.add_forward_bytes(8, 16, "float32", "same") - ops.forward_bytes(8, 16, "float32", "same") == 2 * 8 * 16 * 4
 
 
+def test_a_copy_faster_than_the_dram_marks_its_group_l2():
+    def group(copy_gbps):
+        return [{"impl": "ours", "gbps": 3000.0, "fits_l2": False},
+                {"impl": "copy", "gbps": copy_gbps, "fits_l2": False}]
+    fast, slow, off = group(5300.0), group(4100.0), group(5300.0)
+    bench.mark_l2(fast, 4800)
+    bench.mark_l2(slow, 4800)
+    bench.mark_l2(off, None)   # off a GPU: no check
+    assert all(r["fits_l2"] for r in fast)
+    assert not any(r["fits_l2"] for r in slow + off)
+
+
 def test_shapes_that_fit_in_l2_are_marked():
     row = {"op": "layernorm_fwd", "shape": "8x8", "dtype": "float32", "params": "float32", "impl": "copy",
            "us": 1.0, "gbps": 1.0, "pct_copy": 100.0, "vs_xla": None, "vs_best": None}
