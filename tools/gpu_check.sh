@@ -13,7 +13,7 @@
 #   kernels    the kernel bench on the issue shapes, three dtypes
 #   rms        the kernel bench's rmsnorm rows (forward, backward, add) with every peer
 #   coop       the same bench with the cooperative in-grid finish (A/B of the launch path)
-#   forward    the forward bench
+#   forward    the forward bench: layernorm and add_layernorm in bf16, fp16 and fp32
 #   sweep      the forward harness's sweep (every row group, and the pick) of SWEEP_SHAPES
 #              (forward_check sweep arguments, comma-separated), each in chain mode: every launch
 #              reads the launch before's output, as in the kernel bench
@@ -23,6 +23,8 @@
 #              pick), of kernel 12 at 16384x1600 bf16, and of our rmsnorm forward beside Liger's
 #              (the bench's chain at 16384x2048 bf16; Liger installed from .carry/wheels)
 #   e2e        the training-step bench
+# PEERS: the forward and l2 stages' --peers (by default every peer but Pallas, to keep the stages
+# short: name it in PEERS to add it).
 # Wheels under .carry/wheels (e.g. liger-kernel, a bench peer; tools/fetch_peer_wheels.sh downloads
 # them) are installed first when present.
 set -uo pipefail
@@ -76,9 +78,12 @@ for stage in "$@"; do
         --no-progress --out "$OUT/rms" ;;
     l2)
       run l2 python3 -m benchmarks.kernels --op layernorm_fwd,layernorm_bwd,add_layernorm_fwd,rmsnorm_fwd,rmsnorm_bwd \
-        --dtypes bfloat16,float32 --shapes 8192x768,1024x768 --no-progress --out "$OUT/l2" ;;
+        --dtypes bfloat16,float32 --shapes 8192x768,1024x768 --peers "${PEERS:-xla,autodiff,copy,liger,torch,ours-unfus}" \
+        --no-progress --out "$OUT/l2" ;;
     forward)
-      run forward python3 -m benchmarks.kernels --op forward,add_forward --no-progress --out "$OUT/forward" ;;
+      run forward python3 -m benchmarks.kernels --op forward,add_forward --dtypes bfloat16,float16,float32 \
+        --shapes 16384x1600,16384x2048,8192x8192,16384x1024,4096x16384,8192x768 \
+        --peers "${PEERS:-xla,copy,liger,torch,ours-unfus}" --no-progress --out "$OUT/forward" ;;
     sweep)
       tools/build_forward_check.sh /tmp/lnbwd_forward_check || status=1
       IFS=, read -ra sweep_shapes <<< "${SWEEP_SHAPES:-16384 1600 bfloat16,16384 2048 bfloat16,8192 8192 bfloat16,16384 4096 bfloat16 rms,4096 16384 bfloat16 rms,8192 8192 float32 rms}"
