@@ -20,15 +20,13 @@
 //                                        configuration, e.g. for ncu's first launch); chain:
 //                                        each launch reads the one before's output
 //
-// Build and run (also under the sanitizers):
-//   nvcc -O3 -lineinfo -std=c++17 -arch=sm_90 -Iffi/kernels tests/cuda/forward_check.cu \
-//        ffi/kernels/forward/*.cu ffi/kernels/common/occupancy.cu -o /tmp/forward_check
+// The check is this file; the sweep is forward_sweep.cuh, the buffers both use forward_buffers.cuh.
+//
+// Build and run (tests/cuda/run_forward_sanitizers.sh runs it under the sanitizers):
+//   tools/build_forward_check.sh /tmp/forward_check
 //   /tmp/forward_check check
 //   for t in memcheck racecheck synccheck initcheck; do
 //     compute-sanitizer --tool $t --error-exitcode 1 /tmp/forward_check check; done
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
@@ -39,49 +37,8 @@
 #include <string>
 #include <vector>
 
-#include "check_cuda.h"
-#include "forward/api.h"
-
-using namespace lnbwd;
-
-// Sizes and names from ffi/kernels/dtype.h.
-static size_t item_bytes(Dtype d) { return dtype_item_bytes(d); }
-static size_t stat_bytes(Dtype d) { return dtype_acc_bytes(d); }
-static const char* path_name(FwdPath p) {
-  return p == FwdPath::kAuto ? "auto" : p == FwdPath::kRegisters ? "registers" : p == FwdPath::kSharedMemory ? "smem" : "global";
-}
-
-// Host values <-> storage bytes of a dtype (bf16/f16 rounded to nearest even by cuda_*.h).
-static void store(Dtype d, void* base, size_t i, double v) {
-  switch (d) {
-    case Dtype::kF32: static_cast<float*>(base)[i] = static_cast<float>(v); break;
-    case Dtype::kF64: static_cast<double*>(base)[i] = v; break;
-    case Dtype::kBF16: static_cast<__nv_bfloat16*>(base)[i] = __float2bfloat16_rn(static_cast<float>(v)); break;
-    case Dtype::kF16: static_cast<__half*>(base)[i] = __float2half_rn(static_cast<float>(v)); break;
-  }
-}
-static double load(Dtype d, const void* base, size_t i) {
-  switch (d) {
-    case Dtype::kF32: return static_cast<const float*>(base)[i];
-    case Dtype::kF64: return static_cast<const double*>(base)[i];
-    case Dtype::kBF16: return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
-    case Dtype::kF16: return __half2float(static_cast<const __half*>(base)[i]);
-  }
-  return NAN;
-}
-
-// One device buffer of exactly `bytes` (+ `lead` bytes before the pointer handed out).
-struct DeviceBuffer {
-  void* base = nullptr;
-  void* ptr = nullptr;
-  DeviceBuffer(size_t bytes, size_t lead = 0) {
-    CHECK_CUDA(cudaMalloc(&base, std::max<size_t>(bytes + lead, 1)));
-    ptr = static_cast<char*>(base) + lead;
-  }
-  ~DeviceBuffer() { cudaFree(base); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-};
+#include "forward_buffers.cuh"
+#include "forward_sweep.cuh"
 
 struct Case {
   int64_t rows, C;
@@ -300,88 +257,6 @@ static int check() {
   }
   std::printf("forward check: %d cases, %d failures\n", cases, failures);
   return failures ? 1 : 0;
-}
-
-// Median µs of 7 runs of 20 launches, timed with events.
-template <typename F>
-static double time_us(F&& launch) {
-  cudaEvent_t a, b;
-  CHECK_CUDA(cudaEventCreate(&a));
-  CHECK_CUDA(cudaEventCreate(&b));
-  launch();
-  std::vector<double> t;
-  for (int rep = 0; rep < 7; ++rep) {
-    CHECK_CUDA(cudaEventRecord(a));
-    for (int i = 0; i < 20; ++i) launch();
-    CHECK_CUDA(cudaEventRecord(b));
-    CHECK_CUDA(cudaEventSynchronize(b));
-    float ms = 0;
-    CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(ms * 1000.0 / 20);
-  }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
-}
-
-// residual: the residual variant, which reads x and residual and writes y and s; its copy moves
-// the same bytes (two copies of rows x C). x_bias (with residual): x's own bias added too.
-// rms: RMSNorm's kernels (no mean, no bias). chain: each launch reads what the one before wrote
-// (x and y swap, for the copy too), as in a network or the kernel bench's chain; otherwise every
-// launch reads the same x, which may then be found partly in L2 from the launch before.
-static int sweep(int64_t rows, int64_t C, const std::string& dtype, bool f32params, bool residual, bool x_bias,
-                 bool rms, int only_tpr, bool chain) {
-  const Dtype d = dtype == "float32" ? Dtype::kF32 : dtype == "bfloat16" ? Dtype::kBF16 : dtype == "float16" ? Dtype::kF16 : Dtype::kF64;
-  const Dtype pd = f32params ? Dtype::kF32 : d;
-  const size_t n = static_cast<size_t>(rows * C), bytes = n * item_bytes(d);
-  DeviceBuffer x(bytes), y(bytes), mean(rows * stat_bytes(d)), rstd(rows * stat_bytes(d));
-  DeviceBuffer w(C * item_bytes(pd)), b(C * item_bytes(pd));
-  DeviceBuffer res(residual ? bytes : 0), sum(residual ? bytes : 0);
-  x_bias = x_bias && residual;
-  DeviceBuffer xb(x_bias ? C * item_bytes(pd) : 0);
-  if (x_bias) CHECK_CUDA(cudaMemset(xb.ptr, 0, C * item_bytes(pd)));
-  CHECK_CUDA(cudaMemset(x.ptr, 0x3c, bytes));   // finite values in every dtype
-  if (residual) CHECK_CUDA(cudaMemset(res.ptr, 0x3c, bytes));
-  CHECK_CUDA(cudaMemset(w.ptr, 0, C * item_bytes(pd)));
-  CHECK_CUDA(cudaMemset(b.ptr, 0, C * item_bytes(pd)));
-  const int tensors = residual ? 4 : 2;   // read and written, rows x C each
-  CHECK_CUDA(cudaMemset(y.ptr, 0x3c, bytes));
-  int launches = 0;
-  auto swap_xy = [&](const void*& in, void*& out) {   // chain: odd launches read y and write x
-    const bool odd = chain && (launches++ % 2 == 1);
-    in = odd ? y.ptr : x.ptr;
-    out = odd ? x.ptr : y.ptr;
-  };
-  const double copy = time_us([&] {
-    const void* in;
-    void* out;
-    swap_xy(in, out);
-    CHECK_CUDA(cudaMemcpyAsync(out, in, bytes, cudaMemcpyDeviceToDevice));
-    if (residual) CHECK_CUDA(cudaMemcpyAsync(sum.ptr, res.ptr, bytes, cudaMemcpyDeviceToDevice));
-  });
-  std::printf("%s %lldx%lld %s (params %s)%s%s%s: copy %.2f us (%.0f GB/s)\n", rms ? "rmsnorm" : "layernorm", (long long)rows,
-              (long long)C, dtype.c_str(), dtype_name(pd), residual ? " residual" : "", x_bias ? " x_bias" : "",
-              chain ? " chain" : "", copy, tensors * bytes / copy / 1e3);
-  std::vector<std::pair<FwdPath, int>> paths;
-  if (only_tpr == 0) paths = {{FwdPath::kAuto, 0}, {FwdPath::kSharedMemory, 0}, {FwdPath::kGlobal, 0}};
-  for (int tpr = 32; tpr <= 512; tpr *= 2) {
-    if (only_tpr == 0 || tpr == only_tpr) paths.push_back({FwdPath::kRegisters, tpr});
-  }
-  for (auto [path, tpr] : paths) {
-    LayernormFwdParams p = {y.ptr, rms ? nullptr : mean.ptr, rstd.ptr, x.ptr, w.ptr, rms ? nullptr : b.ptr, rows, C, 1,
-                            rms ? 0 : 1, d, pd, 1e-5, path, tpr, residual ? res.ptr : nullptr,
-                            residual ? sum.ptr : nullptr, x_bias ? xb.ptr : nullptr, x_bias ? 1 : 0};
-    p.norm = rms ? NormKind::kRmsNorm : NormKind::kLayerNorm;
-    LayernormFwdConfig cfg;
-    if (layernorm_fwd_pick(p, &cfg) != cudaSuccess) continue;
-    const double us = time_us([&] {
-      swap_xy(p.x, p.y);
-      CHECK_CUDA(layernorm_fwd(p, 0));
-    });
-    std::printf("  %-9s tpr %3d nv %d vec %d rows/block %d threads %4d smem %7zu: %9.2f us %6.0f GB/s %5.1f%% of copy\n",
-                path_name(path), cfg.tpr, cfg.nv, cfg.vec, cfg.rows_per_block, cfg.threads, cfg.smem_bytes, us,
-                tensors * bytes / us / 1e3, 100.0 * copy / us);
-  }
-  return 0;
 }
 
 int main(int argc, char** argv) {

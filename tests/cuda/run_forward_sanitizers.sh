@@ -14,6 +14,7 @@ NVCC=(nvcc -O3 -lineinfo -std=c++17 -arch=sm_90 -Iffi/kernels)
 KERNELS=(ffi/kernels/forward/forward_launch.cu ffi/kernels/forward/forward_wide.cu ffi/kernels/common/occupancy.cu
          ffi/kernels/common/device_limits.cu)
 TIMEOUT=${LNBWD_SANITIZER_TIMEOUT:-900}
+source tests/cuda/control_report.sh
 status=0
 
 # The positive controls' sources: scratch copies of forward_rows.cu, each with one planted bug
@@ -70,13 +71,7 @@ control() {   # control PLANTED: one line of result
   "${NVCC[@]}" "${common[@]}" "$OUT/obj/forward_rows_$planted.o" -o "$ctl/check_$planted" ||
     { echo "control $planted: FAILED to build"; return; }
   timeout "$TIMEOUT" compute-sanitizer --tool "$tool" "$ctl/check_$planted" check > "$ctl/$planted.log" 2>&1
-  local summary
-  summary=$(grep -Eo '(ERROR|RACECHECK) SUMMARY: .*' "$ctl/$planted.log" | tail -1)
-  if [[ "$summary" =~ SUMMARY:\ [1-9] ]]; then
-    echo "control $planted ($tool): reported: $summary"
-  else
-    echo "control $planted ($tool): NOT reported ($summary) - the check would miss this bug"
-  fi
+  control_report "$planted" "$tool" "$ctl/$planted.log"
 }
 # The four tools and the controls side by side: the GPU has room for all of them.
 for tool in memcheck racecheck synccheck initcheck; do sanitize "$tool" > "$OUT/$tool.result" & done

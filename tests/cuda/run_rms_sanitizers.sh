@@ -13,6 +13,7 @@ OUT=${1:-/tmp/rms_sanitizers}
 mkdir -p "$OUT/obj"
 NVCC=(nvcc -O3 -lineinfo -std=c++17 -arch=sm_90 -Iffi/kernels -Iffi)
 TIMEOUT=${LNBWD_SANITIZER_TIMEOUT:-900}
+source tests/cuda/control_report.sh
 
 # The control's source: one buffer for every row's sum (exchange[1]) instead of two by parity.
 ctl=$OUT/controls
@@ -54,13 +55,7 @@ sanitize() {   # sanitize TOOL: one line of result (the four run side by side)
 }
 control() {   # the planted race must be reported
   timeout "$TIMEOUT" compute-sanitizer --tool racecheck "$ctl/rms_check_one_buffer" > "$ctl/one_buffer.log" 2>&1
-  local summary
-  summary=$(grep -Eo 'RACECHECK SUMMARY: .*' "$ctl/one_buffer.log" | tail -1)
-  if [[ "$summary" =~ SUMMARY:\ [1-9] ]]; then
-    echo "control one_buffer (racecheck): reported: $summary"
-  else
-    echo "control one_buffer (racecheck): NOT reported ($summary) - the check would miss this bug"
-  fi
+  control_report one_buffer racecheck "$ctl/one_buffer.log"
 }
 for tool in memcheck racecheck synccheck initcheck; do sanitize "$tool" > "$OUT/$tool.result" & done
 control > "$ctl/one_buffer.result" &

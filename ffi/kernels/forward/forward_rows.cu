@@ -45,7 +45,8 @@
 namespace lnbwd {
 namespace {
 
-// The kernel's body; the three kernels below differ only in their register budget.
+// The kernel's body; the three kernels below differ in their register budget (and the lean one
+// in x's cache policy, STREAM_X).
 template <NormKind K, typename T, typename P, int VEC, int NV, bool RES, bool STREAM_X = false>
 __device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tpr, int groups) {
   using A = acc_t<T>;

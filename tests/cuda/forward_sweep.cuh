@@ -1,0 +1,93 @@
+// The forward harness's timing mode (forward_check sweep ...): each configuration of one shape
+// beside a same-bytes device copy, CUDA events. Included by tests/cuda/forward_check.cu.
+#pragma once
+
+#include <algorithm>
+#include <cstdio>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "forward_buffers.cuh"
+
+// Median µs of 7 runs of 20 launches, timed with events.
+template <typename F>
+static double time_us(F&& launch) {
+  cudaEvent_t a, b;
+  CHECK_CUDA(cudaEventCreate(&a));
+  CHECK_CUDA(cudaEventCreate(&b));
+  launch();
+  std::vector<double> t;
+  for (int rep = 0; rep < 7; ++rep) {
+    CHECK_CUDA(cudaEventRecord(a));
+    for (int i = 0; i < 20; ++i) launch();
+    CHECK_CUDA(cudaEventRecord(b));
+    CHECK_CUDA(cudaEventSynchronize(b));
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
+    t.push_back(ms * 1000.0 / 20);
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+// residual: the residual variant, which reads x and residual and writes y and s; its copy moves
+// the same bytes (two copies of rows x C). x_bias (with residual): x's own bias added too.
+// rms: RMSNorm's kernels (no mean, no bias). chain: each launch reads what the one before wrote
+// (x and y swap, for the copy too), as in a network or the kernel bench's chain; otherwise every
+// launch reads the same x, which may then be found partly in L2 from the launch before.
+static int sweep(int64_t rows, int64_t C, const std::string& dtype, bool f32params, bool residual, bool x_bias,
+                 bool rms, int only_tpr, bool chain) {
+  const Dtype d = dtype == "float32" ? Dtype::kF32 : dtype == "bfloat16" ? Dtype::kBF16 : dtype == "float16" ? Dtype::kF16 : Dtype::kF64;
+  const Dtype pd = f32params ? Dtype::kF32 : d;
+  const size_t n = static_cast<size_t>(rows * C), bytes = n * item_bytes(d);
+  DeviceBuffer x(bytes), y(bytes), mean(rows * stat_bytes(d)), rstd(rows * stat_bytes(d));
+  DeviceBuffer w(C * item_bytes(pd)), b(C * item_bytes(pd));
+  DeviceBuffer res(residual ? bytes : 0), sum(residual ? bytes : 0);
+  x_bias = x_bias && residual;
+  DeviceBuffer xb(x_bias ? C * item_bytes(pd) : 0);
+  if (x_bias) CHECK_CUDA(cudaMemset(xb.ptr, 0, C * item_bytes(pd)));
+  CHECK_CUDA(cudaMemset(x.ptr, 0x3c, bytes));   // finite values in every dtype
+  if (residual) CHECK_CUDA(cudaMemset(res.ptr, 0x3c, bytes));
+  CHECK_CUDA(cudaMemset(w.ptr, 0, C * item_bytes(pd)));
+  CHECK_CUDA(cudaMemset(b.ptr, 0, C * item_bytes(pd)));
+  const int tensors = residual ? 4 : 2;   // read and written, rows x C each
+  CHECK_CUDA(cudaMemset(y.ptr, 0x3c, bytes));
+  int launches = 0;
+  auto swap_xy = [&](const void*& in, void*& out) {   // chain: odd launches read y and write x
+    const bool odd = chain && (launches++ % 2 == 1);
+    in = odd ? y.ptr : x.ptr;
+    out = odd ? x.ptr : y.ptr;
+  };
+  const double copy = time_us([&] {
+    const void* in;
+    void* out;
+    swap_xy(in, out);
+    CHECK_CUDA(cudaMemcpyAsync(out, in, bytes, cudaMemcpyDeviceToDevice));
+    if (residual) CHECK_CUDA(cudaMemcpyAsync(sum.ptr, res.ptr, bytes, cudaMemcpyDeviceToDevice));
+  });
+  std::printf("%s %lldx%lld %s (params %s)%s%s%s: copy %.2f us (%.0f GB/s)\n", rms ? "rmsnorm" : "layernorm", (long long)rows,
+              (long long)C, dtype.c_str(), dtype_name(pd), residual ? " residual" : "", x_bias ? " x_bias" : "",
+              chain ? " chain" : "", copy, tensors * bytes / copy / 1e3);
+  std::vector<std::pair<FwdPath, int>> paths;
+  if (only_tpr == 0) paths = {{FwdPath::kAuto, 0}, {FwdPath::kSharedMemory, 0}, {FwdPath::kGlobal, 0}};
+  for (int tpr = 32; tpr <= 512; tpr *= 2) {
+    if (only_tpr == 0 || tpr == only_tpr) paths.push_back({FwdPath::kRegisters, tpr});
+  }
+  for (auto [path, tpr] : paths) {
+    LayernormFwdParams p = {y.ptr, rms ? nullptr : mean.ptr, rstd.ptr, x.ptr, w.ptr, rms ? nullptr : b.ptr, rows, C, 1,
+                            rms ? 0 : 1, d, pd, 1e-5, path, tpr, residual ? res.ptr : nullptr,
+                            residual ? sum.ptr : nullptr, x_bias ? xb.ptr : nullptr, x_bias ? 1 : 0};
+    p.norm = rms ? NormKind::kRmsNorm : NormKind::kLayerNorm;
+    LayernormFwdConfig cfg;
+    if (layernorm_fwd_pick(p, &cfg) != cudaSuccess) continue;
+    const double us = time_us([&] {
+      swap_xy(p.x, p.y);
+      CHECK_CUDA(layernorm_fwd(p, 0));
+    });
+    std::printf("  %-9s tpr %3d nv %d vec %d rows/block %d threads %4d smem %7zu: %9.2f us %6.0f GB/s %5.1f%% of copy\n",
+                path_name(path), cfg.tpr, cfg.nv, cfg.vec, cfg.rows_per_block, cfg.threads, cfg.smem_bytes, us,
+                tensors * bytes / us / 1e3, 100.0 * copy / us);
+  }
+  return 0;
+}
