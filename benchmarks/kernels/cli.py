@@ -54,14 +54,14 @@ def plan_ours(kernels, block_sizes: str, dtype: str, C: int, norm: str = "layern
     return combos, refused
 
 
-def mark_l2(rows, dram_gbps):
-    """Marks a group's rows L2 (fits_l2) also when its same-bytes copy ran faster than the DRAM
-    can (dram_gbps; None: no check): the bytes are more than the L2 holds, but a chain step still
-    found much of the step before's output there, so %copy compares against an L2-assisted copy."""
+def mark_l2(rows, l2_bytes, dram_gbps):
+    """Marks a group's rows L2 (fits_l2) where chain steps find their data in the L2: the op's
+    bytes fit in it (l2_bytes), or its same-bytes copy ran faster than the DRAM can (dram_gbps),
+    so that %copy would compare against an L2-assisted copy. Off a GPU (None, None) nothing is."""
     copy = next((r for r in rows if r["impl"] == "copy"), None)
-    if dram_gbps is not None and copy is not None and copy["gbps"] > dram_gbps:
-        for r in rows:
-            r["fits_l2"] = True
+    fast = dram_gbps is not None and copy is not None and copy["gbps"] > dram_gbps
+    for r in rows:
+        r["fits_l2"] = fast or (l2_bytes is not None and r["bytes"] <= l2_bytes)
 
 
 def bench_group(op, rows: int, C: int, dtype: str, combos, peers, args, key, prog: Progress, log: dict):
@@ -109,9 +109,8 @@ def bench_group(op, rows: int, C: int, dtype: str, combos, peers, args, key, pro
         # On CPU our rows run the C++ reference handlers (one for every kernel id): not kernel timings.
         out.append({**where, "peer": entry.peer, "kernel_timing": entry.peer or args.on_gpu,
                     "us": sec * 1e6, "gbps": case.nbytes / sec / 1e9, "bytes": case.nbytes,
-                    "fits_l2": args.on_gpu and case.nbytes <= args.l2_mb * 2**20,
                     "errors": json_safe(errs), **extra})
-    mark_l2(out, args.dram_gbps if args.on_gpu else None)
+    mark_l2(out, args.l2_mb * 2**20 if args.on_gpu else None, args.dram_gbps if args.on_gpu else None)
     # Relative columns: each against the same-bytes copy, xla and the fastest non-copy peer.
     us = {r["impl"]: r["us"] for r in out}
     best = min((r["us"] for r in out if r["peer"] and r["impl"] != "copy"), default=None)

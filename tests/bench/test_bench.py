@@ -145,14 +145,15 @@ def test_every_copy_moves_its_ops_bytes_once():
 
 
 def test_a_copy_faster_than_the_dram_marks_its_group_l2():
-    def group(copy_gbps):
-        return [{"impl": "ours", "gbps": 3000.0, "fits_l2": False},
-                {"impl": "copy", "gbps": copy_gbps, "fits_l2": False}]
-    fast, slow, off = group(5300.0), group(4100.0), group(5300.0)
-    bench.mark_l2(fast, 4800)
-    bench.mark_l2(slow, 4800)
-    bench.mark_l2(off, None)   # off a GPU: no check
-    assert all(r["fits_l2"] for r in fast)
+    def group(copy_gbps, nbytes=100 * 2**20):
+        return [{"impl": "ours", "gbps": 3000.0, "bytes": nbytes},
+                {"impl": "copy", "gbps": copy_gbps, "bytes": nbytes}]
+    fast, slow, off, small = group(5300.0), group(4100.0), group(5300.0), group(4100.0, 2**20)
+    bench.mark_l2(fast, 60 * 2**20, 4800)
+    bench.mark_l2(slow, 60 * 2**20, 4800)
+    bench.mark_l2(off, None, None)   # off a GPU: no check
+    bench.mark_l2(small, 60 * 2**20, 4800)   # the bytes fit, however fast the copy
+    assert all(r["fits_l2"] for r in fast + small)
     assert not any(r["fits_l2"] for r in slow + off)
 
 
