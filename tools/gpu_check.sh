@@ -22,6 +22,10 @@
 #              the forward on NCU_SHAPES (forward_check sweep arguments, comma-separated; the auto
 #              pick), of kernel 12 at 16384x1600 bf16, and of our rmsnorm forward beside Liger's
 #              (the bench's chain at 16384x2048 bf16; Liger installed from .carry/wheels)
+#   ncu_chain  kernel time alone (ncu's gpu__time_duration, tools/ncu_durations.py) of ours, Liger's and
+#              the copy's kernels inside the kernel bench's chain, for each NCU_CHAIN "op:shape:dtype"
+#              (space-separated; default: rmsnorm_fwd 16384x4096 and the forwards at 1024x768, bf16):
+#              beside the bench's step times, what the framework adds per call
 #   e2e        the training-step bench
 # PEERS: the forward and l2 stages' --peers (by default every peer but Pallas, to keep the stages
 # short: name it in PEERS to add it).
@@ -119,6 +123,22 @@ for stage in "$@"; do
           --dtypes bfloat16 --shapes 16384x2048 --peers liger --reps 1 --no-progress 2>&1 | grep -E "$kernel|$keys"
       done >> "$OUT/ncu.log"
       tail -n 60 "$OUT/ncu.log" ;;
+    ncu_chain)
+      for spec in ${NCU_CHAIN:-rmsnorm_fwd:16384x4096:bfloat16 layernorm_fwd:1024x768:bfloat16 rmsnorm_fwd:1024x768:bfloat16}; do
+        IFS=: read -r op shape dtype <<< "$spec"
+        bench=(python3 -m benchmarks.kernels --op "$op" --dtypes "$dtype" --shapes "$shape" --peers copy,liger --reps 1
+               --min-run-ms 1 --no-progress)
+        echo "### $op $shape $dtype: the bench's steps, then each kernel alone"
+        "${bench[@]}" --reps 5 --min-run-ms 20 2>&1 | grep -E "^$shape "
+        # ours (the forward's kernels, the backward's and its finalize), Liger's Triton kernels, XLA's copy
+        for kernels in 'regex:^(forward_|kernel[0-9]|finalize_partials|copy_to_dweight)' 'regex:^_(layer|rms)_norm_' \
+                       'regex:^wrapped_not'; do
+          ncu --metrics gpu__time_duration.sum --cache-control none --clock-control none --csv \
+            -k "$kernels" --launch-skip 10 --launch-count 20 "${bench[@]}" \
+            > "$OUT/ncu_chain.csv" 2>&1
+          python3 tools/ncu_durations.py "$OUT/ncu_chain.csv"
+        done
+      done 2>&1 | tee "$OUT/ncu_chain.log" ;;
     e2e)
       TAIL=40 run e2e python3 -m benchmarks.e2e ${E2E_ARGS:-} --out "$OUT/e2e" ;;
     *) echo "unknown stage $stage"; status=2 ;;
