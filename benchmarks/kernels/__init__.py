@@ -76,6 +76,10 @@ bytes fit in the L2, where the steps of a chain find their data: on a GPU such s
 marked ``L2`` (``--l2-mb``, default 60, the H200's).
 
   µs      median device time of one op call (one chain step)
+  kern µs (--kernel-time) the step's kernels alone: one more call of the same chain, traced
+          (kernel_time.py); µs - kern µs is what the step spends outside its kernels (the
+          launch, the command buffer's or graph's node, the gaps), which differs between JAX's
+          custom calls, XLA's fusions and a torch graph, and dominates the L2-resident shapes
   GB/s    bytes / time
   %copy   copy_µs / µs: the share of the same-bytes copy speed reached
   ×xla    xla_µs / µs: speed-up over the XLA-fused jnp op
@@ -95,7 +99,7 @@ GPU) keeps what it measured: bench.json is rewritten after every (op, shape, dty
 the full table comes at the end. Colours are used on a terminal only, never with NO_COLOR set.
 
 Files: ops.py (the ops: inputs, references, steps, bytes), timing.py (validation, the chained
-steps and how they are timed), peers.py (torch and Liger; which peers run here), peers_rms.py
+steps and how they are timed), kernel_time.py (--kernel-time), peers.py (torch and Liger; which peers run here), peers_rms.py
 (their rmsnorm entries), pallas.py (JAX's Pallas GPU norms), report.py (table and plot),
 cli.py (options and the run).
 """

@@ -14,6 +14,7 @@ from jax_lnbwd.kernels import v2_refusal
 from .. import _term
 from .._term import Progress, paint
 from . import __doc__ as METHOD
+from . import kernel_time
 from .ops import OPS, Impl, resolve
 from .peers import available_peers, time_torch, torch_step
 from .report import CPU_MARK, format_table, plot
@@ -77,21 +78,27 @@ def bench_group(op, rows: int, C: int, dtype: str, combos, peers, args, key, pro
         where = {"op": op.name, "shape": shape, "dtype": dtype, "params": case.params, "impl": impl}
         try:
             extra = {}
+
+            def trace(call):  # --kernel-time: one more call of the timed chain, traced
+                extra["kernel_us"] = kernel_time.per_step_us(call, args.chain, args.collector)
+
+            trace = trace if args.collector else None
             if impl == "copy":  # nothing to validate: the op's bytes, once, at copy speed
-                sec = time_jax(copy_step, copy_words(case.nbytes), (), args.chain, args.reps, args.min_run_s)
+                sec = time_jax(copy_step, copy_words(case.nbytes), (), args.chain, args.reps, args.min_run_s,
+                               trace=trace)
                 ok, errs = True, {}
             elif impl in ("torch", "liger"):
                 tstep, d0 = torch_step(op.name, impl, *case.torch_inputs)
                 ok, errs = validate(tstep(d0), case.ref, dtype, op.outputs)
                 if ok:
                     sec, extra["cuda_graph"] = time_torch(tstep, d0, args.chain, args.reps,
-                                                          args.min_run_s)
+                                                          args.min_run_s, trace=trace)
             else:
                 outs = jax.jit(entry.step)(case.state, *case.consts)
                 ok, errs = validate(outs, case.ref, dtype, op.outputs, entry.tol)
                 if ok:
                     sec = time_jax(entry.step, case.state, case.consts, args.chain, args.reps,
-                                   args.min_run_s, op.carry)
+                                   args.min_run_s, op.carry, trace=trace)
             if not ok:
                 msg = " ".join(f"{n}={e:.3g}" for n, e in errs.items())
                 tols = ", ".join(f"x{f:g} for {n}" for n, f in entry.tol.items())
@@ -168,6 +175,10 @@ def parse_args(argv, on_gpu: bool):
     p.add_argument("--dram-gbps", type=float, default=DRAM_GBPS,
                    help="the GPU's DRAM peak in GB/s: shapes whose copy runs faster are marked L2 too "
                         f"(default {DRAM_GBPS}, the H200's)")
+    p.add_argument("--kernel-time", action="store_true",
+                   help="after timing each impl, trace one call of its chain and add the column kern µs: "
+                        "its kernels' time per step alone (kernel_time.py; µs - kern µs is what the step "
+                        "spends outside its kernels)")
     p.add_argument("--seed", type=int, default=0, help="for the random inputs (default 0)")
     p.add_argument("--out", default=None, help="directory for bench.txt, bench.json and bench.png")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -237,6 +248,10 @@ def main(argv=None):
         skipped = ", ".join(q for q in args.peers if why_not.get(q) == why)
         print(paint(f"peers skipped: {skipped}: {why}", "grey"))
     args.peers = peers  # what the ops' entries (ops.py) may use: those that run here
+    args.collector = None
+    if args.kernel_time:
+        args.collector, how = kernel_time.collector()
+        print(paint(f"--kernel-time: {how}" if args.collector else f"--kernel-time: no collector ({how})", "grey"))
     plans = plan(args, peers)
     prog = Progress(sum(len(p[4]) + len(p[6]) + (0 if p[0].kernels else 1) for p in plans),
                     not args.no_progress)
@@ -245,6 +260,7 @@ def main(argv=None):
     meta.update({"argv": sys.argv[1:] if argv is None else list(argv), "ops": [op.name for op in args.ops],
                  "chain": args.chain, "reps": args.reps, "min_run_ms": args.min_run_s * 1e3,
                  "peers": peers, "params": args.params, "l2_mb": args.l2_mb, "dram_gbps": args.dram_gbps,
+                 "kernel_time": args.collector,
                  "tolerance": TOLERANCE, "kernel_timings": on_gpu,
                  "kernels": {k: KERNELS[k].name for k in args.kernels}})
 

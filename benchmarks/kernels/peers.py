@@ -74,8 +74,9 @@ def _layernorm_forward(impl: str, x, w, b):
     return step, tx
 
 
-def time_torch(step, d0, k: int, reps: int, min_run_s: float) -> tuple[float, bool]:
-    """(median seconds per step, whether a CUDA graph was used): the JAX method with events."""
+def time_torch(step, d0, k: int, reps: int, min_run_s: float, trace=None) -> tuple[float, bool]:
+    """(median seconds per step, whether a CUDA graph was used): the JAX method with events.
+    trace: as timing.time_jax's, with one replay of the same graph."""
     import torch
 
     def chain():
@@ -113,7 +114,10 @@ def time_torch(step, d0, k: int, reps: int, min_run_s: float) -> tuple[float, bo
 
     run(1)
     n = calls_per_run(run, min_run_s)
-    return statistics.median(run(n) / (n * k) for _ in range(reps)), graphed
+    sec = statistics.median(run(n) / (n * k) for _ in range(reps))
+    if trace is not None:
+        trace(lambda: (replay(), torch.cuda.synchronize()))
+    return sec, graphed
 
 
 def available_peers(on_gpu: bool) -> dict[str, str | None]:

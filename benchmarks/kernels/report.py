@@ -17,17 +17,19 @@ def format_table(rows, l2_mb: float = 60) -> str:
         return "-" if v is None else format(v, fmt) + suffix
     ops = len({r.get("op") for r in rows}) > 1
     params = any(r.get("params", r["dtype"]) != r["dtype"] for r in rows)
+    kern = any("kernel_us" in r for r in rows)   # --kernel-time
     head = (("op",) * ops + ("shape", "dtype") + ("params",) * params +
-            ("impl", "µs", "GB/s", "%copy", "×xla", "×best"))
+            ("impl", "µs") + ("kern µs",) * kern + ("GB/s", "%copy", "×xla", "×best"))
     cells, groups = [], []
     for r in rows:
         impl = r["impl"] if r.get("kernel_timing", True) else f"{r['impl']} {CPU_MARK}"
         shape = r["shape"] + (" L2" if r.get("fits_l2") else "")
         cells.append(((r.get("op", ""),) * ops + (shape, r["dtype"]) + (r.get("params", r["dtype"]),) * params +
-                      (impl, f(r["us"], ".2f"), f(r["gbps"], ".1f"), f(r["pct_copy"], ".1f", "%"),
+                      (impl, f(r["us"], ".2f")) + (f(r.get("kernel_us"), ".2f"),) * kern +
+                      (f(r["gbps"], ".1f"), f(r["pct_copy"], ".1f", "%"),
                        f(r["vs_xla"], ".2f", "x"), f(r["vs_best"], ".2f", "x"))))
         groups.append((r.get("op"), r["shape"], r["dtype"]))
-    line = aligner(head, cells, left=range(len(head) - 5))
+    line = aligner(head, cells, left=range(len(head) - 5 - kern))
     lines = [line(head), "-" * len(line(head))]
     for i, c in enumerate(cells):
         if i and groups[i] != groups[i - 1]:
@@ -35,6 +37,9 @@ def format_table(rows, l2_mb: float = 60) -> str:
         lines.append(line(c))
     if not all(r.get("kernel_timing", True) for r in rows):
         lines += ["", CPU_NOTE]
+    if kern:
+        lines += ["", "kern µs: the step's kernels alone, from one traced call of its chain (--kernel-time); "
+                      "µs - kern µs is what the step spends outside its kernels"]
     if any(r.get("fits_l2") for r in rows):
         lines += ["", f"L2: the op's bytes fit in the {l2_mb:g} MB L2 (--l2-mb), or its copy ran faster than "
                       "the DRAM's peak (--dram-gbps): steps of a chain find their data there, so %copy "

@@ -70,10 +70,12 @@ def copy_words(nbytes: int):
     return jnp.zeros((max(1, nbytes // 8),), jnp.uint32)
 
 
-def time_jax(step, state, consts, k: int, reps: int, min_run_s: float, carry: int = 1) -> float:
+def time_jax(step, state, consts, k: int, reps: int, min_run_s: float, carry: int = 1, trace=None) -> float:
     """Median seconds per step of `step` chained k times inside one jitted function. The first
     `carry` outputs of a step are the next step's first inputs (its state, then its first
-    consts: an add op's y and s become the next x and residual, a residual stream)."""
+    consts: an add op's y and s become the next x and residual, a residual stream). trace: after
+    the timing, trace(call) is given a function that runs one call of the same compiled chain
+    and waits for it (--kernel-time, kernel_time.py)."""
     def chain(state, consts):
         kept = []
         for _ in range(k):  # unrolled in the HLO: no while-loop overhead between steps
@@ -100,7 +102,10 @@ def time_jax(step, state, consts, k: int, reps: int, min_run_s: float, carry: in
 
     run(1)  # compile and warm up
     n = calls_per_run(run, min_run_s)
-    return statistics.median(run(n) / (n * k) for _ in range(reps))
+    sec = statistics.median(run(n) / (n * k) for _ in range(reps))
+    if trace is not None:
+        trace(lambda: jax.block_until_ready(fn(state, consts)))
+    return sec
 
 
 def calls_per_run(run, min_run_s: float) -> int:
