@@ -15,13 +15,13 @@ its kernels. One traced call is one sample, so the column moves more from run to
 """
 from __future__ import annotations
 
-from ..e2e.trace import collectors
-from ..e2e.trace.classify import HOST_COPY
-from ..e2e.trace.intervals import length, merge
+# The e2e bench's trace package imports Flax (its models name the layernorm scope): imported
+# here only when --kernel-time is given, so that the kernel bench starts without it.
 
 
 def collector() -> tuple[str | None, str]:
     """(the collector --kernel-time uses, or None; why): the e2e bench's choice for --trace auto."""
+    from ..e2e.trace import collectors
     return collectors.available("auto")
 
 
@@ -29,6 +29,9 @@ def per_step_us(call, k: int, how: str) -> float | None:
     """The kernel time of one step in µs: call() runs one k-step chain and waits for it; its
     activities' union (host copies left out, as the e2e bench leaves them out of a step) / k.
     None if the collector saw no activity."""
+    from ..e2e.trace import collectors
+    from ..e2e.trace.classify import HOST_COPY
+    from ..e2e.trace.intervals import length, merge
     events = collectors.collect(call, how)
     spans = [(start, start + dur) for name, _op, start, dur, *_ in events if not HOST_COPY.search(name)]
     return length(merge(spans)) / k / 1e3 if spans else None

@@ -41,11 +41,12 @@ def test_per_step_is_the_union_of_the_calls_activities_over_the_steps(monkeypatc
     # once; a copy to the host is left out, as the e2e bench leaves it out of a step.
     events = [("kernel_a", None, 0.0, 4000.0), ("finalize", None, 3000.0, 2000.0),
               ("kernel_b", None, 9000.0, 1000.0), ("Memcpy DtoH", None, 20000.0, 5000.0)]
-    monkeypatch.setattr(kernel_time.collectors, "collect", lambda call, how: (call(), events)[1])
+    from benchmarks.e2e.trace import collectors
+    monkeypatch.setattr(collectors, "collect", lambda call, how: (call(), events)[1])
     calls = []
     assert kernel_time.per_step_us(lambda: calls.append(1), 2, "torch") == (5000 + 1000) / 2 / 1e3
     assert calls == [1]
-    monkeypatch.setattr(kernel_time.collectors, "collect", lambda call, how: [])
+    monkeypatch.setattr(collectors, "collect", lambda call, how: [])
     assert kernel_time.per_step_us(lambda: None, 2, "torch") is None
 
 
