@@ -126,15 +126,15 @@ for stage in "$@"; do
     ncu_chain)
       for spec in ${NCU_CHAIN:-rmsnorm_fwd:16384x4096:bfloat16 layernorm_fwd:1024x768:bfloat16 rmsnorm_fwd:1024x768:bfloat16}; do
         IFS=: read -r op shape dtype <<< "$spec"
-        bench=(python3 -m benchmarks.kernels --op "$op" --dtypes "$dtype" --shapes "$shape" --peers copy,liger --reps 1
-               --min-run-ms 1 --no-progress)
+        bench=(python3 -m benchmarks.kernels --op "$op" --dtypes "$dtype" --shapes "$shape" --peers copy,liger
+               --no-progress)
         echo "### $op $shape $dtype: the bench's steps, then each kernel alone"
-        "${bench[@]}" --reps 5 --min-run-ms 20 2>&1 | grep -E "^$shape "
+        "${bench[@]}" --reps 5 2>&1 | grep -E "^$shape "
         # ours (the forward's kernels, the backward's and its finalize), Liger's Triton kernels, XLA's copy
         for kernels in 'regex:^(forward_|kernel[0-9]|finalize_partials|copy_to_dweight)' 'regex:^_(layer|rms)_norm_' \
                        'regex:^wrapped_not'; do
           ncu --metrics gpu__time_duration.sum --cache-control none --clock-control none --csv \
-            -k "$kernels" --launch-skip 10 --launch-count 20 "${bench[@]}" \
+            -k "$kernels" --launch-skip 10 --launch-count 20 "${bench[@]}" --reps 1 --min-run-ms 1 \
             > "$OUT/ncu_chain.csv" 2>&1
           python3 tools/ncu_durations.py "$OUT/ncu_chain.csv"
         done

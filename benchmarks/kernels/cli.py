@@ -78,11 +78,10 @@ def bench_group(op, rows: int, C: int, dtype: str, combos, peers, args, key, pro
         where = {"op": op.name, "shape": shape, "dtype": dtype, "params": case.params, "impl": impl}
         try:
             extra = {}
-
-            def trace(call):  # --kernel-time: one more call of the timed chain, traced
-                extra["kernel_us"] = kernel_time.per_step_us(call, args.chain, args.collector)
-
-            trace = trace if args.collector else None
+            trace = None
+            if args.collector:   # --kernel-time: one more call of the timed chain, traced
+                def trace(call):
+                    extra["kernel_us"] = kernel_time.per_step_us(call, args.chain, args.collector)
             if impl == "copy":  # nothing to validate: the op's bytes, once, at copy speed
                 sec = time_jax(copy_step, copy_words(case.nbytes), (), args.chain, args.reps, args.min_run_s,
                                trace=trace)

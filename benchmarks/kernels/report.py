@@ -29,7 +29,7 @@ def format_table(rows, l2_mb: float = 60) -> str:
                       (f(r["gbps"], ".1f"), f(r["pct_copy"], ".1f", "%"),
                        f(r["vs_xla"], ".2f", "x"), f(r["vs_best"], ".2f", "x"))))
         groups.append((r.get("op"), r["shape"], r["dtype"]))
-    line = aligner(head, cells, left=range(len(head) - 5 - kern))
+    line = aligner(head, cells, left=range(head.index("µs")))   # names left, figures right
     lines = [line(head), "-" * len(line(head))]
     for i, c in enumerate(cells):
         if i and groups[i] != groups[i - 1]:
