@@ -1,12 +1,13 @@
 """jax_lnbwd: normalization layers for JAX whose passes run hand-written CUDA kernels via the XLA FFI."""
 from . import reference
-from .config import use_ffi_forward, use_xla_backward
+from .config import use_ffi_backward, use_ffi_forward, use_xla_backward
 from .kernels import DEFAULT_KERNEL, KERNELS, KernelInfo
 from .layernorm import add_layernorm, layernorm, layernorm_bwd, layernorm_fwd
 from .rmsnorm import add_rmsnorm, rmsnorm, rmsnorm_bwd, rmsnorm_fwd
 from .norms import LAYERNORM, RMSNORM, TARGETS
 from .ops.ffi import WITH_CUDA
 from .ops.partition import ShardingFallbackWarning
+from . import dispatch
 
 # LayerNorm's FFI targets by name (norms.py holds every norm's; TARGETS is all of them, the
 # allow-list jax.export needs).
@@ -21,5 +22,6 @@ __all__ = ["layernorm", "add_layernorm", "layernorm_fwd", "layernorm_bwd",
            "rmsnorm", "add_rmsnorm", "rmsnorm_fwd", "rmsnorm_bwd", "reference", "KERNELS", "KernelInfo",
            "DEFAULT_KERNEL", "TARGET", "TARGET_V2", "TARGET_FWD", "TARGET_ADD_FWD", "TARGET_ADD_FWD_V2",
            "TARGET_RMS_FWD", "TARGET_ADD_RMS_FWD", "TARGET_RMS_BWD", "TARGETS",
-           "WITH_CUDA", "ShardingFallbackWarning", "use_xla_backward", "use_ffi_forward"]
+           "WITH_CUDA", "ShardingFallbackWarning", "use_xla_backward", "use_ffi_forward",
+           "use_ffi_backward", "dispatch"]
 __version__ = "0.1.0"

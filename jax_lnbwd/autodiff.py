@@ -1,19 +1,20 @@
 """The norms' forward and their custom_jvps: the one place a public op's value and derivative meet.
 
 `forward` is THE forward of a norm, (y, *stats), for checked inputs, and `add_forward` add_*'s
-(y, s, *stats); every path computes them here. The fused FFI forward (ops/forward.py: reads x
-once) runs on CUDA and jnp's (reference.py) elsewhere, chosen per platform by
-jax.lax.platform_dependent when the program is lowered (so an export for cpu and cuda carries
-both); the switch in config.py (JAX_LNBWD_FORWARD, use_ffi_forward) forces either on every
-platform. The two compute the same numbers (statistics in fp32, centered variance, y rounded
-once).
+(y, s, *stats); every path computes them here. Which one runs, the fused FFI forward
+(ops/forward.py: reads x once) or jnp's (reference.py), is the dispatch rule's answer
+(dispatch.py: by the switches, the platform, C, rows and dtype), staged per platform by
+jax.lax.platform_dependent when it differs between platforms (so an export for cpu and cuda
+carries both). The two compute the same numbers (statistics in fp32, centered variance, y
+rounded once).
 
 The public functions are jax.custom_jvps (`norm`, `add_norm`). Their JVP rule computes the
 forward once and the tangent by a linear primitive whose transpose is the FFI backward
 (tangent.py). So:
   * forward mode (jax.jvp, jax.linearize, jacfwd) evaluates the tangent map in jnp;
   * reverse mode (jax.grad, vjp, jacrev) linearizes and transposes: one FFI call per norm,
-    with the op's own vmap, sharding and derivative rules (ops/backward.py, ops/partition.py);
+    with the op's own vmap, sharding and derivative rules (ops/backward.py, ops/partition.py),
+    or the jnp backward where the dispatch rule says XLA is faster (tangent.py);
   * any order of either (hessian, check_grads order 2) composes the rules of both.
 """
 from __future__ import annotations
@@ -24,20 +25,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import _checks, config, reference, tangent
+from . import _checks, dispatch, reference, tangent
 from .norms import LAYERNORM, Norm
 from .ops import ffi, forward as forward_op
-
-# Where the default forward is the fused FFI op (jax.lax.platform_dependent's platform names).
-FFI_FORWARD_PLATFORMS = ("cuda",)
-
-
-def _fused_platforms() -> list[str]:
-    """The platforms of FFI_FORWARD_PLATFORMS where this build has the fused forward. A build
-    without the CUDA handler has none for CUDA; the jnp forward needs no handler, so inference
-    still runs there (only the backward raises, ops/ffi.py)."""
-    return [p for p in FFI_FORWARD_PLATFORMS if p != "cuda" or ffi.WITH_CUDA]
-
 
 def _explicitly_sharded(*arrays) -> bool:
     """Whether any array's type names mesh axes (jax.sharding.AxisType.Explicit)."""
@@ -48,39 +38,30 @@ def _explicitly_sharded(*arrays) -> bool:
     return False
 
 
-def forward(x, weight, bias, eps: float, norm: Norm = LAYERNORM, offset: float = 0.0):
-    """(y, *stats) for checked inputs, by the fused FFI forward or jnp (see above).
-
-    Under Explicit mesh axes (sharding in types) the FFI forward's results would be typed without
-    a sharding, which platform_dependent's branches must agree on: the jnp forward runs there."""
-    mode = config.ffi_forward_mode()
-    if mode == "xla":
-        return reference.norm_fwd(norm, x, weight, bias, eps, offset)
-    if mode == "ffi":
-        return forward_op.norm_fwd_op(norm, x, weight, bias, eps, offset)
-    platforms = _fused_platforms()
-    if not platforms or _explicitly_sharded(x, weight, bias):
-        return reference.norm_fwd(norm, x, weight, bias, eps, offset)
-    fused = lambda x, w, b: forward_op.norm_fwd_op(norm, x, w, b, eps, offset)  # noqa: E731
-    return jax.lax.platform_dependent(
-        x, weight, bias, **{p: fused for p in platforms},
-        default=lambda x, w, b: reference.norm_fwd(norm, x, w, b, eps, offset))
+def _decide_forward(norm: Norm, x, *arrays, add: bool = False, differentiated: bool = False) -> dispatch.Decision:
+    """The dispatch rule's answer for this forward (dispatch.py). Under Explicit mesh axes the
+    FFI forward's results would be typed without a sharding, which platform_dependent's branches
+    must agree on: the jnp forward runs there. A build without the CUDA handler has no fused
+    forward for CUDA; the jnp forward needs no handler, so inference still runs there."""
+    return dispatch.decide(norm, dispatch.FORWARD, x.shape, x.dtype, add=add, differentiated=differentiated,
+                           explicitly_sharded=_explicitly_sharded(x, *arrays), cuda_built=ffi.WITH_CUDA)
 
 
-def add_forward(x, residual, weight, bias, eps: float, x_bias=None, norm: Norm = LAYERNORM, offset: float = 0.0):
+def forward(x, weight, bias, eps: float, norm: Norm = LAYERNORM, offset: float = 0.0, differentiated: bool = False):
+    """(y, *stats) for checked inputs, by the fused FFI forward or jnp, as the dispatch rule says
+    (differentiated: the forward of a JVP rule, i.e. of a training step)."""
+    decision = _decide_forward(norm, x, weight, bias, differentiated=differentiated)
+    return dispatch.run(decision, lambda x, w, b: forward_op.norm_fwd_op(norm, x, w, b, eps, offset),
+                        lambda x, w, b: reference.norm_fwd(norm, x, w, b, eps, offset), x, weight, bias)
+
+
+def add_forward(x, residual, weight, bias, eps: float, x_bias=None, norm: Norm = LAYERNORM, offset: float = 0.0,
+                differentiated: bool = False):
     """(y, s, *stats) with s = x + residual in x's dtype (with x_bias: (x + x_bias) + residual,
-    reference.add_residual), for checked inputs. Where `forward` would run the fused forward
-    (same switch, same platforms), the residual-fused FFI forward computes them all in one
-    kernel that reads x and residual once; elsewhere, and in the same fallbacks (no CUDA handler,
-    Explicit mesh axes), jnp's add followed by `forward`'s path. Both normalize the rounded s."""
-    mode = config.ffi_forward_mode()
-    if mode == "ffi":
-        return forward_op.add_norm_fwd_op(norm, x, residual, weight, bias, eps, x_bias, offset)
-    platforms = _fused_platforms()
-    if mode == "xla" or not platforms or _explicitly_sharded(x, residual, weight, bias, x_bias):
-        s = reference.add_residual(x, residual, x_bias)
-        y, *stats = forward(s, weight, bias, eps, norm, offset)
-        return (y, s, *stats)
+    reference.add_residual), for checked inputs. Where the rule runs our kernel, the
+    residual-fused FFI forward computes them all in one kernel that reads x and residual once;
+    elsewhere jnp's add followed by the jnp forward. Both normalize the rounded s."""
+    decision = _decide_forward(norm, x, residual, weight, bias, x_bias, add=True, differentiated=differentiated)
 
     def unfused(x, r, w, b, xb):
         s = reference.add_residual(x, r, xb)
@@ -88,8 +69,7 @@ def add_forward(x, residual, weight, bias, eps: float, x_bias=None, norm: Norm =
         return (y, s, *stats)
 
     fused = lambda x, r, w, b, xb: forward_op.add_norm_fwd_op(norm, x, r, w, b, eps, xb, offset)  # noqa: E731
-    return jax.lax.platform_dependent(x, residual, weight, bias, x_bias, **{p: fused for p in platforms},
-                                      default=unfused)
+    return dispatch.run(decision, fused, unfused, x, residual, weight, bias, x_bias)
 
 
 def fill_params(norm: Norm, x, weight, bias, dweight, dbias):
@@ -110,6 +90,16 @@ def fill_params(norm: Norm, x, weight, bias, dweight, dbias):
     return weight, dweight, dbias
 
 
+def settings(norm: Norm, eps: float, kernel, block_size, offset: float = 0.0, *, fn: str, x, mixed: bool,
+             residual: bool = False) -> "Settings":
+    """A norm's checked custom_jvp settings: the backward kernel (_checks.kernel) and the
+    backward's switch mode, captured now ("ffi" when a kernel or block size is given)."""
+    given = kernel is not None or block_size is not None
+    kernel, block_size = _checks.kernel(fn, kernel, block_size, _checks.dtype_name(x), x.shape[-1], mixed=mixed,
+                                        residual=residual, norm=norm.name)
+    return Settings(norm, eps, kernel, block_size, offset, "ffi" if given else dispatch.mode(dispatch.BACKWARD))
+
+
 def vary_all(*arrays):
     """The arrays (None stays None) typed as varying along every shard_map mesh axis any of them
     varies along. Inside shard_map, x usually varies along mesh axes along which a replicated
@@ -124,16 +114,20 @@ def vary_all(*arrays):
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """What a norm's custom_jvp holds static: the norm, eps, the backward's kernel and block
-    size, and rmsnorm's offset."""
+    size, rmsnorm's offset, and the backward's switch mode."""
     norm: Norm
     eps: float
     kernel: int
     block_size: int
     offset: float = 0.0
+    # The backward's switch mode when the norm was traced (dispatch.decide): the backward is traced
+    # later, when JAX transposes, outside any `with` block around the forward. "ffi" when the
+    # kernel or block size was given explicitly.
+    bwd_mode: str = "auto"
 
     def backward(self) -> dict:
         """The static parameters of the tangent-map primitive (tangent.py)."""
-        params = dict(seg_dims=0, kernel=self.kernel, block_size=self.block_size)
+        params = dict(seg_dims=0, kernel=self.kernel, block_size=self.block_size, bwd_mode=self.bwd_mode)
         if self.norm.offset:
             params["offset"] = self.offset
         return params
@@ -152,7 +146,7 @@ def _norm_jvp(settings, primals, tangents):
     both are constants here, not tangents, so reverse mode returns no gradient for them."""
     x, weight, bias = primals
     dx, dweight, dbias = tangents
-    y, *stats = forward(x, weight, bias, settings.eps, settings.norm, settings.offset)
+    y, *stats = forward(x, weight, bias, settings.eps, settings.norm, settings.offset, differentiated=True)
     weight, *ptangents = fill_params(settings.norm, x, weight, bias, dweight, dbias)
     dy = tangent.tangent_map(settings.norm, x, weight, stats, ptangents, dx, **settings.backward())
     return y, dy
@@ -173,7 +167,8 @@ def _add_norm_jvp(settings, primals, tangents):
     cotangent is the fp32 column sum of ds (JAX transposes the broadcast into that sum)."""
     x, residual, weight, bias, x_bias = primals
     dx, dresidual, dweight, dbias, dx_bias = tangents
-    y, s, *stats = add_forward(x, residual, weight, bias, settings.eps, x_bias, settings.norm, settings.offset)
+    y, s, *stats = add_forward(x, residual, weight, bias, settings.eps, x_bias, settings.norm, settings.offset,
+                               differentiated=True)
     weight, *ptangents = fill_params(settings.norm, s, weight, bias, dweight, dbias)
     if x_bias is not None:
         acc = reference.acc_dtype(x.dtype)

@@ -1,106 +1,110 @@
-"""The off switch: run XLA's backward (JAX's derivative of the jnp reference) instead of our FFI op.
+"""The switches: which implementation each half of a norm runs, overriding the dispatch rule.
 
-For A/B comparisons and as a safety valve. Two ways to turn it on, both read when layernorm
-(or layernorm_bwd) is traced:
-  * the environment variable JAX_LNBWD_BACKWARD=xla (=ffi, or unset, for our op);
-  * jax_lnbwd.use_xla_backward(True): a process-wide setting that overrides the environment;
-    also a context manager, which restores the previous setting on exit:
-        with jax_lnbwd.use_xla_backward():
-            grads = jax.jit(jax.grad(loss))(params)
-    use_xla_backward(None) returns to the environment variable.
-A jit traced before the switch changed keeps the backward it was traced with (jit caches by
-its arguments, not by this setting): switch before the first call, or trace a new function.
+By default (mode "auto") dispatch.py decides, per call and per platform, whether our FFI kernel
+or XLA's fused jnp runs each direction: our kernels on CUDA where they are faster than XLA's
+(measured crossovers by direction, C, rows and dtype), jnp everywhere else. The switches below
+override that rule; all are read when a norm is traced (a jit traced before a switch changed
+keeps what it was traced with: jit caches by its arguments, not by these settings).
+
+The forward half, JAX_LNBWD_FORWARD / jax_lnbwd.use_ffi_forward:
+  * unset or "auto": the rule;
+  * "ffi" / use_ffi_forward(True): the FFI forward on every platform (the CPU runs its C++
+    handler: how the CPU tests reach it);
+  * "xla" / use_ffi_forward(False): the jnp forward on every platform.
+The backward half, JAX_LNBWD_BACKWARD / jax_lnbwd.use_ffi_backward:
+  * unset or "auto": the rule;
+  * "ffi" / use_ffi_backward(True): the FFI backward on every platform;
+  * use_ffi_backward(False): the jnp backward (given the forward's saved statistics) on every
+    platform, whichever forward ran.
+The off switch, JAX_LNBWD_BACKWARD=xla / jax_lnbwd.use_xla_backward(True): the whole norm is
+the jnp reference differentiated by JAX (no custom_jvp, no FFI call in either direction), for
+A/B comparisons and as a safety valve. use_xla_backward(False) forces the FFI backward, as
+use_ffi_backward(True) does; the two share one setting, and the last one set wins.
+
+Each use_* takes True, False or None (None: back to the environment variable); it takes effect
+at once, and in a `with` statement it is undone when the block ends:
+    with jax_lnbwd.use_xla_backward():
+        grads = jax.jit(jax.grad(loss))(params)
+An explicit kernel= or block_size= always runs that backward kernel, on every platform.
 """
 from __future__ import annotations
 
 import os
 
-ENV_VAR = "JAX_LNBWD_BACKWARD"
-_CHOICES = ("ffi", "xla")
+FORWARD_ENV_VAR = "JAX_LNBWD_FORWARD"
+BACKWARD_ENV_VAR = "JAX_LNBWD_BACKWARD"
+ENV_VAR = BACKWARD_ENV_VAR   # the off switch's variable
 
-_override: bool | None = None   # use_xla_backward's setting; None: the environment decides
+# The modes: "auto" (the rule), "ffi" (our kernel on every platform), "xla" (forward: jnp on
+# every platform; backward: the whole norm as the jnp reference), "jnp" (backward only: the jnp
+# backward given the saved statistics).
+_ENV_CHOICES = {FORWARD_ENV_VAR: ("auto", "ffi", "xla"), BACKWARD_ENV_VAR: ("auto", "ffi", "xla")}
+
+_overrides: dict[str, str | None] = {FORWARD_ENV_VAR: None, BACKWARD_ENV_VAR: None}
+
+
+def _mode(var: str) -> str:
+    if _overrides[var] is not None:
+        return _overrides[var]
+    value = os.environ.get(var, "").strip().lower() or "auto"
+    if value not in _ENV_CHOICES[var]:
+        raise ValueError(f"jax_lnbwd: environment variable {var}={os.environ[var]!r}; "
+                         f"expected one of {', '.join(_ENV_CHOICES[var])} (or unset: auto)")
+    return value
+
+
+def forward_mode() -> str:
+    """'auto' (the dispatch rule), 'ffi' (the FFI forward everywhere) or 'xla' (jnp everywhere)."""
+    return _mode(FORWARD_ENV_VAR)
+
+
+def backward_mode() -> str:
+    """'auto' (the dispatch rule), 'ffi' (the FFI backward everywhere), 'jnp' (the jnp backward
+    given the saved statistics, everywhere) or 'xla' (the whole norm as the jnp reference)."""
+    return _mode(BACKWARD_ENV_VAR)
 
 
 def xla_backward_enabled() -> bool:
-    """True when layernorm should use XLA's backward instead of the FFI op (checked at trace time)."""
-    if _override is not None:
-        return _override
-    value = os.environ.get(ENV_VAR, "").strip().lower()
-    if value in ("", "ffi"):
-        return False
-    if value == "xla":
-        return True
-    raise ValueError(f"jax_lnbwd: environment variable {ENV_VAR}={os.environ[ENV_VAR]!r}; "
-                     f"expected one of {', '.join(_CHOICES)} (or unset)")
+    """True when the whole norm is the jnp reference differentiated by JAX (the off switch)."""
+    return backward_mode() == "xla"
 
 
-class use_xla_backward:
-    """Make layernorm use XLA's backward (True), our FFI op (False), or follow the environment
-    variable JAX_LNBWD_BACKWARD (None). Takes effect at once; used in a `with` statement it
-    is undone when the block ends."""
+class _Switch:
+    """A context manager and plain call that sets one variable's override: `modes` maps
+    True/False to a mode; None returns to the environment variable."""
+    var: str
+    modes: dict
 
     def __init__(self, enabled: bool | None = True):
-        global _override
         if enabled is not None and not isinstance(enabled, bool):
-            raise TypeError(f"use_xla_backward: 'enabled' must be True, False or None, got {enabled!r}")
-        self._previous = _override
-        _override = enabled
+            raise TypeError(f"{type(self).__name__}: 'enabled' must be True, False or None, got {enabled!r}")
+        self._previous = _overrides[self.var]
+        _overrides[self.var] = None if enabled is None else self.modes[enabled]
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc_info):
-        global _override
-        _override = self._previous
+        _overrides[self.var] = self._previous
         return False
 
 
-# --- the forward switch --------------------------------------------------------------------------
-#
-# layernorm's forward (y, mean, rstd) runs the fused FFI forward (jax_lnbwd/ops/forward.py) on CUDA
-# and the jnp reference elsewhere: the choice is made per platform by jax.lax.platform_dependent,
-# so one traced program (an export for several platforms, say) takes the right branch on each.
-# Read when layernorm is traced, like the backward switch:
-#   * JAX_LNBWD_FORWARD=xla: the jnp forward everywhere (=ffi, or unset: the default above);
-#   * jax_lnbwd.use_ffi_forward(False): the same, overriding the environment; True forces the
-#     FFI forward on every platform (the CPU runs its C++ handler: how CPU tests reach it);
-#     None returns to the environment (the per-platform default). Also a context manager.
-# Under Explicit mesh axes (sharding in types) the default takes the jnp forward on every platform.
-
-FORWARD_ENV_VAR = "JAX_LNBWD_FORWARD"
-
-_forward_override: bool | None = None   # use_ffi_forward's setting; None: the environment decides
+class use_xla_backward(_Switch):
+    """True: the whole norm is the jnp reference, differentiated by JAX (the off switch).
+    False: the FFI backward on every platform. None: JAX_LNBWD_BACKWARD decides (unset: the
+    dispatch rule). Takes effect at once; in a `with` statement it is undone when the block ends."""
+    var, modes = BACKWARD_ENV_VAR, {True: "xla", False: "ffi"}
 
 
-def ffi_forward_mode() -> str:
-    """'auto' (FFI forward on CUDA, jnp elsewhere), 'ffi' (FFI everywhere) or 'xla' (jnp everywhere)."""
-    if _forward_override is not None:
-        return "ffi" if _forward_override else "xla"
-    value = os.environ.get(FORWARD_ENV_VAR, "").strip().lower()
-    if value in ("", "ffi"):
-        return "auto"
-    if value == "xla":
-        return "xla"
-    raise ValueError(f"jax_lnbwd: environment variable {FORWARD_ENV_VAR}={os.environ[FORWARD_ENV_VAR]!r}; "
-                     f"expected one of {', '.join(_CHOICES)} (or unset)")
+class use_ffi_backward(_Switch):
+    """True: the FFI backward on every platform. False: the jnp backward (given the forward's
+    saved statistics) on every platform. None: JAX_LNBWD_BACKWARD decides (unset: the dispatch
+    rule). Takes effect at once; in a `with` statement it is undone when the block ends."""
+    var, modes = BACKWARD_ENV_VAR, {True: "ffi", False: "jnp"}
 
 
-class use_ffi_forward:
-    """Make layernorm's forward the FFI op on every platform (True), the jnp reference on every
-    platform (False), or follow JAX_LNBWD_FORWARD (None: FFI on CUDA, jnp elsewhere). Takes
-    effect at once for what is traced next; in a `with` statement it is undone when the block ends."""
-
-    def __init__(self, enabled: bool | None = True):
-        global _forward_override
-        if enabled is not None and not isinstance(enabled, bool):
-            raise TypeError(f"use_ffi_forward: 'enabled' must be True, False or None, got {enabled!r}")
-        self._previous = _forward_override
-        _forward_override = enabled
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info):
-        global _forward_override
-        _forward_override = self._previous
-        return False
+class use_ffi_forward(_Switch):
+    """True: the FFI forward on every platform. False: the jnp forward on every platform. None:
+    JAX_LNBWD_FORWARD decides (unset: the dispatch rule). Takes effect at once for what is traced
+    next; in a `with` statement it is undone when the block ends."""
+    var, modes = FORWARD_ENV_VAR, {True: "ffi", False: "xla"}

@@ -56,12 +56,11 @@ def layernorm(x, weight, bias, *, eps: float = 1e-5, kernel: int | None = None, 
     """
     fn = "layernorm"
     eps = _checks.forward_args(fn, x, {"weight": weight, "bias": bias}, eps)
-    kernel, block_size = _checks.kernel(fn, kernel, block_size, _checks.dtype_name(x), x.shape[-1],
-                                        mixed=_checks.is_mixed(x, weight, bias))
+    settings = autodiff.settings(LAYERNORM, eps, kernel, block_size, fn=fn, x=x, mixed=_checks.is_mixed(x, weight, bias))
     if config.xla_backward_enabled():
         return reference.layernorm(x, weight, bias, eps)
     x, weight, bias = autodiff.vary_all(x, weight, bias)
-    return autodiff.norm(x, weight, bias, autodiff.Settings(LAYERNORM, eps, kernel, block_size))
+    return autodiff.norm(x, weight, bias, settings)
 
 
 def layernorm_fwd(x, weight, bias, *, eps: float = 1e-5):
@@ -84,12 +83,11 @@ def layernorm_bwd(dy, x, weight, mean, rstd, *, kernel: int | None = None, block
     """
     fn = "layernorm_bwd"
     _checks.backward_args(fn, dy, x, weight, mean=mean, rstd=rstd)
-    kernel, block_size = _checks.kernel(fn, kernel, block_size, _checks.dtype_name(x), x.shape[-1],
-                                        mixed=_checks.is_mixed(x, weight))
+    s = autodiff.settings(LAYERNORM, 0.0, kernel, block_size, fn=fn, x=x, mixed=_checks.is_mixed(x, weight))
     if config.xla_backward_enabled():
         return reference.layernorm_bwd(dy, x, weight, mean, rstd)
-    return backward_op.backward(dy, x, weight, mean, rstd, seg_dims=0, kernel=kernel, block_size=block_size,
-                                caller=fn)
+    return backward_op.dispatched(dy, x, weight, mean, rstd, seg_dims=0, kernel=s.kernel, block_size=s.block_size,
+                                  caller=fn, mode=s.bwd_mode)
 
 
 def add_layernorm(x, residual, weight, bias, *, x_bias=None, eps: float = 1e-5, kernel: int | None = None,
@@ -111,10 +109,10 @@ def add_layernorm(x, residual, weight, bias, *, x_bias=None, eps: float = 1e-5, 
     _checks.array(fn, "residual", residual)
     eps = _checks.forward_args(fn, x, {"weight": weight, "bias": bias, "x_bias": x_bias}, eps)
     _checks.residual(fn, residual, x)
-    kernel, block_size = _checks.kernel(fn, kernel, block_size, _checks.dtype_name(x), x.shape[-1],
-                                        mixed=_checks.is_mixed(x, weight, bias), residual=True)
+    settings = autodiff.settings(LAYERNORM, eps, kernel, block_size, fn=fn, x=x, mixed=_checks.is_mixed(x, weight, bias),
+                                 residual=True)
     if config.xla_backward_enabled():
         s = reference.add_residual(x, residual, x_bias)
         return reference.layernorm(s, weight, bias, eps), s
     x, residual, weight, bias, x_bias = autodiff.vary_all(x, residual, weight, bias, x_bias)
-    return autodiff.add_norm(x, residual, weight, bias, x_bias, autodiff.Settings(LAYERNORM, eps, kernel, block_size))
+    return autodiff.add_norm(x, residual, weight, bias, x_bias, settings)

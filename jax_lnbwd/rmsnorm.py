@@ -21,13 +21,12 @@ from .norms import RMSNORM
 from .ops import backward as backward_op
 
 
-def _settings(fn, x, weight, eps, offset, kernel, block_size, *, residual=False):
-    """(eps, offset, kernel, block_size) checked, for rmsnorm's functions."""
+def _settings(fn, x, weight, eps, offset, kernel, block_size, *, residual=False) -> autodiff.Settings:
+    """The custom_jvp's settings, checked, for rmsnorm's functions."""
     eps = _checks.forward_args(fn, x, {"weight": weight}, eps)
     offset = _checks.offset(fn, offset, weight)
-    kernel, block_size = _checks.kernel(fn, kernel, block_size, _checks.dtype_name(x), x.shape[-1],
-                                        mixed=_checks.is_mixed(x, weight), residual=residual, norm="rmsnorm")
-    return eps, offset, kernel, block_size
+    return autodiff.settings(RMSNORM, eps, kernel, block_size, offset, fn=fn, x=x, mixed=_checks.is_mixed(x, weight),
+                             residual=residual)
 
 
 def rmsnorm(x, weight, *, eps: float = 1e-6, offset: float = 0.0, kernel: int | None = None,
@@ -46,11 +45,11 @@ def rmsnorm(x, weight, *, eps: float = 1e-6, offset: float = 0.0, kernel: int | 
     and shard_map. jax_lnbwd.use_xla_backward replaces it by the jnp reference.
     """
     fn = "rmsnorm"
-    eps, offset, kernel, block_size = _settings(fn, x, weight, eps, offset, kernel, block_size)
+    settings = _settings(fn, x, weight, eps, offset, kernel, block_size)
     if config.xla_backward_enabled():
-        return reference.rmsnorm(x, weight, eps, offset)
+        return reference.rmsnorm(x, weight, settings.eps, settings.offset)
     x, weight = autodiff.vary_all(x, weight)
-    return autodiff.norm(x, weight, None, autodiff.Settings(RMSNORM, eps, kernel, block_size, offset))
+    return autodiff.norm(x, weight, None, settings)
 
 
 def rmsnorm_fwd(x, weight, *, eps: float = 1e-6, offset: float = 0.0):
@@ -72,12 +71,11 @@ def rmsnorm_bwd(dy, x, weight, rstd, *, offset: float = 0.0, kernel: int | None 
     fn = "rmsnorm_bwd"
     _checks.backward_args(fn, dy, x, weight, rstd=rstd)
     offset = _checks.offset(fn, offset, weight)
-    kernel, block_size = _checks.kernel(fn, kernel, block_size, _checks.dtype_name(x), x.shape[-1],
-                                        mixed=_checks.is_mixed(x, weight), norm="rmsnorm")
+    s = autodiff.settings(RMSNORM, 0.0, kernel, block_size, offset, fn=fn, x=x, mixed=_checks.is_mixed(x, weight))
     if config.xla_backward_enabled():
         return reference.rmsnorm_bwd(dy, x, weight, rstd, offset)
-    return backward_op.backward(dy, x, weight, rstd, seg_dims=0, kernel=kernel, block_size=block_size,
-                                caller=fn, norm=RMSNORM, offset=offset)
+    return backward_op.dispatched(dy, x, weight, rstd, seg_dims=0, kernel=s.kernel, block_size=s.block_size,
+                                  caller=fn, norm=RMSNORM, offset=offset, mode=s.bwd_mode)
 
 
 def add_rmsnorm(x, residual, weight, *, x_bias=None, eps: float = 1e-6, offset: float = 0.0,
@@ -91,12 +89,11 @@ def add_rmsnorm(x, residual, weight, *, x_bias=None, eps: float = 1e-6, offset: 
     """
     fn = "add_rmsnorm"
     _checks.array(fn, "residual", residual)
-    eps, offset, kernel, block_size = _settings(fn, x, weight, eps, offset, kernel, block_size, residual=True)
+    settings = _settings(fn, x, weight, eps, offset, kernel, block_size, residual=True)
     _checks.param(fn, "x_bias", x_bias, x)
     _checks.residual(fn, residual, x)
     if config.xla_backward_enabled():
         s = reference.add_residual(x, residual, x_bias)
-        return reference.rmsnorm(s, weight, eps, offset), s
+        return reference.rmsnorm(s, weight, settings.eps, settings.offset), s
     x, residual, weight, x_bias = autodiff.vary_all(x, residual, weight, x_bias)
-    settings = autodiff.Settings(RMSNORM, eps, kernel, block_size, offset)
     return autodiff.add_norm(x, residual, weight, None, x_bias, settings)

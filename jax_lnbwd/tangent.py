@@ -40,7 +40,7 @@ no bias: dx̂ = rstd * (dx - x̂ * mean(x̂ * dx)), dy = (offset + weight) * dx�
 its transpose is rmsnorm's backward, dx = rstd * (g - x̂ * mean(g * x̂)), g = (offset + weight) * dy.
 
 Every primitive here is bound to (x, weight, *stats, *tangents) with static parameters
-seg_dims, kernel and block_size (and rmsnorm's offset). stats are the norm's saved statistics
+seg_dims, kernel, block_size and bwd_mode (and rmsnorm's offset). stats are the norm's saved statistics
 (layernorm: mean, rstd; rmsnorm: rstd). The tangents are one or more data tangents shaped like x
 (dx; dx and dresidual) followed by the parameters' (dweight, dbias; rmsnorm: dweight). Operand
 layout, for `seg_dims` = k:
@@ -66,7 +66,7 @@ from .norms import LAYERNORM, RMSNORM
 from .ops import backward as backward_op, ffi
 
 WEIGHT = 1   # the weight's operand index
-STATIC = ("seg_dims", "kernel", "block_size")
+STATIC = ("seg_dims", "kernel", "block_size", "bwd_mode")
 
 
 def bind(p: Primitive, *args, **params):
@@ -76,10 +76,12 @@ def bind(p: Primitive, *args, **params):
     return p.bind(*(ffi.vary(a, axes) for a in args), **params)
 
 
-def ffi_backward(norm, ct, x, weight, stats, ptangents, dresidual, *, seg_dims, kernel, block_size, offset=0.0):
-    """(gx, *gparams): the FFI op on cotangent ct, with the parameter tangents' cotangents (None
-    where they are not being transposed) summed to their shapes. dresidual (None or x's shape) is
-    added to gx in the kernel (target v2)."""
+def ffi_backward(norm, ct, x, weight, stats, ptangents, dresidual, *, seg_dims, kernel, block_size, bwd_mode="auto",
+                 offset=0.0):
+    """(gx, *gparams): the norm's backward on cotangent ct, with the parameter tangents'
+    cotangents (None where they are not being transposed) summed to their shapes. dresidual
+    (None or x's shape) is added to gx (in the kernel: target v2). The backward is the FFI op or
+    the jnp one, as the dispatch rule says (ops/backward.py: `dispatched`)."""
     segs, C = x.shape[:seg_dims], x.shape[-1]
     # A segment axis along which the weight is shared and no per-segment sum is wanted (every
     # parameter tangent being transposed is shared too: grad of vmap with shared parameters)
@@ -93,8 +95,9 @@ def ffi_backward(norm, ct, x, weight, stats, ptangents, dresidual, *, seg_dims, 
     # The op takes one weight shared by all segments, or one per segment.
     if math.prod(weight.shape[:-1]) != 1:
         weight = jnp.broadcast_to(weight, (*segs[:k], C))
-    gx, *grads = backward_op.backward(ct, x, weight, *stats, seg_dims=k, kernel=kernel, block_size=block_size,
-                                      caller=norm.name, dresidual=dresidual, norm=norm, offset=offset)
+    gx, *grads = backward_op.dispatched(ct, x, weight, *stats, seg_dims=k, kernel=kernel, block_size=block_size,
+                                        caller=norm.name, dresidual=dresidual, norm=norm, offset=offset,
+                                        mode=bwd_mode)
 
     def summed(g, p):
         """Per-segment sums -> p's shape: a parameter shared by segments gets their total."""
@@ -174,7 +177,8 @@ def define(name: str, formula, linear_transpose, *, fn: str, tangent_names: tupl
     formula(x, weight, *stats, *tangents, **static) -> its n_out results in jnp.
     linear_transpose(cts, x, weight, *stats, *tangents, **static) -> the cotangents of the
     tangent operands (named `tangent_names`, None where not transposed).
-    static: seg_dims, kernel, block_size, and offset for a norm that takes one.
+    static: seg_dims, kernel, block_size, bwd_mode (the backward's switch mode, captured when the
+    norm was traced), and offset for a norm that takes one.
     """
     p = Primitive(name)
     p.multiple_results = n_out > 1

@@ -55,6 +55,12 @@ def _gpu_possible() -> bool:
 if not _gpu_possible() and "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
+# The suite tests our kernels: the FFI backward runs on every platform (the CPU's C++ handler
+# included), as JAX_LNBWD_BACKWARD=ffi makes it, unless a test sets the switches itself. The
+# dispatch rule's defaults (jnp off CUDA, XLA below the crossovers) are tested in
+# tests/api/test_dispatch.py, which restores the measured crossovers (MEASURED_CROSSOVERS).
+os.environ.setdefault("JAX_LNBWD_BACKWARD", "ffi")
+
 import jax  # noqa: E402
 
 # float64 inputs must stay float64: the f64 path and the f64 references depend on it. This must
@@ -66,6 +72,12 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import jax_lnbwd  # noqa: E402
+from jax_lnbwd import dispatch as _dispatch  # noqa: E402
+
+# On a GPU the tests run our kernels at every shape: the rule's crossovers (below which XLA's
+# fusion runs by default) are set to 1 for the suite, and kept here for the tests of the rule.
+MEASURED_CROSSOVERS = dict(_dispatch.CROSSOVERS)
+_dispatch.CROSSOVERS = {k: ((1, 1),) for k in MEASURED_CROSSOVERS}
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 

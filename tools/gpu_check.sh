@@ -26,6 +26,10 @@
 #              the copy's kernels inside the kernel bench's chain, for each NCU_CHAIN "op:shape:dtype"
 #              (space-separated; default: rmsnorm_fwd 16384x4096 and the forwards at 1024x768, bf16):
 #              beside the bench's step times, what the framework adds per call
+#   crossover  the dispatch rule's crossovers: ours against XLA's fusion (and the default, the
+#              rule's pick) for every norm op, forward and backward, bf16 and fp32, over C from 32
+#              to 16384 at about 64 MB a tensor and at L2-sized shapes (CROSS_SHAPES, CROSS_OPS,
+#              CROSS_PEERS override); jax_lnbwd/dispatch.py's table comes from it
 #   e2e        the training-step bench
 # PEERS: the forward and l2 stages' --peers (by default every peer but Pallas, to keep the stages
 # short: name it in PEERS to add it).
@@ -139,6 +143,11 @@ for stage in "$@"; do
           python3 tools/ncu_durations.py "$OUT/ncu_chain.csv"
         done
       done 2>&1 | tee "$OUT/ncu_chain.log" ;;
+    crossover)
+      run crossover python3 -m benchmarks.kernels --op "${CROSS_OPS:-layernorm_fwd,layernorm_bwd,rmsnorm_fwd,rmsnorm_bwd,add_layernorm_fwd,add_rmsnorm_fwd}" \
+        --dtypes bfloat16,float32 --kernels 12 --peers "${CROSS_PEERS:-default,xla,copy}" --reps 3 --chain 20 --min-run-ms 10 \
+        --shapes "${CROSS_SHAPES:-1048576x32,524288x64,262144x128,131072x256,65536x512,32768x1024,16384x2048,8192x4096,2048x16384,8192x128,2048x512,1024x1024,256x4096}" \
+        --no-progress --out "$OUT/crossover" ;;
     e2e)
       TAIL=40 run e2e python3 -m benchmarks.e2e ${E2E_ARGS:-} --out "$OUT/e2e" ;;
     *) echo "unknown stage $stage"; status=2 ;;

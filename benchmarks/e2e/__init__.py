@@ -11,6 +11,12 @@ decoder with RMSNorm, SwiGLU and rotary embeddings, no biases; d 2048, 16 heads,
 4), runs the RMSNorm variants instead (variants_rms.py: ``flax_rmsnorm``, ``jax_lnbwd_rmsnorm``,
 ``add_rmsnorm``); ``--offset 1.0`` gives it Gemma's (1 + scale). Each model's baseline is the
 first listed variant of its norm; the "ln" columns and the byte floor count its RMSNorms alike.
+``--models public_llama,public_gemma``: the same decoder written as users' public Flax Llama and
+Gemma code is (separate q/k/v projections, rotary from a gathered float32 sin/cos table,
+attention as einsums with a float32 softmax; Gemma: scaled embeddings, GeGLU, a tied head,
+(1 + weight)), which XLA fuses differently around the norms; their baseline is
+``public_rmsnorm``, the norm as that code writes it (float32 output), then ``jax_lnbwd_rmsnorm``
+and ``add_rmsnorm``. ``--dump-hlo DIR`` writes each run's optimized HLO there.
 
 How a step is timed
 -------------------
@@ -61,7 +67,8 @@ implementation of each form could cut it by and the step ratio it could at best 
 the configs and versions) and DIR/e2e.png (needs matplotlib: ``pip install -e ".[bench]"``).
 
 Files: config.py (models and sizes), models_linen.py, models_nnx.py, rope.py (rotary
-embeddings), registry.py (what a variant is, and the hook for more), variants.py (the LayerNorm
+embeddings), models_public_linen.py, models_public_nnx.py (the public-style decoders),
+registry.py (what a variant is, and the hook for more), variants.py (the LayerNorm
 variants), variants_rms.py (the RMSNorm variants), train.py (the step and its timing), trace/
 (collection, attribution and kinds), report.py (table and plot), floor.py (the byte floor),
 breakdown.py (--kernels), cli.py (options and the run).

@@ -25,6 +25,11 @@ DTYPES = ("bfloat16", "float32")
 SIZE_FIELDS = ("layers", "batch", "seq", "d_model", "heads", "vocab")
 DEFAULT_VARIANTS = {"layernorm": "flax,jax_lnbwd,add_layernorm",
                     "rmsnorm": "flax_rmsnorm,jax_lnbwd_rmsnorm,add_rmsnorm"}
+# A model whose default variants are not its norm's: the public-style models (config.py) run
+# against the norm as public code writes it (variants_rms.public_rmsnorm), then our drop-in and
+# our fused add & norm.
+MODEL_VARIANTS = {"public_llama": "public_rmsnorm,jax_lnbwd_rmsnorm,add_rmsnorm",
+                  "public_gemma": "public_rmsnorm,jax_lnbwd_rmsnorm,add_rmsnorm"}
 # The run's defaults, and --small's: a smoke test of the whole command that a 2-core CPU runs in
 # under a minute (one model in one API at its config.SMALL size, a few steps and rounds, one short
 # trace; each run's compilation is most of it).
@@ -34,25 +39,37 @@ SMALL_DEFAULTS = {"models": "gpt", "apis": "linen", "steps": 3, "round_seconds":
                   "trace_steps": 2, "trace_repeats": 1}
 
 
-def parse_args(argv):
-    def csv(s):
-        return [t.strip() for t in s.split(",") if t.strip()]
+def csv(s: str) -> list[str]:
+    return [t.strip() for t in s.split(",") if t.strip()]
 
+
+def default_variants(model: str) -> list[str]:
+    """The variants a model runs when --variants is not given, its baseline first."""
+    return csv(MODEL_VARIANTS.get(model) or DEFAULT_VARIANTS[FULL[model].norm])
+
+
+def parse_args(argv):
     intro, method = METHOD.split("\n\n", 1)
     p = argparse.ArgumentParser(prog="python -m benchmarks.e2e", description=intro, epilog=method,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=None,
-                   help="comma list from gpt,bert,vit,llama (default gpt,bert,vit; --small: gpt)")
+                   help="comma list from " + ",".join(FULL) + " (default gpt,bert,vit; --small: gpt); "
+                        "public_llama and public_gemma are llama written as public Flax Llama/Gemma "
+                        "code is (benchmarks/e2e/config.py)")
     p.add_argument("--apis", default=None, help="comma list from linen,nnx (default both; --small: linen)")
     p.add_argument("--dtypes", default="bfloat16",
                    help="compute dtypes, comma list from bfloat16,float32 (default bfloat16)")
     p.add_argument("--variants", default=None,
                    help="comma list of norm variants; each model runs those of its norm, the first "
                         "of them its baseline (default: " +
-                        "; ".join(f"{n} models {v}" for n, v in DEFAULT_VARIANTS.items()) + ")")
-    p.add_argument("--offset", type=float, default=0.0,
+                        "; ".join(f"{n} models {v}" for n, v in DEFAULT_VARIANTS.items()) + "; but " +
+                        "; ".join(f"{m} {v}" for m, v in MODEL_VARIANTS.items()) + "). Also registered: "
+                        "jax_lnbwd_rmsnorm_jnp_fwd and jax_lnbwd_rmsnorm_jnp_bwd, the drop-in with the jnp "
+                        "forward or the jnp backward (which half of it a difference comes from)")
+    p.add_argument("--offset", type=float, default=None,
                    help="rmsnorm models: normalize with (offset + scale), the scale starting at "
-                        "zeros; 1.0 is Gemma's zero-centred scale (default 0)")
+                        "zeros; 1.0 is Gemma's zero-centred scale (default: each model's own, 0 but "
+                        "public_gemma's 1)")
     p.add_argument("--variant-module", action="append", default=[], metavar="MODULE",
                    help="import MODULE first: it registers more variants (see benchmarks/e2e/variants.py)")
     p.add_argument("--small", action="store_true",
@@ -91,6 +108,9 @@ def parse_args(argv):
                    help="jax.default_matmul_precision for the run (default: JAX's, TF32 for fp32 on GPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="directory for e2e.txt, e2e.json and e2e.png")
+    p.add_argument("--dump-hlo", default=None, metavar="DIR",
+                   help="write each run's optimized HLO (the compiled step, as the trace attribution "
+                        "reads it) to DIR/<model>_<api>_<dtype>_<variant>.hlo.txt as soon as it compiles")
     p.add_argument("--no-progress", action="store_true", help="no progress line")
     a = p.parse_args(argv)
     for name, value in (SMALL_DEFAULTS if a.small else DEFAULTS).items():
@@ -99,9 +119,10 @@ def parse_args(argv):
     for mod in a.variant_module:
         importlib.import_module(mod)
     a.models, a.apis, a.dtypes = csv(a.models), csv(a.apis), csv(a.dtypes)
-    norms = dict.fromkeys(FULL[m].norm for m in a.models if m in FULL)
-    a.variants = (csv(a.variants) if a.variants is not None
-                  else [v for n in norms for v in csv(DEFAULT_VARIANTS[n])])
+    # Not given: each model runs its own defaults (default_variants), the union listed here.
+    a.variants_given = a.variants is not None
+    a.variants = (csv(a.variants) if a.variants_given
+                  else list(dict.fromkeys(v for m in a.models if m in FULL for v in default_variants(m))))
     for name, got, allowed in (("models", a.models, tuple(FULL)), ("apis", a.apis, APIS),
                                ("dtypes", a.dtypes, DTYPES), ("variants", a.variants, tuple(VARIANTS))):
         if not got or any(g not in allowed for g in got):
@@ -123,20 +144,23 @@ def parse_args(argv):
 
 def configure(p, a) -> None:
     """a.configs (each model at its size, with the overrides), a.runs_of (each model's variants:
-    those of its norm) and a.baselines (each norm's first variant); p.error on a mismatch."""
+    with --variants those of its norm, else its defaults) and a.baselines (each model's first
+    variant); p.error on a mismatch."""
     sizes = {f: getattr(a, f) for f in SIZE_FIELDS if getattr(a, f) is not None}
     a.configs = [dataclasses.replace((SMALL if a.small else FULL)[m], attention=a.attention,
                                      dense_bias=FULL[m].dense_bias and not a.no_dense_bias,
-                                     offset=a.offset if FULL[m].norm == "rmsnorm" else 0.0, **sizes)
+                                     offset=(FULL[m].offset if a.offset is None else a.offset)
+                                     if FULL[m].norm == "rmsnorm" else 0.0, **sizes)
                  for m in a.models]
-    a.runs_of = {c.name: [v for v in a.variants if VARIANTS[v].norm == c.norm] for c in a.configs}
+    a.runs_of = {c.name: [v for v in (a.variants if a.variants_given else default_variants(c.name))
+                          if VARIANTS[v].norm == c.norm] for c in a.configs}
     for cfg in a.configs:
         if not a.runs_of[cfg.name]:
             p.error(f"--variants: none for {cfg.name}, a {cfg.norm} model: " +
                     ", ".join(v for v in VARIANTS if VARIANTS[v].norm == cfg.norm))
     if a.offset and not any(c.norm == "rmsnorm" for c in a.configs):
-        p.error("--offset: applies to rmsnorm models (llama) only")
-    # The baselines: each norm's first variant listed.
+        p.error("--offset: applies to rmsnorm models (llama, public_llama, public_gemma) only")
+    # The baselines: each model's first variant (with --variants: each norm's first listed).
     a.baselines = tuple(dict.fromkeys(a.runs_of[c.name][0] for c in a.configs))
     for cfg in a.configs:
         if cfg.d_model % cfg.heads:
@@ -172,9 +196,23 @@ def describe(cfg, devices: int) -> str:
             f"batch {cfg.batch}" + (" per device" if devices > 1 else "") +
             (f", vocab {cfg.vocab}" if cfg.vocab else "") +
             f", {'pre' if cfg.pre_ln else 'post'}-norm {cfg.norm}" +
-            (f" (offset {cfg.offset:g})" if cfg.offset else "") + f", {cfg.mlp} MLP" +
-            (", rotary" if cfg.rope else "") + f", attention {cfg.attention}" +
+            (f" (offset {cfg.offset:g})" if cfg.offset else "") +
+            (", public-style" if cfg.style == "public" else "") +
+            (", embeddings x sqrt(d)" if cfg.embed_scale else "") + f", {cfg.mlp} MLP" +
+            (", rotary" if cfg.rope else "") +
+            (", tied head" if cfg.style == "public" and cfg.tied_head else "") +
+            (f", attention {cfg.attention}" if cfg.style == "own" else ", attention written out (einsums)") +
             ("" if cfg.dense_bias else ", no Dense biases in the blocks"))
+
+
+def dump_hlo(run, folder: str) -> str:
+    """Writes run.hlo, the compiled step's optimized HLO, to folder/<model>_<api>_<dtype>_<variant>.hlo.txt;
+    returns the path."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{run.model}_{run.api}_{run.dtype}_{run.variant}.hlo.txt")
+    with open(path, "w") as fh:
+        fh.write(run.hlo)
+    return path
 
 
 def seconds(meta) -> str:
@@ -263,6 +301,8 @@ def main(argv=None):
             prog.step(f"compile {label}")
             try:
                 run = build(cfg, api, variant, dtype, args.seed, devices=args.devices)
+                if args.dump_hlo:
+                    prog.write(f"wrote {dump_hlo(run, args.dump_hlo)}")
                 prog.step(f"warm up {label}")
                 if args.warmup:
                     run_steps(run, args.warmup)

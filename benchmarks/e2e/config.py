@@ -16,7 +16,18 @@ parameters. What differs is the norm, where it sits, the MLP, and what comes in 
         an untied output head, next-token loss. offset 1.0 (``--offset``): Gemma's zero-centred
         scale, normalizing with (1 + scale), the scale initialized to zeros.
 
-Each has 13 norms over d_model features (LayerNorm, or RMSNorm for llama).
+The four above are written in the project's own style (a fused qkv projection, rotary angles
+from an iota, jax.nn.dot_product_attention, norms whose output is in the compute dtype). Two more
+(style "public", models_public_linen.py / models_public_nnx.py) are built the way users' public
+Flax Llama and Gemma code usually is, which makes XLA fuse differently around the norms:
+
+  public_llama  the llama decoder at the same sizes, written out as public code writes it:
+        separate q/k/v projections, rotary sin/cos gathered from a float32 table at position
+        ids, attention as einsums with a float32 softmax, separate gate/up/down projections.
+  public_gemma  its Gemma sibling: embeddings scaled by sqrt(d_model), a GeGLU MLP (tanh GELU),
+        a head tied to the token embedding, RMSNorm with (1 + weight) (offset 1.0), eps 1e-6.
+
+Each has 13 norms over d_model features (LayerNorm, or RMSNorm for llama and the public models).
 """
 from __future__ import annotations
 
@@ -24,6 +35,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+
+
+GATED = ("swiglu", "geglu")  # the gated MLPs: down(act(gate(x)) * up(x)), hidden llama_hidden
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,11 +63,16 @@ class ModelConfig:
     # own. Without biases (PaLM-style blocks) the residual add stands alone.
     dense_bias: bool = True
     norm: str = "layernorm"  # or "rmsnorm": which variants (variants.Variant.norm) apply
-    mlp: str = "gelu"        # or "swiglu": down(silu(gate(x)) * up(x))
-    mlp_hidden: int = 0      # the MLP's hidden width; 0: mlp_ratio * d_model (swiglu: llama_hidden)
+    mlp: str = "gelu"        # or "swiglu": down(silu(gate(x)) * up(x)); public only, "geglu":
+                             # down(gelu_tanh(gate(x)) * up(x))
+    mlp_hidden: int = 0      # the MLP's hidden width; 0: mlp_ratio * d_model (swiglu, geglu: llama_hidden)
     rope: bool = False       # rotary embeddings on q and k instead of learned positions
     tied_head: bool = True   # the head is the token embedding's transpose (gpt, bert)
     offset: float = 0.0      # rmsnorm: y = x * rstd * (offset + scale); 1.0 is Gemma's
+    # "own": models_linen.py / models_nnx.py; "public": models_public_linen.py / models_public_nnx.py,
+    # the structure of users' public Flax Llama/Gemma code (those take mlp "swiglu" or "geglu").
+    style: str = "own"
+    embed_scale: bool = False  # public: the token embeddings times sqrt(d_model) (Gemma)
 
     @property
     def tokens(self) -> int:
@@ -63,7 +82,7 @@ class ModelConfig:
     def hidden(self) -> int:
         if self.mlp_hidden:
             return self.mlp_hidden
-        return llama_hidden(self.d_model) if self.mlp == "swiglu" else self.mlp_ratio * self.d_model
+        return llama_hidden(self.d_model) if self.mlp in GATED else self.mlp_ratio * self.d_model
 
 
 def llama_hidden(d_model: int) -> int:
@@ -88,6 +107,10 @@ FULL = {
                          batch=4, vocab=32000, epsilon=1e-5, dense_bias=False, norm="rmsnorm",
                          mlp="swiglu", rope=True, tied_head=False),
 }
+# The public-style decoders (config.py's docstring): llama's sizes, eps 1e-5 (Llama) and 1e-6 (Gemma).
+FULL["public_llama"] = dataclasses.replace(FULL["llama"], name="public_llama", style="public")
+FULL["public_gemma"] = dataclasses.replace(FULL["llama"], name="public_gemma", style="public", epsilon=1e-6,
+                                           mlp="geglu", tied_head=True, embed_scale=True, offset=1.0)
 
 # --small: the same three families at sizes a CPU runs in a fraction of a second a step.
 SMALL = {
@@ -96,6 +119,10 @@ SMALL = {
     "vit": dataclasses.replace(FULL["vit"], d_model=64, heads=4, layers=1, seq=17, batch=2, classes=10,
                                patch_dim=48),
     "llama": dataclasses.replace(FULL["llama"], d_model=64, heads=4, layers=1, seq=32, batch=2, vocab=128),
+    "public_llama": dataclasses.replace(FULL["public_llama"], d_model=64, heads=4, layers=1, seq=32, batch=2,
+                                        vocab=128),
+    "public_gemma": dataclasses.replace(FULL["public_gemma"], d_model=64, heads=4, layers=1, seq=32, batch=2,
+                                        vocab=128),
 }
 
 

@@ -6,13 +6,26 @@
                      (offset + scale) in place of scale, written out.
   jax_lnbwd_rmsnorm  the drop-in jax_lnbwd.flax.RMSNorm (nnx: jax_lnbwd.flax.nnx.RMSNorm)
   add_rmsnorm        jax_lnbwd.flax.AddRMSNorm: the residual add fused, one backward call
+  public_rmsnorm     the public models' baseline (config.py: public_llama, public_gemma): a jnp
+                     add, then RMSNorm as users' public Flax Llama/Gemma code writes it, whose
+                     output is float32 (PublicRMSNorm below)
+
+Two diagnosis variants, in no default list, tell which half of the drop-in a step's difference
+comes from (the switches are read when the norm is traced, so the module's call sets them):
+
+  jax_lnbwd_rmsnorm_jnp_fwd  the drop-in with the jnp forward and our backward
+                             (inside jax_lnbwd.use_ffi_forward(False))
+  jax_lnbwd_rmsnorm_jnp_bwd  the drop-in with our forward and the jnp backward
+                             (inside jax_lnbwd.use_ffi_backward(False))
 
 With an offset every variant initializes its scale to zeros (so y starts as x * rstd, as with
 offset 0 and ones). Our modules are looked up when a model is built, so that this file imports
-with a jax_lnbwd that has no RMSNorm modules yet; building then fails with OursMissing.
+with a jax_lnbwd that has no RMSNorm modules (or no use_ffi_backward) yet; building then fails
+with OursMissing.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -20,6 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+import jax_lnbwd
 import jax_lnbwd.flax
 
 from .registry import Variant, register
@@ -73,12 +87,68 @@ class NnxOffsetRMSNorm(nnx.Module):
         return _offset_rms(x, self.scale[...], self.offset, self.epsilon, self.dtype)
 
 
+def _public_rms(s, weight, offset: float, epsilon: float, dtype):
+    """RMSNorm as public Flax Llama/Gemma code writes it: the mean square in float32, s divided
+    by its root (s promoted to float32 by the division), rounded to dtype, then times the
+    float32 weight (Llama) or (1 + weight) (Gemma, offset 1): y is float32, whatever dtype is.
+    That promotion is the point of this baseline: the next projection gets a float32 input."""
+    var = jnp.mean(jnp.square(s.astype(jnp.float32)), axis=-1, keepdims=True)
+    normed = s / jnp.sqrt(var + epsilon)
+    scale = offset + weight if offset else weight
+    return scale * normed.astype(dtype or s.dtype)
+
+
+class PublicRMSNorm(nn.Module):
+    """The linen public-style RMSNorm: one float32 parameter "weight", ones (offset 0) or zeros
+    (an offset: Gemma's zero-centred weight)."""
+    epsilon: float = 1e-6
+    dtype: Any = None
+    offset: float = 0.0
+
+    @nn.compact
+    def __call__(self, s):
+        init = nn.initializers.zeros if self.offset else nn.initializers.ones
+        weight = self.param("weight", init, (s.shape[-1],), jnp.float32)
+        return _public_rms(s, weight, self.offset, self.epsilon, self.dtype)
+
+
+class NnxPublicRMSNorm(nnx.Module):
+    """The nnx public-style RMSNorm; draws its weight's key as nnx.RMSNorm draws its scale's, so
+    the parameters made after it are the same for every variant."""
+    def __init__(self, num_features: int, *, epsilon: float = 1e-6, dtype=None, offset: float = 0.0,
+                 rngs: nnx.Rngs):
+        init = nnx.initializers.zeros if offset else nnx.initializers.ones
+        self.weight = nnx.Param(init(rngs.params(), (num_features,), jnp.float32))
+        self.epsilon, self.dtype, self.offset = epsilon, dtype, offset
+
+    def __call__(self, s):
+        return _public_rms(s, self.weight[...], self.offset, self.epsilon, self.dtype)
+
+
+def half_switch(kind: str) -> Callable[[], Any]:
+    """What makes the context a kind's norm is traced in: "ours_jnp_fwd": the jnp forward
+    (use_ffi_forward(False)); "ours_jnp_bwd": the jnp backward (use_ffi_backward(False), looked
+    up now: OursMissing in a jax_lnbwd without it); any other kind: nothing. Call the result
+    right in the with statement: constructing a switch already sets it, the exit restores it."""
+    if kind == "ours_jnp_fwd":
+        return lambda: jax_lnbwd.use_ffi_forward(False)
+    if kind == "ours_jnp_bwd":
+        switch = getattr(jax_lnbwd, "use_ffi_backward", None)
+        if switch is None:
+            raise OursMissing("jax_lnbwd.use_ffi_backward is not in this jax_lnbwd: the variant "
+                              "jax_lnbwd_rmsnorm_jnp_bwd needs it (our forward, the jnp backward)")
+        return lambda: switch(False)
+    return contextlib.nullcontext
+
+
 def _norm_kwargs(offset: float, zeros) -> dict:
     return {"offset": offset, "scale_init": zeros} if offset else {}
 
 
 def linen_rms(kind: str) -> type:
-    """The linen add & norm of a kind: "flax", "ours" (the drop-in after a jnp add) or "fused"."""
+    """The linen add & norm of a kind: "flax", "ours" (the drop-in after a jnp add), "fused",
+    "public" (PublicRMSNorm after a jnp add), or "ours_jnp_fwd" / "ours_jnp_bwd" (the drop-in
+    traced with one half jnp, half_switch)."""
     class AddNorm(nn.Module):
         dtype: Any
         epsilon: float
@@ -93,7 +163,12 @@ def linen_rms(kind: str) -> type:
                 bias = {"use_x_bias": True} if self.x_bias else {}
                 return ours("linen", "AddRMSNorm")(**kw, **bias)(x, residual)
             s = x if residual is None else x + residual
-            cls = ours("linen", "RMSNorm") if kind == "ours" else FlaxOffsetRMSNorm if self.offset else nn.RMSNorm
+            if kind == "public":
+                return PublicRMSNorm(dtype=self.dtype, epsilon=self.epsilon, offset=self.offset, name="norm")(s), s
+            if kind.startswith("ours"):
+                with half_switch(kind)():
+                    return ours("linen", "RMSNorm")(**kw)(s), s
+            cls = FlaxOffsetRMSNorm if self.offset else nn.RMSNorm
             return cls(**kw)(s), s
     AddNorm.__name__ = AddNorm.__qualname__ = f"AddNorm_rms_{kind}"
     return AddNorm
@@ -109,8 +184,11 @@ def nnx_rms(kind: str) -> type:
             if kind == "fused":
                 bias = {"use_x_bias": True} if x_bias else {}
                 self.norm = ours("nnx", "AddRMSNorm")(features, **kw, **bias)
+            elif kind == "public":
+                self.norm = NnxPublicRMSNorm(features, dtype=dtype, epsilon=epsilon, offset=offset, rngs=rngs)
             else:
-                cls = ours("nnx", "RMSNorm") if kind == "ours" else NnxOffsetRMSNorm if offset else nnx.RMSNorm
+                half_switch(kind)  # a missing switch fails here, when the model is built (sets nothing)
+                cls = ours("nnx", "RMSNorm") if kind.startswith("ours") else NnxOffsetRMSNorm if offset else nnx.RMSNorm
                 self.norm = cls(features, **kw)
             self.fused = kind == "fused"
 
@@ -118,7 +196,8 @@ def nnx_rms(kind: str) -> type:
             if self.fused:
                 return self.norm(x, residual)
             s = x if residual is None else x + residual
-            return self.norm(s), s
+            with half_switch(kind)():
+                return self.norm(s), s
     AddNorm.__name__ = AddNorm.__qualname__ = f"AddNorm_rms_{kind}"
     return AddNorm
 
@@ -127,3 +206,9 @@ register(Variant("flax_rmsnorm", linen=linen_rms("flax"), nnx=nnx_rms("flax"), n
 register(Variant("jax_lnbwd_rmsnorm", linen=linen_rms("ours"), nnx=nnx_rms("ours"), norm="rmsnorm"))
 register(Variant("add_rmsnorm", linen=linen_rms("fused"), nnx=nnx_rms("fused"), norm="rmsnorm",
                  x_bias=True, fused=True))
+register(Variant("public_rmsnorm", linen=linen_rms("public"), nnx=nnx_rms("public"), norm="rmsnorm"))
+# Which half of the drop-in a step's difference comes from: its backward alone, its forward alone.
+register(Variant("jax_lnbwd_rmsnorm_jnp_fwd", linen=linen_rms("ours_jnp_fwd"), nnx=nnx_rms("ours_jnp_fwd"),
+                 norm="rmsnorm"))
+register(Variant("jax_lnbwd_rmsnorm_jnp_bwd", linen=linen_rms("ours_jnp_bwd"), nnx=nnx_rms("ours_jnp_bwd"),
+                 norm="rmsnorm"))

@@ -23,7 +23,7 @@ from .timing import TOLERANCE, copy_step, copy_words, json_safe, time_jax, valid
 CPU_SHAPES = "256x768,64x1601"
 CPU_CHAIN, GPU_CHAIN = 3, 50
 DTYPES = ("float32", "bfloat16", "float16", "float64")
-PEERS = ("xla", "autodiff", "copy", "torch", "liger", "pallas", "ours-unfus")
+PEERS = ("default", "xla", "autodiff", "copy", "torch", "liger", "pallas", "ours-unfus")
 L2_MB = 60  # the H200's L2
 DRAM_GBPS = 4800  # the H200's HBM3e peak: a copy faster than this found its data in the L2
 

@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_lnbwd import KERNELS, layernorm_bwd, layernorm_fwd, reference, rmsnorm_bwd
+from jax_lnbwd import KERNELS, RMSNORM, LAYERNORM, autodiff, layernorm_bwd, layernorm_fwd, reference, rmsnorm_bwd
+from jax_lnbwd import rmsnorm_fwd as rmsnorm_fwd_public
 
 from jax_lnbwd.ops.forward import add_layernorm_fwd_op, add_rmsnorm_fwd_op, layernorm_fwd_op, rmsnorm_fwd_op
 
@@ -128,6 +129,13 @@ def backward_autodiff(dy, x, w, b, mean, rstd):
     return vjp(dy)  # the statistics are recomputed from x inside every step
 
 
+def _default(step, args) -> list:
+    """The package's default entry (--peers default): the public function with no kernel named,
+    which runs what the dispatch rule picks for this shape (jax_lnbwd/dispatch.py): our kernel or
+    XLA's fusion. Its row against xla's shows that the default is never the slower."""
+    return [Impl("default", step, False)] if "default" in args.peers else []
+
+
 def _pallas(op: str, args) -> list:
     """The Pallas entry of op, where --peers asks for it and it runs here (pallas.py)."""
     return [Impl(pallas.NAME, pallas.step(op), True)] if pallas.NAME in args.peers else []
@@ -137,8 +145,13 @@ def _backward_impls(case, args, combos):
     loose = {"dweight": 10, "dbias": 10}  # kernels with precise=False
     out = [Impl(f"k{kid}/bs{bs}", backward_ours(kid, bs), False, {} if KERNELS[kid].precise else loose)
            for kid, bs in combos]
-    return out + [Impl(p, {"xla": backward_xla, "autodiff": backward_autodiff}[p], True)
-                  for p in ("xla", "autodiff") if p in args.peers] + _pallas("layernorm_bwd", args)
+    return out + _default(backward_default, args) + [
+        Impl(p, {"xla": backward_xla, "autodiff": backward_autodiff}[p], True)
+        for p in ("xla", "autodiff") if p in args.peers] + _pallas("layernorm_bwd", args)
+
+
+def backward_default(dy, x, w, b, mean, rstd):
+    return layernorm_bwd(dy, x, w, mean, rstd)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,15 +192,20 @@ def forward_xla(x, w, b):
     return reference.layernorm_fwd(x, w, b, EPS)
 
 
-def _forward_impls_of(ours, xla, op: str):
-    """An op's forward entries: ours, XLA's jnp (with --peers xla) and Pallas's."""
+def forward_default(x, w, b):
+    return layernorm_fwd(x, w, b, eps=EPS)
+
+
+def _forward_impls_of(ours, xla, default, op: str):
+    """An op's forward entries: ours, the default (the dispatch rule's pick), XLA's jnp (with
+    --peers xla) and Pallas's."""
     def impls(case, args, combos):
-        return [Impl("ours", ours, False)] + ([Impl("xla", xla, True)] if "xla" in args.peers else []) \
-            + _pallas(op, args)
+        return [Impl("ours", ours, False)] + _default(default, args) \
+            + ([Impl("xla", xla, True)] if "xla" in args.peers else []) + _pallas(op, args)
     return impls
 
 
-_forward_impls = _forward_impls_of(forward_ours, forward_xla, "layernorm_fwd")
+_forward_impls = _forward_impls_of(forward_ours, forward_xla, forward_default, "layernorm_fwd")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,12 +242,18 @@ def add_forward_xla(x, r, w, b):
     return y, s, mean, rstd
 
 
-def _add_forward_impls_of(ours, unfused, xla):
-    """An add_* forward's entries: ours, jnp's add then our forward (ours-unfus), XLA's; s must
-    equal jnp's add bit for bit in each."""
+def add_forward_default(x, r, w, b):
+    return autodiff.add_forward(x, r, w, b, EPS, None, LAYERNORM)
+
+
+def _add_forward_impls_of(ours, unfused, xla, default):
+    """An add_* forward's entries: ours, the default (the dispatch rule's pick), jnp's add then
+    our forward (ours-unfus), XLA's; s must equal jnp's add bit for bit in each."""
     def impls(case, args, combos):
         exact_s = {"s": 0}
         out = [Impl("ours", ours, False, exact_s)]
+        if "default" in args.peers:
+            out.append(Impl("default", default, False, exact_s))
         if "ours-unfus" in args.peers:
             out.append(Impl("ours-unfus", unfused, False, exact_s))
         if "xla" in args.peers:
@@ -238,7 +262,8 @@ def _add_forward_impls_of(ours, unfused, xla):
     return impls
 
 
-_add_forward_impls = _add_forward_impls_of(add_forward_ours, add_forward_unfused, add_forward_xla)
+_add_forward_impls = _add_forward_impls_of(add_forward_ours, add_forward_unfused, add_forward_xla,
+                                           add_forward_default)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,7 +304,12 @@ def rms_backward_autodiff(dy, x, w, rstd):
 def _rms_backward_impls(case, args, combos):
     out = [Impl(f"k{kid}/bs{bs}", rms_backward_ours(kid, bs), False) for kid, bs in combos]
     steps = {"xla": rms_backward_xla, "autodiff": rms_backward_autodiff}
-    return out + [Impl(p, steps[p], True) for p in steps if p in args.peers] + _pallas("rmsnorm_bwd", args)
+    return out + _default(rms_backward_default, args) + [Impl(p, steps[p], True) for p in steps if p in args.peers] \
+        + _pallas("rmsnorm_bwd", args)
+
+
+def rms_backward_default(dy, x, w, rstd):
+    return rmsnorm_bwd(dy, x, w, rstd)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,7 +341,11 @@ def rms_forward_xla(x, w):
     return reference.rmsnorm_fwd(x, w, EPS)
 
 
-_rms_forward_impls = _forward_impls_of(rms_forward_ours, rms_forward_xla, "rmsnorm_fwd")
+def rms_forward_default(x, w):
+    return rmsnorm_fwd_public(x, w, eps=EPS)
+
+
+_rms_forward_impls = _forward_impls_of(rms_forward_ours, rms_forward_xla, rms_forward_default, "rmsnorm_fwd")
 
 
 def _prepare_add_rms_forward(rows, C, dtype, params, key) -> Case:
@@ -339,24 +373,29 @@ def add_rms_forward_xla(x, r, w):
     return y, s, rstd
 
 
-_add_rms_forward_impls = _add_forward_impls_of(add_rms_forward_ours, add_rms_forward_unfused, add_rms_forward_xla)
+def add_rms_forward_default(x, r, w):
+    return autodiff.add_forward(x, r, w, None, EPS, None, RMSNORM)
+
+
+_add_rms_forward_impls = _add_forward_impls_of(add_rms_forward_ours, add_rms_forward_unfused, add_rms_forward_xla,
+                                               add_rms_forward_default)
 
 
 OPS = {op.name: op for op in (
     Op("layernorm_bwd", "backward", "layernorm backward", ("dx", "dweight", "dbias"),
-       BACKWARD_GPU_SHAPES, ("xla", "autodiff", "torch", "liger", "pallas"), _prepare_backward,
+       BACKWARD_GPU_SHAPES, ("default", "xla", "autodiff", "torch", "liger", "pallas"), _prepare_backward,
        _backward_impls, kernels=True),
     Op("layernorm_fwd", "forward", "layernorm forward", ("y", "mean", "rstd"),
-       FORWARD_GPU_SHAPES, ("xla", "torch", "liger", "pallas"), _prepare_forward, _forward_impls),
+       FORWARD_GPU_SHAPES, ("default", "xla", "torch", "liger", "pallas"), _prepare_forward, _forward_impls),
     Op("add_layernorm_fwd", "add_forward", "add + layernorm forward", ("y", "s", "mean", "rstd"),
-       FORWARD_GPU_SHAPES, ("xla", "ours-unfus"), _prepare_add_forward, _add_forward_impls, carry=2),
+       FORWARD_GPU_SHAPES, ("default", "xla", "ours-unfus"), _prepare_add_forward, _add_forward_impls, carry=2),
     Op("rmsnorm_bwd", "rms_backward", "rmsnorm backward", ("dx", "dweight"), RMS_GPU_SHAPES,
-       ("xla", "autodiff", "torch", "liger", "pallas"), _prepare_rms_backward, _rms_backward_impls,
+       ("default", "xla", "autodiff", "torch", "liger", "pallas"), _prepare_rms_backward, _rms_backward_impls,
        kernels=True, norm="rmsnorm"),
     Op("rmsnorm_fwd", "rms_forward", "rmsnorm forward", ("y", "rstd"), RMS_GPU_SHAPES,
-       ("xla", "torch", "liger", "pallas"), _prepare_rms_forward, _rms_forward_impls),
+       ("default", "xla", "torch", "liger", "pallas"), _prepare_rms_forward, _rms_forward_impls),
     Op("add_rmsnorm_fwd", "add_rms_forward", "add + rmsnorm forward", ("y", "s", "rstd"),
-       RMS_GPU_SHAPES, ("xla", "ours-unfus"), _prepare_add_rms_forward, _add_rms_forward_impls, carry=2),
+       RMS_GPU_SHAPES, ("default", "xla", "ours-unfus"), _prepare_add_rms_forward, _add_rms_forward_impls, carry=2),
 )}
 ALIASES = {op.alias: name for name, op in OPS.items()}
 

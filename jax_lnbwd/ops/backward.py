@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _checks, reference
+from .. import _checks, dispatch, reference
 from ..kernels import KERNELS, workspace_bytes
 from ..norms import LAYERNORM, Norm
 from . import ffi, partition
@@ -249,3 +249,32 @@ def backward(dy, x, weight, *stats, seg_dims: int, kernel: int, block_size: int,
     residual = () if dresidual is None else (dresidual,)
     op = segmented_op(seg_dims, kernel, block_size, caller, bool(residual), norm, offset)
     return op(dy, x, weight, *stats, *residual)
+
+
+def dispatched(dy, x, weight, *stats, seg_dims: int, kernel: int, block_size: int, caller: str,
+               dresidual=None, norm: Norm = LAYERNORM, offset: float = 0.0, mode: str = "auto"):
+    """`backward`, or the same sums in jnp (reference_segments), as the dispatch rule decides
+    (dispatch.py) under the switches' `mode` that the call captured when it was traced ("ffi"
+    when a kernel or block size was given: the FFI op everywhere)."""
+    if mode != "jnp":   # a build without the CUDA handler cannot train on a GPU: say so now
+        ffi.check_handler_for_default_platform(norm.name + "_bwd")
+    decision = dispatch.decide(norm, dispatch.BACKWARD, x.shape, x.dtype, add=dresidual is not None, mode_=mode,
+                               cuda_built=ffi.WITH_CUDA)
+    residual = () if dresidual is None else (dresidual,)
+    n_stats = len(stats)
+
+    def ours(dy, x, weight, *arrays):
+        st, res = arrays[:n_stats], arrays[n_stats:]
+        return tuple(backward(dy, x, weight, *st, seg_dims=seg_dims, kernel=kernel, block_size=block_size,
+                              caller=caller, dresidual=res[0] if res else None, norm=norm, offset=offset))
+
+    def jnp_path(dy, x, weight, *arrays):
+        if x.ndim == seg_dims + 1:   # no row axis: one row per segment
+            expand = lambda a: jnp.expand_dims(a, seg_dims)  # noqa: E731
+            out = reference_segments(norm, offset, *map(expand, (dy, x)), weight, *map(expand, arrays),
+                                     seg_dims=seg_dims)
+            return (jnp.squeeze(out[0], seg_dims), *out[1:])
+        return tuple(reference_segments(norm, offset, dy, x, weight, *arrays, seg_dims=seg_dims))
+
+    return dispatch.run(decision, ours, jnp_path, dy, x, weight, *stats, *residual)
+

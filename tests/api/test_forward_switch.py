@@ -22,7 +22,7 @@ DISABLED = [export.DisabledSafetyCheck.custom_call(t) for t in
 @pytest.fixture(autouse=True)
 def _switch_off(monkeypatch):
     monkeypatch.delenv(config.FORWARD_ENV_VAR, raising=False)
-    monkeypatch.setattr(config, "_forward_override", None)
+    monkeypatch.setitem(config._overrides, config.FORWARD_ENV_VAR, None)
 
 
 def _norm(x, w, b):
@@ -118,7 +118,7 @@ def ffi_branch_on_cpu(monkeypatch):
     """The default (per-platform) forward with the CPU among the FFI platforms: the
     platform_dependent branch that CUDA takes, exercised here."""
     import sys
-    monkeypatch.setattr(sys.modules["jax_lnbwd.autodiff"], "FFI_FORWARD_PLATFORMS", ("cuda", "cpu"))
+    monkeypatch.setattr(sys.modules["jax_lnbwd.dispatch"], "KERNEL_PLATFORMS", ("cuda", "cpu"))
 
 
 def test_platform_branch_under_transformations(ffi_branch_on_cpu):

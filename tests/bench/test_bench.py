@@ -124,8 +124,8 @@ def test_forward_ops_validate_time_and_write_their_rows(tmp_path, capsys):
     out = json.loads((tmp_path / "bench.json").read_text())
     assert out["complete"] is True and not out["failures"]
     got = {(r["op"], r["impl"]) for r in out["rows"]}
-    assert got == {("layernorm_fwd", i) for i in ("ours", "xla", "copy")} | {
-        ("add_layernorm_fwd", i) for i in ("ours", "ours-unfus", "xla", "copy")}
+    assert got == {("layernorm_fwd", i) for i in ("ours", "default", "xla", "copy")} | {
+        ("add_layernorm_fwd", i) for i in ("ours", "default", "ours-unfus", "xla", "copy")}
     assert all(r["params"] == "float32" and r["dtype"] == "bfloat16" for r in out["rows"])
     add = [r for r in out["rows"] if r["op"] == "add_layernorm_fwd" and r["impl"] != "copy"]
     assert all(r["errors"]["s"] == 0 for r in add)  # s is jnp's x + residual, bit for bit

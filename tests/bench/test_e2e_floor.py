@@ -1,6 +1,6 @@
 """The e2e bench's byte floor (benchmarks/e2e/floor.py), on CPU: no timing is asserted.
 
-It checks the counting rule's totals for the three models, that the rule's add & norms are the
+It checks the counting rule's totals for the models, that the rule's add & norms are the
 models' (their number, and which of them hold a residual add and a gradient add inside the
 layernorm scope, read from the step's jaxpr), the +mix/floor and ceiling arithmetic on made-up
 rows, and that the command prints the floor block and writes it to e2e.txt and e2e.json.
@@ -26,7 +26,8 @@ from flax import nnx  # noqa: E402
 from conftest import CHECKOUT, bench_cwd  # noqa: E402
 
 sys.path.insert(0, str(CHECKOUT))  # the checkout: benchmarks/
-from benchmarks.e2e import config, floor, models_linen, models_nnx, train, variants, variants_rms  # noqa: E402
+from benchmarks.e2e import (config, floor, models_linen, models_nnx, models_public_linen,  # noqa: E402
+                            models_public_nnx, train, variants, variants_rms)
 
 
 @pytest.mark.parametrize("name, fused, unfused", [
@@ -34,6 +35,8 @@ from benchmarks.e2e import config, floor, models_linen, models_nnx, train, varia
     ("vit", 6 + 11 * 8 + 7, 8 + 11 * 11 + 8),
     ("bert", 5 + 12 * 7, 5 + 12 * 8),           # post-LN: first, then 2 x 6 after a sublayer
     ("llama", 6 + 11 * 8 + 7, 8 + 11 * 11 + 8),  # pre-norm, RMSNorm
+    ("public_llama", 6 + 11 * 8 + 7, 8 + 11 * 11 + 8),  # the same decoder, public-style
+    ("public_gemma", 6 + 11 * 8 + 7, 8 + 11 * 11 + 8),
 ])
 def test_the_counts_of_the_full_models(name, fused, unfused):
     cfg = config.FULL[name]
@@ -56,15 +59,40 @@ def test_the_rule_counts_the_models_norms(name):
     cfg = config.FULL[name]
     v = variants.VARIANTS["flax" if cfg.norm == "layernorm" else "flax_rmsnorm"]
     batch = jax.eval_shape(lambda: config.make_batch(cfg, jnp.bfloat16))
+    small = config.SMALL[name]
+    if cfg.style == "public":  # its add & norms: each layer's input_norm, post_attention_norm; norm
+        model = models_public_linen.PublicDecoder(cfg, v.linen, jnp.bfloat16)
+        params = jax.eval_shape(model.init, jax.random.key(0), batch[0])["params"]
+        assert sum(k.endswith("_norm") for i in range(cfg.layers) for k in params[f"layers_{i}"]) + (
+            "norm" in params) == floor.norm_count(cfg)
+        net = nnx.eval_shape(lambda: models_public_nnx.PublicDecoder(small, v.nnx, jnp.bfloat16, rngs=nnx.Rngs(0)))
+        assert sum(isinstance(m, v.nnx) for _, m in nnx.iter_graph(net)) == floor.norm_count(small)
+        return
     model = models_linen.Transformer(cfg, v.linen, jnp.bfloat16)
     params = jax.eval_shape(model.init, jax.random.key(0), batch[0])["params"]
     assert sum(k.startswith("AddNorm") for k in params) == floor.norm_count(cfg)
-    small = config.SMALL[name]
     net = nnx.eval_shape(lambda: models_nnx.Transformer(small, v.nnx, jnp.bfloat16, rngs=nnx.Rngs(0)))
     assert len(net.norms) == floor.norm_count(small)
 
 
 SCOPED = re.compile(models_linen.LN_SCOPE + r"/AddNorm_\w+?_(\d+)(/.*)?$")
+# The public-style models name their add & norms (models_public_linen.py): layers_<i>/input_norm,
+# layers_<i>/post_attention_norm, and the final one norm.
+PUBLIC_SCOPED = re.compile(r"(?:layers_(\d+)/)?" + models_linen.LN_SCOPE +
+                           r"/(input_norm|post_attention_norm|norm)(/.*)?$")
+
+
+def scoped(cfg, name_stack: str):
+    """(the index of the add & norm an operation is in, in the step's order, and the name stack
+    below that add & norm, None for its own operations), or None outside the layernorm scope."""
+    if cfg.style == "own":
+        m = SCOPED.search(name_stack)
+        return m and (int(m.group(1)), m.group(2))
+    m = PUBLIC_SCOPED.search(name_stack)
+    if not m:
+        return None
+    index = 2 * cfg.layers if m.group(1) is None else 2 * int(m.group(1)) + (m.group(2) == "post_attention_norm")
+    return index, m.group(3)
 
 
 @pytest.mark.slow
@@ -86,13 +114,14 @@ def test_the_adds_in_the_layernorm_scope_are_the_rules(name):
     act = (cfg.batch, cfg.seq, cfg.d_model)
     found = {}
     for e in jaxpr.jaxpr.eqns:
-        m = SCOPED.search(str(e.source_info.name_stack))
+        m = scoped(cfg, str(e.source_info.name_stack))
         if not m or e.outvars[0].aval.shape != act:
             continue
+        index, below = m
         if e.primitive.name == "add_any":
-            found.setdefault(int(m.group(1)), []).append("gradient add")
-        elif e.primitive.name == "add" and not m.group(2):  # not inside the norm (its bias add)
-            found.setdefault(int(m.group(1)), []).append("residual add")
+            found.setdefault(index, []).append("gradient add")
+        elif e.primitive.name == "add" and not below:  # not inside the norm (its bias add)
+            found.setdefault(index, []).append("residual add")
     expected = {}
     i = 0
     for p in floor.places(cfg):

@@ -30,12 +30,12 @@ ALLOW = [export.DisabledSafetyCheck.custom_call(t) for t in jax_lnbwd.TARGETS]
 @pytest.fixture(autouse=True)
 def _switch_off(monkeypatch):
     monkeypatch.delenv(config.FORWARD_ENV_VAR, raising=False)
-    monkeypatch.setattr(config, "_forward_override", None)
+    monkeypatch.setitem(config._overrides, config.FORWARD_ENV_VAR, None)
 
 
 @pytest.fixture
 def ffi_branch_on_cpu(monkeypatch):
-    monkeypatch.setattr(sys.modules["jax_lnbwd.autodiff"], "FFI_FORWARD_PLATFORMS", ("cuda", "cpu"))
+    monkeypatch.setattr(sys.modules["jax_lnbwd.dispatch"], "KERNEL_PLATFORMS", ("cuda", "cpu"))
 
 
 def _grad_fn(gy, gs):
@@ -110,7 +110,9 @@ def test_forced_fused_forward_vmap_jvp_shard_map():
 
 def test_platform_branch(ffi_branch_on_cpu):
     """The fused branch of platform_dependent (CUDA's by default) under jit, grad, a sharded jit
-    (each device its own rows: no all-gather) and export with deserialization."""
+    (each device its own rows: no all-gather) and export with deserialization. Under autodiff
+    the rule takes jnp's forward (dispatch.py), so the exported gradient holds the backward's
+    target, and the exported forward the fused forward's."""
     x, r, w, b, gy, gs = _inputs("cpu", "bfloat16", shape=(4, 6, 64), seed=4, mixed=True)
     assert ADD_TARGET in jax.jit(add_layernorm).lower(x, r, w, b).compile().as_text()
     _assert_values(x, r, w, b, gy, gs, "bfloat16")
@@ -126,7 +128,9 @@ def test_platform_branch(ffi_branch_on_cpu):
     assert_close("sharded y", y, _reference(x, r, w, b)[0], "bfloat16")
     fn = _grad_fn(gy, gs)
     exported = export.export(fn, platforms=["cpu"], disabled_checks=ALLOW)(x, r, w, b)
-    assert f"@{ADD_TARGET}(" in exported.mlir_module() and f"@{TARGET_V2}(" in exported.mlir_module()
+    assert f"@{ADD_TARGET}(" not in exported.mlir_module() and f"@{TARGET_V2}(" in exported.mlir_module()
+    forward = export.export(jax.jit(add_layernorm), platforms=["cpu"], disabled_checks=ALLOW)(x, r, w, b)
+    assert f"@{ADD_TARGET}(" in forward.mlir_module()
     pytest.importorskip("flatbuffers", reason="jax.export serialization needs the flatbuffers package")
     restored = export.deserialize(exported.serialize())
     for g, h in zip(restored.call(x, r, w, b), fn(x, r, w, b)):

@@ -1,0 +1,174 @@
+"""The one dispatch rule: for each norm call and direction, where our FFI kernel runs and where
+XLA's fused jnp does.
+
+Every call of every op (layernorm, add_layernorm, rmsnorm, add_rmsnorm; forward and backward)
+asks `decide` once, when it is traced, and runs what it answers through `run`:
+
+  1. the switches (config.py) first: the off switch makes the whole norm jnp before any call
+     gets here; "ffi" runs our kernel on every platform (the CPU runs the C++ handler), "xla"
+     (forward) and "jnp" (backward) run jnp on every platform. An explicit kernel= or
+     block_size= forces our backward kernel the same way. A call captures the mode when it is
+     traced; a backward uses its forward's.
+  2. Under Explicit mesh axes (sharding in types) the forward is jnp: the FFI forward's results
+     would be typed without a sharding.
+  3. Under autodiff (the forward of a training step: a custom_jvp rule's) the forward is jnp on
+     every platform: XLA fuses it with its neighbours (the residual add in front, the converts
+     of its consumers), and a custom call in its place moves XLA's fusion decisions elsewhere in
+     the step. Measured in a public-style Llama step (benchmarks/e2e, public_llama; docs/e2e.md):
+     with our forward XLA fuses the rotary sin/cos gather into every q and k transpose and the
+     step is 2% slower, with either backward; with XLA's forward and our backward it is not.
+     The backward is where our kernels gain in a step (the fused residual gradient included).
+  4. Otherwise ("auto", the default): our kernel on CUDA only, and there only where it beats
+     XLA's fusion of the same jnp (`cuda_kernel_wins`: the crossovers measured in the kernel
+     bench, CROSSOVERS below); jnp on every other platform (XLA's CPU code is faster than our
+     C++ reference handler, which exists for tests and forcing).
+
+The platform is not known when a call is traced (a program can be lowered for several, or
+exported), so a decision names the platforms that get our kernel, and `run` stages both paths
+with jax.lax.platform_dependent: the lowering keeps only the branch of the platform it lowers
+for. Shapes, dtypes and the switches are known at trace time, so everything else is decided
+here, in Python, once.
+
+`decisions()` lists what was decided since `clear_decisions()`, so a benchmark or a user can
+see which path each norm of a traced program took (the e2e bench prints it per run).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import jax
+import numpy as np
+
+from . import config
+from .norms import Norm
+
+FORWARD, BACKWARD = "forward", "backward"
+EVERY = ("every",)     # our kernel on every platform (a switch, or an explicit kernel)
+NONE = ()              # jnp on every platform
+# The platforms (jax.lax.platform_dependent's names) where mode "auto" runs our kernel when it
+# wins; CUDA only if this build has the CUDA handler.
+KERNEL_PLATFORMS = ("cuda",)
+
+# Where our CUDA kernels beat XLA's fusion of the same jnp, from the kernel bench on the H200
+# (docs/results/2026-12-03-crossover_h200.txt: every op, bf16 and fp32, C from 32 to 16384 at
+# 64 MB a tensor and at L2-sized shapes). For each (op, direction, element bytes): (C, rows)
+# pairs; our kernel runs when C >= c and rows >= r for one of them. Below, the launch of a custom
+# call and our per-row layout cost more than XLA's fused reduction saves: XLA's fusion reads
+# short rows at its full speed, and a backward with few rows leaves our two-kernel reduction of
+# dweight (partials, then a finalize) a larger share. 16-bit dtypes share the bf16 row, float64
+# the float32 row. The add ops' backward is the plain backward with the residual gradient
+# added in the kernel.
+CROSSOVERS = {
+    ("layernorm", FORWARD, 2): ((256, 1),),
+    ("layernorm", FORWARD, 4): ((128, 1),),
+    ("rmsnorm", FORWARD, 2): ((128, 1),),
+    ("rmsnorm", FORWARD, 4): ((128, 1),),
+    ("add_layernorm", FORWARD, 2): ((128, 1),),
+    ("add_layernorm", FORWARD, 4): ((64, 1),),
+    ("add_rmsnorm", FORWARD, 2): ((128, 1),),
+    ("add_rmsnorm", FORWARD, 4): ((64, 1),),
+    ("layernorm", BACKWARD, 2): ((256, 1024),),
+    ("layernorm", BACKWARD, 4): ((256, 1024), (128, 65536)),
+    ("rmsnorm", BACKWARD, 2): ((256, 1024),),
+    ("rmsnorm", BACKWARD, 4): ((256, 1024), (128, 65536)),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What `decide` answered for one traced call: the op (the public name, e.g. "add_rmsnorm"),
+    the direction, x's rows, C and dtype, the platforms where our kernel runs (EVERY, NONE or
+    some of KERNEL_PLATFORMS) and why."""
+    op: str
+    direction: str
+    rows: int
+    C: int
+    dtype: str
+    platforms: tuple
+    why: str
+
+    @property
+    def path(self) -> str:
+        """'ffi everywhere', 'ffi on cuda' (jnp elsewhere) or 'jnp'."""
+        if self.platforms == EVERY:
+            return "ffi everywhere"
+        return "ffi on " + ", ".join(self.platforms) if self.platforms else "jnp"
+
+
+_LOG: collections.deque = collections.deque(maxlen=100_000)
+
+
+def decisions() -> list[Decision]:
+    """The decisions of every norm call traced since clear_decisions(), oldest first."""
+    return list(_LOG)
+
+
+def clear_decisions() -> None:
+    _LOG.clear()
+
+
+def crossovers(op: str, direction: str, dtype) -> tuple:
+    """The (C, rows) pairs from which our CUDA kernel is the faster for `op` ("rmsnorm",
+    "add_layernorm", ...), direction and dtype."""
+    bytes_ = min(max(np.dtype(dtype).itemsize, 2), 4)
+    if direction == BACKWARD:
+        op = op.removeprefix("add_")
+    return CROSSOVERS[(op, direction, bytes_)]
+
+
+def cuda_kernel_wins(op: str, direction: str, rows: int, C: int, dtype) -> tuple[bool, str]:
+    """Whether our CUDA kernel beats XLA's fusion at this shape (the measured crossovers), and why."""
+    pairs = crossovers(op, direction, dtype)
+    for c, r in pairs:
+        if C >= c and rows >= r:
+            return True, f"C {C} >= {c}, rows {rows} >= {r}: our kernel is faster"
+    need = " or ".join(f"C >= {c} with rows >= {r}" for c, r in pairs)
+    return False, f"C {C}, rows {rows}: XLA's fusion is faster (ours needs {need})"
+
+
+def mode(direction: str) -> str:
+    """The switches' mode for a direction now (config.py): what a call traced now captures."""
+    return config.forward_mode() if direction == FORWARD else config.backward_mode()
+
+
+def decide(norm: Norm, direction: str, x_shape, dtype, *, add: bool = False, mode_: str | None = None,
+           differentiated: bool = False, explicitly_sharded: bool = False, cuda_built: bool = True) -> Decision:
+    """Where our kernel runs this call (see the module doc), recorded in decisions().
+
+    mode_: the switches' mode the call captured when it was traced (a backward is traced after
+    the forward that asked for it, outside any `with` block around that forward; None: now).
+    differentiated: a forward computed under autodiff (a training step's), whose statistics a
+    backward will use."""
+    mode_ = mode(direction) if mode_ is None else mode_
+    op = ("add_" if add else "") + norm.name
+    C = int(x_shape[-1]) if len(x_shape) else 1
+    rows = int(np.prod(x_shape[:-1], dtype=np.int64))
+    if mode_ == "ffi":
+        platforms, why = EVERY, "forced: use_ffi_*(True), JAX_LNBWD_*=ffi or an explicit kernel"
+    elif mode_ in ("xla", "jnp"):
+        platforms, why = NONE, "forced: use_ffi_*(False) or JAX_LNBWD_FORWARD=xla"
+    elif direction == FORWARD and explicitly_sharded:
+        platforms, why = NONE, "Explicit mesh axes: the jnp forward"
+    elif direction == FORWARD and differentiated:
+        platforms, why = NONE, ("under autodiff: XLA fuses the forward with its neighbours (the residual add, "
+                                "the consumers' converts); a custom call there moves XLA's fusions elsewhere "
+                                "in the step")
+    else:
+        wins, why = cuda_kernel_wins(op, direction, rows, C, dtype)
+        platforms = tuple(p for p in KERNEL_PLATFORMS if p != "cuda" or cuda_built) if wins else NONE
+        if wins and "cuda" in KERNEL_PLATFORMS and not cuda_built:
+            why = "no CUDA handler in this build"
+    decision = Decision(op, direction, rows, C, str(np.dtype(dtype)), platforms, why)
+    _LOG.append(decision)
+    return decision
+
+
+def run(decision: Decision, ours, jnp_path, *args):
+    """ours(*args) where the decision runs our kernel, jnp_path(*args) elsewhere: one branch when
+    the decision is the same on every platform, else both staged by platform_dependent."""
+    if decision.platforms == EVERY:
+        return ours(*args)
+    if not decision.platforms:
+        return jnp_path(*args)
+    return jax.lax.platform_dependent(*args, **{p: ours for p in decision.platforms}, default=jnp_path)
