@@ -226,6 +226,8 @@ def emit(runs, args, meta, traced: bool, floors=None, kinds: str = ""):
     also keeps."""
     table = report.rows(runs, args.baselines)
     text = report.format_table(table, comm=args.devices > 1)
+    text += "\n\nwhich path each run's norms took (jax_lnbwd.dispatch: ffi = our kernel, jnp = XLA's fusion):\n" + \
+        "\n".join(f"  {r.label}: {r.paths}" for r in runs)
     fl = floor.format_block(floor.against(floors, table)) if floors else ""
     print()
     if not traced:
@@ -314,7 +316,7 @@ def main(argv=None):
                 continue
             runs.append(run)
             run.round_steps = round_steps(run.step_estimate_s, args.round_seconds, args.steps)
-            prog.write(f"compiled {label} in {run.compile_s:.1f} s" + (
+            prog.write(f"compiled {label} in {run.compile_s:.1f} s; norms: {run.paths}" + (
                 "" if run.step_estimate_s is None else
                 f"; {run.step_estimate_s * 1e3:.3f} ms a step: {run.round_steps} steps per round"))
         if runs and args.round_seconds:

@@ -70,7 +70,7 @@ def rows(runs, baseline: str | tuple[str, ...]) -> list[dict]:
                "step_estimate_ms": None if r.step_estimate_s is None else r.step_estimate_s * 1e3,
                "spread_pct": 100 * (max(r.times) - min(r.times)) / med,
                "devices": r.devices, "compile_s": r.compile_s, "loss_first": r.losses[0], "loss_last": r.losses[-1],
-               "trace": r.trace}
+               "trace": r.trace, "paths": r.paths}
         b = base.get((r.model, r.api, r.dtype))
         if b is not None:  # paired: a round's ratio cancels the drift that slows both runs
             per_round = [bt / t for bt, t in zip(b.times, r.times)]

@@ -26,6 +26,8 @@ import optax
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+import jax_lnbwd
+
 from . import models_linen, models_nnx, models_public_linen, models_public_nnx
 from .config import ModelConfig, make_batch
 from .variants import Variant
@@ -43,6 +45,7 @@ class Run:
     batch: tuple
     hlo: str             # the compiled step's optimized HLO, for the trace attribution
     compile_s: float
+    paths: str = ""      # which path the norms took (jax_lnbwd.dispatch), e.g. "forward jnp x13, backward ffi on cuda x13"
     times: list = dataclasses.field(default_factory=list)  # seconds per step, one per round
     losses: list = dataclasses.field(default_factory=list)  # the last loss of each run_steps
     trace: dict | None = None
@@ -117,9 +120,21 @@ def build(cfg: ModelConfig, api: str, variant: Variant, dtype: str, seed: int = 
                                     jax.device_put(batch, split))
         jitted = jax.jit(train_step, in_shardings=(rep, rep, split), out_shardings=(rep, rep, rep),
                          donate_argnums=(0, 1))
+    jax_lnbwd.dispatch.clear_decisions()
     step = jitted.lower(params, opt_state, batch).compile()
+    paths = norm_paths(jax_lnbwd.dispatch.decisions())
     return Run(cfg.name, api, dtype, variant.name, step, (params, opt_state), batch, step.as_text(),
-               time.perf_counter() - t0, devices=devices)
+               time.perf_counter() - t0, paths=paths, devices=devices)
+
+
+def norm_paths(decisions) -> str:
+    """What jax_lnbwd's dispatch rule picked for the norms of one compiled step, per direction:
+    e.g. "forward jnp x13, backward ffi on cuda x13" (none: the variant has no jax_lnbwd norm)."""
+    counts: dict = {}
+    for d in decisions:
+        key = (d.direction, d.path)
+        counts[key] = counts.get(key, 0) + 1
+    return ", ".join(f"{direction} {path} x{n}" for (direction, path), n in counts.items()) or "none"
 
 
 def run_steps(run: Run, n: int) -> float:

@@ -10,13 +10,16 @@
                      add, then RMSNorm as users' public Flax Llama/Gemma code writes it, whose
                      output is float32 (PublicRMSNorm below)
 
-Two diagnosis variants, in no default list, tell which half of the drop-in a step's difference
-comes from (the switches are read when the norm is traced, so the module's call sets them):
+Three diagnosis variants, in no default list, tell which half of the drop-in a step's difference
+comes from (the switches are read when the norm is traced, so the module's call sets them; the
+dispatch rule's default in a training step is XLA's forward and our backward, jax_lnbwd/dispatch.py):
 
   jax_lnbwd_rmsnorm_jnp_fwd  the drop-in with the jnp forward and our backward
                              (inside jax_lnbwd.use_ffi_forward(False))
+  jax_lnbwd_rmsnorm_ffi_fwd  the drop-in with our forward and our backward
+                             (inside jax_lnbwd.use_ffi_forward(True))
   jax_lnbwd_rmsnorm_jnp_bwd  the drop-in with our forward and the jnp backward
-                             (inside jax_lnbwd.use_ffi_backward(False))
+                             (inside use_ffi_forward(True) and jax_lnbwd.use_ffi_backward(False))
 
 With an offset every variant initializes its scale to zeros (so y starts as x * rstd, as with
 offset 0 and ones). Our modules are looked up when a model is built, so that this file imports
@@ -127,17 +130,26 @@ class NnxPublicRMSNorm(nnx.Module):
 
 def half_switch(kind: str) -> Callable[[], Any]:
     """What makes the context a kind's norm is traced in: "ours_jnp_fwd": the jnp forward
-    (use_ffi_forward(False)); "ours_jnp_bwd": the jnp backward (use_ffi_backward(False), looked
+    (use_ffi_forward(False)); "ours_ffi_fwd": our forward (use_ffi_forward(True)); "ours_jnp_bwd":
+    our forward and the jnp backward (use_ffi_backward(False), looked
     up now: OursMissing in a jax_lnbwd without it); any other kind: nothing. Call the result
     right in the with statement: constructing a switch already sets it, the exit restores it."""
     if kind == "ours_jnp_fwd":
         return lambda: jax_lnbwd.use_ffi_forward(False)
+    if kind == "ours_ffi_fwd":
+        return lambda: jax_lnbwd.use_ffi_forward(True)
     if kind == "ours_jnp_bwd":
         switch = getattr(jax_lnbwd, "use_ffi_backward", None)
         if switch is None:
             raise OursMissing("jax_lnbwd.use_ffi_backward is not in this jax_lnbwd: the variant "
                               "jax_lnbwd_rmsnorm_jnp_bwd needs it (our forward, the jnp backward)")
-        return lambda: switch(False)
+
+        def both():
+            stack = contextlib.ExitStack()
+            stack.enter_context(jax_lnbwd.use_ffi_forward(True))
+            stack.enter_context(switch(False))
+            return stack
+        return both
     return contextlib.nullcontext
 
 
@@ -211,4 +223,6 @@ register(Variant("public_rmsnorm", linen=linen_rms("public"), nnx=nnx_rms("publi
 register(Variant("jax_lnbwd_rmsnorm_jnp_fwd", linen=linen_rms("ours_jnp_fwd"), nnx=nnx_rms("ours_jnp_fwd"),
                  norm="rmsnorm"))
 register(Variant("jax_lnbwd_rmsnorm_jnp_bwd", linen=linen_rms("ours_jnp_bwd"), nnx=nnx_rms("ours_jnp_bwd"),
+                 norm="rmsnorm"))
+register(Variant("jax_lnbwd_rmsnorm_ffi_fwd", linen=linen_rms("ours_ffi_fwd"), nnx=nnx_rms("ours_ffi_fwd"),
                  norm="rmsnorm"))

@@ -141,9 +141,14 @@ def reference_segments(norm: Norm, offset: float, dy, x, weight, *arrays, seg_di
     stats, dresidual = arrays[:len(norm.stats)], arrays[len(norm.stats):]
     segs, C = x.shape[:seg_dims], x.shape[-1]
     S, rows = math.prod(segs), math.prod(x.shape[seg_dims:-1])
-    per_segment_weight = jnp.broadcast_to(weight.reshape(math.prod(weight.shape[:-1]), C), (S, C))
-    dx, *grads = jax.vmap(lambda dy, x, w, *st: reference.norm_bwd(norm, dy, x, w, st, offset))(
-        dy.reshape(S, rows, C), x.reshape(S, rows, C), per_segment_weight, *(s.reshape(S, rows) for s in stats))
+    if S == 1:   # one segment: the plain formula on the rows (a vmap over an axis of 1 would leave
+        # XLA's CPU backend a reduction it runs several times slower)
+        dx, *grads = reference.norm_bwd(norm, dy.reshape(rows, C), x.reshape(rows, C), weight.reshape(C),
+                                        tuple(s.reshape(rows) for s in stats), offset)
+    else:
+        per_segment_weight = jnp.broadcast_to(weight.reshape(math.prod(weight.shape[:-1]), C), (S, C))
+        dx, *grads = jax.vmap(lambda dy, x, w, *st: reference.norm_bwd(norm, dy, x, w, st, offset))(
+            dy.reshape(S, rows, C), x.reshape(S, rows, C), per_segment_weight, *(s.reshape(S, rows) for s in stats))
     dx = dx.reshape(x.shape)
     if dresidual:
         acc = reference.acc_dtype(x.dtype)

@@ -154,10 +154,12 @@ def test_explicit_mesh_falls_back(ffi_branch_on_cpu):
 @pytest.mark.parametrize("platform", [p for p in PLATFORMS if p.id == "gpu"])
 @pytest.mark.parametrize("dtype,mixed", [("bfloat16", True), ("float32", False)])
 def test_gpu_default_is_the_fused_forward(platform, dtype, mixed):
-    """On the GPU by default: one residual-fused forward (no plain forward) and one backward."""
+    """On the GPU by default: one residual-fused forward (no plain forward); in a gradient, XLA's
+    forward (the rule under autodiff, jax_lnbwd/dispatch.py) and one backward."""
     x, r, w, b, gy, gs = _inputs(platform, dtype, shape=(8, 128, 1600), seed=6, mixed=mixed)
     hlo = _grad_fn(gy, gs).lower(x, r, w, b).compile().as_text()
-    assert hlo.count(f'custom_call_target="{ADD_TARGET}"') == 1
-    assert f'custom_call_target="{FWD}"' not in hlo
+    assert f'custom_call_target="{ADD_TARGET}"' not in hlo and f'custom_call_target="{FWD}"' not in hlo
     assert hlo.count(f'custom_call_target="{TARGET_V2}"') == 1
+    fwd = jax.jit(lambda *a: add_layernorm(*a)).lower(x, r, w, b).compile().as_text()
+    assert fwd.count(f'custom_call_target="{ADD_TARGET}"') == 1 and f'custom_call_target="{FWD}"' not in fwd
     _assert_values(x, r, w, b, gy, gs, dtype)
