@@ -1,0 +1,174 @@
+"""The dispatch rule (jax_lnbwd/dispatch.py) picks as documented: the switches first, an explicit
+kernel, Explicit mesh axes, XLA's forward under autodiff, the measured CUDA crossovers, and jnp off
+CUDA. The suite runs with the FFI backward forced and the crossovers at 1 (conftest.py); these
+tests restore the defaults: the environment variables unset and the measured table.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jax_lnbwd
+from conftest import MEASURED_CROSSOVERS, make_inputs
+from jax_lnbwd import config, dispatch
+from jax_lnbwd.norms import LAYERNORM, RMSNORM
+
+FORWARD, BACKWARD = dispatch.FORWARD, dispatch.BACKWARD
+ALL_TARGETS = jax_lnbwd.TARGETS
+
+
+@pytest.fixture(autouse=True)
+def _defaults(monkeypatch):
+    """The package's defaults: no switch set, the measured crossovers, CUDA a kernel platform."""
+    for var in (config.FORWARD_ENV_VAR, config.BACKWARD_ENV_VAR):
+        monkeypatch.delenv(var, raising=False)
+        monkeypatch.setitem(config._overrides, var, None)
+    monkeypatch.setattr(dispatch, "CROSSOVERS", dict(MEASURED_CROSSOVERS))
+    dispatch.clear_decisions()
+
+
+def _decide(direction, shape, dtype="bfloat16", norm=RMSNORM, **kw):
+    return dispatch.decide(norm, direction, shape, jnp.dtype(dtype), **kw)
+
+
+# --- the documented table (README "Where each norm runs") ---------------------------------------
+
+@pytest.mark.parametrize("op,direction,dtype,C,rows,ours", [
+    # forward: layernorm bf16 from C 256, fp32 from 128; rmsnorm from 128; the add ops bf16 128, fp32 64
+    ("layernorm", FORWARD, "bfloat16", 128, 262144, False),
+    ("layernorm", FORWARD, "bfloat16", 256, 131072, True),
+    ("layernorm", FORWARD, "float32", 64, 524288, False),
+    ("layernorm", FORWARD, "float32", 128, 262144, True),
+    ("rmsnorm", FORWARD, "bfloat16", 64, 524288, False),
+    ("rmsnorm", FORWARD, "bfloat16", 128, 8, True),
+    ("rmsnorm", FORWARD, "float16", 128, 8, True),
+    ("rmsnorm", FORWARD, "float32", 64, 524288, False),
+    ("add_layernorm", FORWARD, "bfloat16", 128, 262144, True),
+    ("add_layernorm", FORWARD, "float32", 64, 524288, True),
+    ("add_layernorm", FORWARD, "float32", 32, 1048576, False),
+    ("add_rmsnorm", FORWARD, "bfloat16", 64, 524288, False),
+    ("add_rmsnorm", FORWARD, "float64", 64, 524288, True),
+    # backward: C >= 256 with >= 1024 rows; fp32 also C >= 128 with >= 65536 rows
+    ("layernorm", BACKWARD, "bfloat16", 128, 262144, False),
+    ("layernorm", BACKWARD, "bfloat16", 256, 131072, True),
+    ("layernorm", BACKWARD, "bfloat16", 4096, 256, False),
+    ("layernorm", BACKWARD, "bfloat16", 1024, 1024, True),
+    ("layernorm", BACKWARD, "float32", 128, 262144, True),
+    ("layernorm", BACKWARD, "float32", 128, 8192, False),
+    ("rmsnorm", BACKWARD, "float32", 64, 524288, False),
+    ("rmsnorm", BACKWARD, "bfloat16", 2048, 16384, True),
+    ("add_rmsnorm", BACKWARD, "bfloat16", 2048, 16384, True),
+    ("add_rmsnorm", BACKWARD, "bfloat16", 128, 16384, False),
+])
+def test_crossovers(op, direction, dtype, C, rows, ours):
+    wins, why = dispatch.cuda_kernel_wins(op, direction, rows, C, jnp.dtype(dtype))
+    assert wins == ours, why
+    norm = LAYERNORM if op.endswith("layernorm") else RMSNORM
+    d = _decide(direction, (rows, C), dtype, norm=norm, add=op.startswith("add_"))
+    assert d.platforms == (("cuda",) if ours else ()) and d.op == op, d
+    assert d.path == ("ffi on cuda" if ours else "jnp")
+
+
+def test_every_op_direction_and_width_has_a_row():
+    for op in ("layernorm", "rmsnorm", "add_layernorm", "add_rmsnorm"):
+        for direction in (FORWARD, BACKWARD):
+            for dtype in ("bfloat16", "float16", "float32", "float64"):
+                assert dispatch.crossovers(op, direction, jnp.dtype(dtype))
+
+
+def test_switches_and_explicit_kernel_come_first(monkeypatch):
+    shape = (8, 16)   # below every crossover: the rule alone picks jnp
+    assert _decide(FORWARD, shape).platforms == ()
+    with jax_lnbwd.use_ffi_forward(True):
+        assert _decide(FORWARD, shape).platforms == dispatch.EVERY
+    with jax_lnbwd.use_ffi_backward(True):
+        assert _decide(BACKWARD, shape).platforms == dispatch.EVERY
+    with jax_lnbwd.use_xla_backward(False):
+        assert _decide(BACKWARD, shape).platforms == dispatch.EVERY
+    with jax_lnbwd.use_ffi_backward(False):
+        assert _decide(BACKWARD, (16384, 2048)).platforms == ()
+    assert _decide(BACKWARD, shape, mode_="ffi").platforms == dispatch.EVERY   # an explicit kernel
+    monkeypatch.setenv(config.FORWARD_ENV_VAR, "ffi")
+    assert _decide(FORWARD, shape).platforms == dispatch.EVERY
+    monkeypatch.setenv(config.FORWARD_ENV_VAR, "xla")
+    assert _decide(FORWARD, (16384, 2048)).platforms == ()
+    monkeypatch.setenv(config.BACKWARD_ENV_VAR, "ffi")
+    assert _decide(BACKWARD, shape).platforms == dispatch.EVERY
+
+
+def test_autodiff_explicit_sharding_and_build():
+    big = (16384, 2048)
+    assert _decide(FORWARD, big).platforms == ("cuda",)
+    assert _decide(FORWARD, big, differentiated=True).platforms == ()
+    assert _decide(FORWARD, big, explicitly_sharded=True).platforms == ()
+    assert _decide(BACKWARD, big).platforms == ("cuda",)
+    no_cuda = _decide(BACKWARD, big, cuda_built=False)
+    assert no_cuda.platforms == () and "no CUDA handler" in no_cuda.why
+
+
+def _targets(text: str) -> set[str]:
+    return {t for t in ALL_TARGETS if f"@{t}(" in text}
+
+
+def _grad(norm):
+    return jax.jit(jax.grad(lambda x, w: jnp.sum(norm(x, w) ** 2), argnums=(0, 1)))
+
+
+@pytest.mark.parametrize("name", ["layernorm", "rmsnorm", "add_layernorm", "add_rmsnorm"])
+def test_cpu_runs_jnp_by_default(name):
+    """The default on the CPU: no custom call in either direction, values the reference's."""
+    x, r, w, b = make_inputs((64, 256), "float32", seed=1)
+    norm = {"layernorm": lambda x, w: jax_lnbwd.layernorm(x, w, b),
+            "rmsnorm": jax_lnbwd.rmsnorm,
+            "add_layernorm": lambda x, w: jax_lnbwd.add_layernorm(x, r, w, b)[0],
+            "add_rmsnorm": lambda x, w: jax_lnbwd.add_rmsnorm(x, r, w)[0]}[name]
+    assert not _targets(jax.jit(norm).lower(x, w).as_text())
+    assert not _targets(_grad(norm).lower(x, w).as_text())
+    paths = {(d.direction, d.path) for d in dispatch.decisions()}
+    assert paths <= {(FORWARD, "jnp"), (BACKWARD, "jnp")} and (BACKWARD, "jnp") in paths
+
+
+def test_cuda_lowering_follows_the_rule():
+    """Lowered for CUDA (from the CPU: needs the CUDA handler in this build): a wide norm runs our
+    forward alone and our backward under grad; a narrow one runs neither."""
+    if not jax_lnbwd.WITH_CUDA:
+        pytest.skip("this build has no CUDA handler")
+    from jax import export
+    allow = [export.DisabledSafetyCheck.custom_call(t) for t in ALL_TARGETS]
+
+    def exported(fn, *args):
+        return export.export(fn, platforms=["cuda"], disabled_checks=allow)(*args).mlir_module()
+
+    for C, ours in ((2048, True), (64, False)):
+        x = jax.ShapeDtypeStruct((1024, C), jnp.bfloat16)
+        w = jax.ShapeDtypeStruct((C,), jnp.float32)
+        fwd = _targets(exported(jax.jit(jax_lnbwd.rmsnorm), x, w))
+        grad = _targets(exported(_grad(jax_lnbwd.rmsnorm), x, w))
+        assert fwd == ({RMSNORM.fwd_target} if ours else set()), (C, fwd)
+        assert grad == ({RMSNORM.bwd_target_v2} if ours else set()), (C, grad)
+
+
+def test_a_backward_keeps_the_switch_its_forward_was_traced_under():
+    """use_ffi_backward around the forward call decides the backward that JAX traces later."""
+    x, _, w, _ = make_inputs((8, 32), "float32", seed=2)
+
+    def loss(x, w, enabled):
+        with jax_lnbwd.use_ffi_backward(enabled):
+            y = jax_lnbwd.rmsnorm(x, w)
+        return jnp.sum(y ** 2)
+
+    forced = jax.jit(jax.grad(functools.partial(loss, enabled=True), argnums=(0, 1)))
+    assert RMSNORM.bwd_target_v2 in _targets(forced.lower(x, w).as_text())
+    with jax_lnbwd.use_ffi_backward(True):   # the inner switch wins for what it wraps
+        inner = jax.grad(functools.partial(loss, enabled=False), argnums=(0, 1))
+        assert not _targets(jax.jit(inner).lower(x, w).as_text())
+
+
+def test_explicit_kernel_runs_everywhere():
+    x, _, w, _ = make_inputs((8, 32), "float32", seed=3)
+    grad = jax.jit(jax.grad(lambda x, w: jnp.sum(jax_lnbwd.rmsnorm(x, w, kernel=12) ** 2), argnums=(0, 1)))
+    assert RMSNORM.bwd_target_v2 in _targets(grad.lower(x, w).as_text())
+    assert dispatch.decisions()[-1].path == "ffi everywhere"
