@@ -100,6 +100,16 @@ def settings(norm: Norm, eps: float, kernel, block_size, offset: float = 0.0, *,
     return Settings(norm, eps, kernel, block_size, offset, "ffi" if given else dispatch.mode(dispatch.BACKWARD))
 
 
+def whole_jnp(settings: "Settings", x, *, add: bool = False) -> bool:
+    """Whether the public function should return the jnp reference, differentiated by JAX: the off
+    switch, or no platform running a kernel of ours for x in either direction (dispatch.whole_jnp)."""
+    whole = dispatch.whole_jnp(settings.norm, x.shape, x.dtype, add=add, bwd_mode=settings.bwd_mode,
+                               cuda_built=ffi.WITH_CUDA)
+    if whole and not ffi.WITH_CUDA and settings.bwd_mode != "xla":
+        ffi.warn_no_handler_on_gpu(settings.norm.name)
+    return whole
+
+
 def vary_all(*arrays):
     """The arrays (None stays None) typed as varying along every shard_map mesh axis any of them
     varies along. Inside shard_map, x usually varies along mesh axes along which a replicated

@@ -23,6 +23,10 @@ asks `decide` once, when it is traced, and runs what it answers through `run`:
      bench, CROSSOVERS below); jnp on every other platform (XLA's CPU code is faster than our
      C++ reference handler, which exists for tests and forcing).
 
+When the rule leaves every platform to jnp in both directions (no CUDA handler in this build, or a
+shape below both crossovers), the public functions return the jnp reference differentiated by JAX
+(`whole_jnp`): the very program plain jnp code makes, with no custom_jvp around it.
+
 The platform is not known when a call is traced (a program can be lowered for several, or
 exported), so a decision names the platforms that get our kernel, and `run` stages both paths
 with jax.lax.platform_dependent: the lowering keeps only the branch of the platform it lowers
@@ -162,6 +166,30 @@ def decide(norm: Norm, direction: str, x_shape, dtype, *, add: bool = False, mod
     decision = Decision(op, direction, rows, C, str(np.dtype(dtype)), platforms, why)
     _LOG.append(decision)
     return decision
+
+
+def whole_jnp(norm: Norm, x_shape, dtype, *, add: bool = False, bwd_mode: str, cuda_built: bool) -> bool:
+    """Whether no platform would run a kernel of ours for this call in either direction: the
+    switches leave both to the rule, and CUDA is not built or below both crossovers. The norm is
+    then the jnp reference differentiated by JAX, exactly what plain jnp code runs (so on the CPU,
+    and for narrow rows on CUDA, XLA sees no custom_jvp at all). Recorded in decisions() as one
+    decision, direction "both". The off switch (mode "xla") answers True too."""
+    if bwd_mode == "xla":
+        return True
+    if mode(FORWARD) != "auto" or bwd_mode != "auto":
+        return False
+    op = ("add_" if add else "") + norm.name
+    C = int(x_shape[-1]) if len(x_shape) else 1
+    rows = int(np.prod(x_shape[:-1], dtype=np.int64))
+    if cuda_built and "cuda" in KERNEL_PLATFORMS and any(
+            cuda_kernel_wins(op, d, rows, C, dtype)[0] for d in (FORWARD, BACKWARD)):
+        return False
+    if any(p != "cuda" for p in KERNEL_PLATFORMS):
+        return False
+    why = "no CUDA handler in this build" if not cuda_built else "XLA's fusion is faster in both directions"
+    _LOG.append(Decision(op, "both", rows, C, str(np.dtype(dtype)), NONE,
+                         why + ": the jnp reference, differentiated by JAX"))
+    return True
 
 
 def run(decision: Decision, ours, jnp_path, *args):

@@ -57,7 +57,7 @@ def layernorm(x, weight, bias, *, eps: float = 1e-5, kernel: int | None = None, 
     fn = "layernorm"
     eps = _checks.forward_args(fn, x, {"weight": weight, "bias": bias}, eps)
     settings = autodiff.settings(LAYERNORM, eps, kernel, block_size, fn=fn, x=x, mixed=_checks.is_mixed(x, weight, bias))
-    if config.xla_backward_enabled():
+    if autodiff.whole_jnp(settings, x):
         return reference.layernorm(x, weight, bias, eps)
     x, weight, bias = autodiff.vary_all(x, weight, bias)
     return autodiff.norm(x, weight, bias, settings)
@@ -111,7 +111,7 @@ def add_layernorm(x, residual, weight, bias, *, x_bias=None, eps: float = 1e-5, 
     _checks.residual(fn, residual, x)
     settings = autodiff.settings(LAYERNORM, eps, kernel, block_size, fn=fn, x=x, mixed=_checks.is_mixed(x, weight, bias),
                                  residual=True)
-    if config.xla_backward_enabled():
+    if autodiff.whole_jnp(settings, x, add=True):
         s = reference.add_residual(x, residual, x_bias)
         return reference.layernorm(s, weight, bias, eps), s
     x, residual, weight, bias, x_bias = autodiff.vary_all(x, residual, weight, bias, x_bias)

@@ -46,7 +46,7 @@ def rmsnorm(x, weight, *, eps: float = 1e-6, offset: float = 0.0, kernel: int | 
     """
     fn = "rmsnorm"
     settings = _settings(fn, x, weight, eps, offset, kernel, block_size)
-    if config.xla_backward_enabled():
+    if autodiff.whole_jnp(settings, x):
         return reference.rmsnorm(x, weight, settings.eps, settings.offset)
     x, weight = autodiff.vary_all(x, weight)
     return autodiff.norm(x, weight, None, settings)
@@ -92,7 +92,7 @@ def add_rmsnorm(x, residual, weight, *, x_bias=None, eps: float = 1e-6, offset: 
     settings = _settings(fn, x, weight, eps, offset, kernel, block_size, residual=True)
     _checks.param(fn, "x_bias", x_bias, x)
     _checks.residual(fn, residual, x)
-    if config.xla_backward_enabled():
+    if autodiff.whole_jnp(settings, x, add=True):
         s = reference.add_residual(x, residual, x_bias)
         return reference.rmsnorm(s, weight, settings.eps, settings.offset), s
     x, residual, weight, x_bias = autodiff.vary_all(x, residual, weight, x_bias)

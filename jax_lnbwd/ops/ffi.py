@@ -47,6 +47,22 @@ def check_handler_for_default_platform(op: str = "layernorm_bwd"):
         "on the CPU instead, use jax.default_device(jax.devices('cpu')[0]).")
 
 
+_warned_no_handler = False
+
+
+def warn_no_handler_on_gpu(op: str) -> None:
+    """Warns once per process when a norm headed for a GPU runs XLA's jnp because this build has no
+    CUDA handler (the dispatch rule's default; forcing our kernels raises instead)."""
+    global _warned_no_handler
+    if _warned_no_handler or WITH_CUDA or _default_platform() not in ("gpu", "cuda", "rocm"):
+        return
+    _warned_no_handler = True
+    import warnings
+    warnings.warn(f"{op}: this jax_lnbwd was built without its CUDA handler (jax_lnbwd.WITH_CUDA is False), "
+                  "so on the GPU its norms run as XLA's jnp. Install a wheel built with the CUDA kernels, or "
+                  "rebuild with nvcc on the PATH (JAX_LNBWD_CUDA=ON pip install .).", RuntimeWarning, stacklevel=4)
+
+
 def varying_axes(*arrays) -> frozenset:
     """The shard_map mesh axes along which any of the arrays varies (their type's "varying
     manual axes"): empty outside shard_map, and with shard_map(check_vma=False)."""

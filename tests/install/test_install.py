@@ -67,6 +67,17 @@ def test_ffi_forward_without_handler_on_gpu_raises(gpu_machine):
         jax.eval_shape(layernorm_fwd_op, X, W, W)
 
 
+def test_default_without_handler_on_gpu_warns_and_runs_jnp(gpu_machine):
+    """The default rule (no switch) cannot pick a kernel that is not built: the norm is jnp, and a
+    warning says why and what to do."""
+    gpu_machine.delenv("JAX_LNBWD_BACKWARD", raising=False)
+    gpu_machine.setattr(_ffi, "WITH_CUDA", False)
+    gpu_machine.setattr(_ffi, "_warned_no_handler", False)
+    with pytest.warns(RuntimeWarning, match="built without its CUDA handler.*jnp"):
+        jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(X, W, W)
+    assert "ffi_call" not in str(jaxpr)
+
+
 def test_forward_without_handler_on_gpu_traces(gpu_machine):
     """The forward is jnp: inference needs no handler."""
     gpu_machine.setattr(_ffi, "WITH_CUDA", False)
