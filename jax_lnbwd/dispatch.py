@@ -131,6 +131,12 @@ def cuda_kernel_wins(op: str, direction: str, rows: int, C: int, dtype) -> tuple
     return False, f"C {C}, rows {rows}: XLA's fusion is faster (ours needs {need})"
 
 
+def _call(norm: Norm, add: bool, x_shape) -> tuple[str, int, int]:
+    """(the public op's name, rows, C) of a call on x of x_shape."""
+    C = int(x_shape[-1]) if len(x_shape) else 1
+    return ("add_" if add else "") + norm.name, int(np.prod(x_shape[:-1], dtype=np.int64)), C
+
+
 def mode(direction: str) -> str:
     """The switches' mode for a direction now (config.py): what a call traced now captures."""
     return config.forward_mode() if direction == FORWARD else config.backward_mode()
@@ -145,9 +151,7 @@ def decide(norm: Norm, direction: str, x_shape, dtype, *, add: bool = False, mod
     differentiated: a forward computed under autodiff (a training step's), whose statistics a
     backward will use."""
     mode_ = mode(direction) if mode_ is None else mode_
-    op = ("add_" if add else "") + norm.name
-    C = int(x_shape[-1]) if len(x_shape) else 1
-    rows = int(np.prod(x_shape[:-1], dtype=np.int64))
+    op, rows, C = _call(norm, add, x_shape)
     if mode_ == "ffi":
         platforms, why = EVERY, "forced: use_ffi_*(True), JAX_LNBWD_*=ffi or an explicit kernel"
     elif mode_ in ("xla", "jnp"):
@@ -178,9 +182,7 @@ def whole_jnp(norm: Norm, x_shape, dtype, *, add: bool = False, bwd_mode: str, c
         return True
     if mode(FORWARD) != "auto" or bwd_mode != "auto":
         return False
-    op = ("add_" if add else "") + norm.name
-    C = int(x_shape[-1]) if len(x_shape) else 1
-    rows = int(np.prod(x_shape[:-1], dtype=np.int64))
+    op, rows, C = _call(norm, add, x_shape)
     if cuda_built and "cuda" in KERNEL_PLATFORMS and any(
             cuda_kernel_wins(op, d, rows, C, dtype)[0] for d in (FORWARD, BACKWARD)):
         return False
