@@ -18,7 +18,8 @@ import jax_lnbwd.flax.nnx
 from conftest import CHECKOUT
 
 sys.path.insert(0, str(CHECKOUT))  # the checkout: benchmarks/
-from benchmarks.e2e import cli, config, report, train, variants, variants_rms  # noqa: E402
+from benchmarks.e2e import cli, report, variants_rms  # noqa: E402
+from e2e_shapes import shapes  # noqa: E402
 from benchmarks.e2e.trace import our_calls  # noqa: E402
 
 RMS = ("flax_rmsnorm", "jax_lnbwd_rmsnorm", "add_rmsnorm")
@@ -78,20 +79,6 @@ def fake_ours(monkeypatch):
         for name, cls in zip(("RMSNorm", "AddRMSNorm"), names):
             if not hasattr(mod, name):
                 monkeypatch.setattr(mod, name, cls, raising=False)
-
-
-def shapes(cfg, api, variant, dtype=jnp.bfloat16):
-    """(params, logits, grads) as shapes: nothing is computed or compiled."""
-    batch = config.make_batch(cfg, dtype)
-    made = {}
-
-    def make():
-        made["apply"], params = train.init(cfg, api, variants.VARIANTS[variant], dtype, batch[0], 0)
-        return params
-    params = jax.eval_shape(make)
-    logits = jax.eval_shape(made["apply"], params, batch[0])
-    grads = jax.eval_shape(jax.grad(lambda p: made["apply"](p, batch[0]).astype(jnp.float32).sum()), params)
-    return params, logits, grads
 
 
 @pytest.mark.parametrize("offset", [0.0, 1.0])

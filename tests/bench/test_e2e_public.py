@@ -21,6 +21,7 @@ from conftest import CHECKOUT, RTOL
 
 sys.path.insert(0, str(CHECKOUT))  # the checkout: benchmarks/
 from benchmarks.e2e import cli, config, train, variants, variants_rms  # noqa: E402
+from e2e_shapes import shapes  # noqa: E402
 
 PUBLIC = ("public_llama", "public_gemma")
 DEFAULT = ("public_rmsnorm", "jax_lnbwd_rmsnorm", "add_rmsnorm")
@@ -52,20 +53,6 @@ def missing(variant: str) -> str | None:
     if variant == "jax_lnbwd_rmsnorm_jnp_bwd" and ffi_backward_switch() is None:
         return "jax_lnbwd.use_ffi_backward is not in this jax_lnbwd yet"
     return None
-
-
-def shapes(cfg, api, variant, dtype=jnp.bfloat16):
-    """(params, logits, grads) as shapes: nothing is computed or compiled."""
-    batch = config.make_batch(cfg, dtype)
-    made = {}
-
-    def make():
-        made["apply"], params = train.init(cfg, api, variants.VARIANTS[variant], dtype, batch[0], 0)
-        return params
-    params = jax.eval_shape(make)
-    logits = jax.eval_shape(made["apply"], params, batch[0])
-    grads = jax.eval_shape(jax.grad(lambda p: made["apply"](p, batch[0]).astype(jnp.float32).sum()), params)
-    return params, logits, grads
 
 
 def fields(cfg, names: str) -> tuple:
