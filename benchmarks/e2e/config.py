@@ -1,4 +1,4 @@
-"""The benchmark's models: four transformer families at the sizes of issue 23, and tiny ones.
+"""The benchmark's models: six transformers at training sizes (the families below), and tiny ones.
 
 Every model is 6 blocks of multi-head attention and an MLP, bf16 (or fp32) compute with float32
 parameters. What differs is the norm, where it sits, the MLP, and what comes in and out:

@@ -1,4 +1,4 @@
-"""Hostile inputs and numerical edge cases (issue 7), on the CPU and, when present, the GPU.
+"""Hostile inputs and numerical edge cases, on the CPU and, when present, the GPU.
 
 Every case runs the default kernel and kernels 10-12 through `layernorm_bwd` (the GPU kernels
 differ; on the CPU every id runs the C++ reference) and checks the stated behaviour against a

@@ -1,4 +1,4 @@
-"""Wide rows through the default kernel (issue 4): C = 12288, 12292, 16384, 32768 and 65536 in
+"""Wide rows through the default kernel: C = 12288, 12292, 16384, 32768 and 65536 in
 every dtype.
 
 On an H200 these take different paths of kernel 12 (see jax_lnbwd.KERNELS[12].constraints):

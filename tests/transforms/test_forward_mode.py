@@ -1,4 +1,4 @@
-"""Forward-mode AD of layernorm, and every derivative transformation built on it (issue 25).
+"""Forward-mode AD of layernorm, and every derivative transformation built on it.
 
 layernorm is a jax.custom_jvp: its JVP is the forward's y plus a linear tangent map whose
 transpose is our FFI backward (jax_lnbwd/tangent.py). These tests check, against JAX's own
