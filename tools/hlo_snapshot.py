@@ -6,7 +6,9 @@
 The programs cover what the package promises: grad (with mixed precision, also a float32
 weight beside a 16-bit bias), vmap with
 per-example weights, jvp, hessian, a sharded jit (Shardy), shard_map, add_layernorm with
-x_bias, the raw layernorm_fwd/layernorm_bwd, and the Flax drop-ins (linen and nnx). Each is
+x_bias, the raw layernorm_fwd/layernorm_bwd, the same for rmsnorm and add_rmsnorm (offset, x_bias,
+no weight), and the Flax drop-ins (linen and nnx). Run it under each dispatch you want pinned,
+e.g. again with JAX_LNBWD_FORWARD=ffi JAX_LNBWD_BACKWARD=ffi (every call on our targets). Each is
 lowered for the CPU and for CUDA (cross-platform lowering: no GPU needed). The text is
 printed without locations, and the keys of custom_partitioning callbacks (process-local
 numbers) are masked.
@@ -88,12 +90,34 @@ def programs():
                                                argnums=(0, 1, 2, 3, 4)), (xb, xb, w, b, b)),
     }
 
+    rms, add_rms = jax_lnbwd.rmsnorm, jax_lnbwd.add_rmsnorm
+
+    def add_rms_loss(x, r, w, xbias):
+        y, s = add_rms(x, r, w, x_bias=xbias, offset=1.0)
+        return jnp.sum(y.astype(jnp.float32) ** 2) + jnp.sum(s.astype(jnp.float32) * 0.5)
+
+    out.update({
+        "rmsnorm_grad_f32": (jax.grad(lambda x, w: jnp.sum(rms(x, w) ** 2), argnums=(0, 1)), (x, w)),
+        "rmsnorm_grad_bf16_mixed_offset": (jax.grad(lambda x, w: jnp.sum(rms(x, w, offset=1.0).astype(jnp.float32) ** 2),
+                                                    argnums=(0, 1)), (xb, w)),
+        "rmsnorm_grad_no_weight": (jax.grad(lambda x: jnp.sum(rms(x, None) ** 2)), (x,)),
+        "rmsnorm_vmap_grad_per_example": (jax.vmap(jax.grad(lambda x, w: jnp.sum(rms(x, w) ** 2), argnums=(0, 1))),
+                                          (x, f32(8, 64))),
+        "rmsnorm_jvp": (lambda x, w: jax.jvp(lambda *a: rms(*a), (x, w), (x, w)), (x, w)),
+        "rmsnorm_fwd": (lambda x, w: jax_lnbwd.rmsnorm_fwd(x, w, offset=1.0), (xb, w)),
+        "rmsnorm_bwd": (lambda dy, x, w: jax_lnbwd.rmsnorm_bwd(dy, x, w, jax_lnbwd.rmsnorm_fwd(x, w)[1]), (x, x, w)),
+        "add_rmsnorm_grad": (jax.grad(lambda x, r, w: add_rms_loss(x, r, w, None), argnums=(0, 1, 2)), (x, x, w)),
+        "add_rmsnorm_x_bias_bf16": (jax.grad(add_rms_loss, argnums=(0, 1, 2, 3)), (xb, xb, w, w)),
+    })
+
     mesh = jax.make_mesh((4, 2), ("data", "seq"), devices=jax.devices("cpu")[:8])
     sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", "seq", None))
     xs = jax.device_put(x, sharded)
     out["sharded_jit_grad"] = (jax.grad(loss, argnums=(0, 1, 2)), (xs, w, b))
     out["sharded_jit_add_grad"] = (jax.grad(lambda x, r, w, b: add_loss(x, r, w, b, b), argnums=(0, 1, 2, 3)),
                                    (xs, xs, w, b))
+    out["sharded_jit_rmsnorm_grad"] = (jax.grad(lambda x, r, w: add_rms_loss(x, r, w, None), argnums=(0, 1, 2)),
+                                       (xs, xs, w))
     out["shard_map_grad"] = (jax.shard_map(jax.grad(loss, argnums=(0, 1, 2)), mesh=mesh,
                                            in_specs=(jax.sharding.PartitionSpec("data", "seq"),
                                                      jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec()),
@@ -120,6 +144,19 @@ def programs():
         return jnp.sum(norm(y) ** 2) + jnp.sum(s)
 
     out["flax_nnx_grad"] = (jax.grad(nnx_loss), (state, xb))
+
+    class LinenRmsBlock(nn.Module):
+        @nn.compact
+        def __call__(self, x, r):
+            y, s = lnflax.AddRMSNorm()(x, r)
+            return lnflax.RMSNorm()(y) + s
+
+    lin_rms = LinenRmsBlock()
+    lin_rms_params = lin_rms.init(jax.random.key(0), x, x)
+    out["flax_linen_rms_grad"] = (jax.grad(lambda p, x: jnp.sum(lin_rms.apply(p, x, x) ** 2)), (lin_rms_params, x))
+    nnx_rms = lnnnx.RMSNorm(64, rngs=nnx.Rngs(0))
+    rgdef, rstate = nnx.split(nnx_rms)
+    out["flax_nnx_rms_grad"] = (jax.grad(lambda st, x: jnp.sum(nnx.merge(rgdef, st)(x) ** 2)), (rstate, xb))
     return out
 
 

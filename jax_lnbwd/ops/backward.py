@@ -141,10 +141,12 @@ def reference_segments(norm: Norm, offset: float, dy, x, weight, *arrays, seg_di
     stats, dresidual = arrays[:len(norm.stats)], arrays[len(norm.stats):]
     segs, C = x.shape[:seg_dims], x.shape[-1]
     S, rows = math.prod(segs), math.prod(x.shape[seg_dims:-1])
-    if S == 1:   # one segment: the plain formula on the rows (a vmap over an axis of 1 would leave
-        # XLA's CPU backend a reduction it runs several times slower)
-        dx, *grads = reference.norm_bwd(norm, dy.reshape(rows, C), x.reshape(rows, C), weight.reshape(C),
-                                        tuple(s.reshape(rows) for s in stats), offset)
+    if S == 1:   # one segment: the plain formula on x's own axes (a vmap over an axis of 1 would
+        # leave XLA's CPU backend a reduction it runs several times slower, and merging the row
+        # axes would merge their shardings, which an Explicit mesh then refuses to add to dresidual)
+        body = x.shape[seg_dims:]
+        dx, *grads = reference.norm_bwd(norm, dy.reshape(body), x.reshape(body), weight.reshape(C),
+                                        tuple(s.reshape(body[:-1]) for s in stats), offset)
     else:
         per_segment_weight = jnp.broadcast_to(weight.reshape(math.prod(weight.shape[:-1]), C), (S, C))
         dx, *grads = jax.vmap(lambda dy, x, w, *st: reference.norm_bwd(norm, dy, x, w, st, offset))(

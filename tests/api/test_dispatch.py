@@ -187,3 +187,32 @@ def test_explicit_kernel_runs_everywhere():
     grad = jax.jit(jax.grad(lambda x, w: jnp.sum(jax_lnbwd.rmsnorm(x, w, kernel=12) ** 2), argnums=(0, 1)))
     assert RMSNORM.bwd_target_v2 in _targets(grad.lower(x, w).as_text())
     assert dispatch.decisions()[-1].path == "ffi everywhere"
+
+
+@pytest.mark.parametrize("name", ["layernorm", "rmsnorm", "add_layernorm", "add_rmsnorm"])
+def test_default_grad_under_explicit_mesh_axes(name):
+    """The default path (jnp both ways on the CPU) under a jit whose rows are sharded over two
+    Explicit mesh axes (jax.make_mesh's default): the gradients are the reference's. The jnp
+    backward keeps x's own axes, so the residual gradient adds to dx with matching shardings."""
+    mesh = jax.make_mesh((4, 2), ("data", "seq"), axis_types=(jax.sharding.AxisType.Explicit,) * 2,
+                         devices=jax.devices("cpu")[:8])
+    x, r, w, b = make_inputs((8, 16, 64), "float32", seed=6)
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", "seq", None))
+    xs, rs = jax.device_put(x, rows), jax.device_put(r, rows)
+    ref = jax_lnbwd.reference
+    ours, theirs = {
+        "layernorm": (lambda x, r, w: jax_lnbwd.layernorm(x, w, b), lambda x, r, w: ref.layernorm(x, w, b)),
+        "rmsnorm": (lambda x, r, w: jax_lnbwd.rmsnorm(x, w), lambda x, r, w: ref.rmsnorm(x, w)),
+        "add_layernorm": (lambda x, r, w: sum(jax_lnbwd.add_layernorm(x, r, w, b, x_bias=b)),
+                          lambda x, r, w: ref.layernorm(x + b + r, w, b) + x + b + r),
+        "add_rmsnorm": (lambda x, r, w: sum(jax_lnbwd.add_rmsnorm(x, r, w, x_bias=b)),
+                        lambda x, r, w: ref.rmsnorm(x + b + r, w) + x + b + r),
+    }[name]
+
+    def grads(f, *args):
+        return jax.jit(jax.grad(lambda x, r, w: jnp.sum(f(x, r, w) ** 2), argnums=(0, 1, 2)))(*args)
+
+    got = grads(ours, xs, rs, w)
+    want = grads(theirs, x, r, w)
+    for g, e in zip(got, want):
+        assert jnp.allclose(g, e, rtol=1e-4, atol=1e-4), (name, float(jnp.max(jnp.abs(g - e))))
