@@ -1,17 +1,26 @@
-"""One process of test_multiprocess.py: JAX's distributed runtime on this machine, 4 CPU devices
-per process, gloo collectives. Every op's gradients with rows sharded over all 8 devices of the
-2 processes must equal this process's own single-device run. Prints 'ok <op>' per op."""
+"""One process of a 2-process run: JAX's distributed runtime on this machine. Every op's
+gradients with rows sharded over all devices of the 2 processes must equal this process's own
+single-device run. Prints 'ok <op>' per op.
+
+    multiprocess_worker.py PORT PROCESS_ID cpu   # 4 CPU devices per process, gloo collectives
+    multiprocess_worker.py PORT PROCESS_ID gpu   # 1 GPU per process (GPU PROCESS_ID), NCCL
+"""
 from __future__ import annotations
 
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+port, pid = sys.argv[1], int(sys.argv[2])
+platform = sys.argv[3] if len(sys.argv) > 3 else "cpu"
+if platform == "cpu":
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+else:   # this process's one GPU; XLA's GPU collectives are NCCL's
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(pid)
 import jax  # noqa: E402
 
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
+if platform == "cpu":
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.config.update("jax_enable_x64", True)
-port, pid = sys.argv[1], int(sys.argv[2])
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid)
 
 import jax.numpy as jnp  # noqa: E402
@@ -20,7 +29,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_lnbwd  # noqa: E402
 
-assert jax.device_count() == 8 and jax.local_device_count() == 4, jax.devices()
+per_process = 4 if platform == "cpu" else 1
+assert jax.device_count() == 2 * per_process and jax.local_device_count() == per_process, jax.devices()
+assert jax.devices()[0].platform == platform, jax.devices()
 rng = np.random.default_rng(0)   # the same inputs in both processes
 x = rng.standard_normal((16, 8, 96)).astype(np.float32)
 r = rng.standard_normal((16, 8, 96)).astype(np.float32)
@@ -33,7 +44,7 @@ OPS = {
     "layernorm": lambda x, r, w, b: jnp.sum(jax_lnbwd.layernorm(x, w, b) * r),
     "add_layernorm": lambda x, r, w, b: jnp.sum(jax_lnbwd.add_layernorm(x, r, w, b)[0] * r),
 }
-mesh = jax.make_mesh((8,), ("rows",))
+mesh = jax.make_mesh((jax.device_count(),), ("rows",))
 rows, rep = NamedSharding(mesh, P("rows")), NamedSharding(mesh, P())
 
 
