@@ -38,6 +38,8 @@ these primitives (autodiff.py). What each transformation then sees:
 rmsnorm (x̂ = x * rstd, y = x̂ * (offset + weight), norms.RMSNORM) is the same with no mean and
 no bias: dx̂ = rstd * (dx - x̂ * mean(x̂ * dx)), dy = (offset + weight) * dx̂ + x̂ * dweight, and
 its transpose is rmsnorm's backward, dx = rstd * (g - x̂ * mean(g * x̂)), g = (offset + weight) * dy.
+So the two are one formula (`tangent_reference`) keyed by the row's `centered`: a centered norm
+subtracts the means and adds dbias.
 
 Every primitive here is bound to (x, weight, *stats, *tangents) with static parameters
 seg_dims, kernel, block_size and bwd_mode (and rmsnorm's offset). stats are the norm's saved statistics
