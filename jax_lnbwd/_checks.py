@@ -15,6 +15,7 @@ import numpy as np
 from . import reference
 from . import kernels
 from .kernels import DEFAULT_KERNEL, KERNELS, v2_refusal
+from .norms import Norm
 
 SUPPORTED = ("float32", "bfloat16", "float16", "float64")
 SIXTEEN_BIT = ("bfloat16", "float16")
@@ -136,9 +137,9 @@ def backward_args(fn: str, dy, x_, weight, **saved) -> None:
     stats(fn, x_, **saved)
 
 
-def kernel(fn: str, kernel_, block_size, dtype: str, C: int, *, mixed: bool = False,
-           residual: bool = False, norm: str = "layernorm") -> tuple[int, int]:
-    """(kernel id, block size) for the backward, checked against x's dtype and C, and against
+def kernel(fn: str, kernel_, block_size, dtype: str, C: int, *, norm: Norm, mixed: bool = False,
+           residual: bool = False) -> tuple[int, int]:
+    """(kernel id, block size) for `norm`'s backward, checked against x's dtype and C, and against
     target v2's additions the call needs (mixed precision, a residual gradient)."""
     if kernel_ is None:
         kernel_ = DEFAULT_KERNEL
@@ -159,7 +160,7 @@ def kernel(fn: str, kernel_, block_size, dtype: str, C: int, *, mixed: bool = Fa
                          f"or None, got {block_size!r}")
     # A kernel that cannot run this norm at all says so before any limit of its own.
     why = v2_refusal(info.id, mixed=False, residual=False, norm=norm) or info.refuse(C, dtype, int(block_size)) \
-        or v2_refusal(info.id, mixed=mixed, residual=residual)
+        or v2_refusal(info.id, mixed=mixed, residual=residual, norm=norm)
     if why is not None:
         raise ValueError(f"{fn}: {why}")
     return info.id, int(block_size)

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _checks, dispatch, reference, tangent
-from .norms import LAYERNORM, Norm
+from .norms import Norm
 from .ops import ffi, forward as forward_op
 
 def _explicitly_sharded(*arrays) -> bool:
@@ -47,17 +47,17 @@ def _decide_forward(norm: Norm, x, *arrays, add: bool = False, differentiated: b
                            explicitly_sharded=_explicitly_sharded(x, *arrays), cuda_built=ffi.WITH_CUDA)
 
 
-def forward(x, weight, bias, eps: float, norm: Norm = LAYERNORM, offset: float = 0.0, differentiated: bool = False):
-    """(y, *stats) for checked inputs, by the fused FFI forward or jnp, as the dispatch rule says
+def forward(norm: Norm, x, weight, bias, eps: float, offset: float = 0.0, differentiated: bool = False):
+    """`norm`'s (y, *stats) for checked inputs, by the fused FFI forward or jnp, as the dispatch rule says
     (differentiated: the forward of a JVP rule, i.e. of a training step)."""
     decision = _decide_forward(norm, x, weight, bias, differentiated=differentiated)
     return dispatch.run(decision, lambda x, w, b: forward_op.norm_fwd_op(norm, x, w, b, eps, offset),
                         lambda x, w, b: reference.norm_fwd(norm, x, w, b, eps, offset), x, weight, bias)
 
 
-def add_forward(x, residual, weight, bias, eps: float, x_bias=None, norm: Norm = LAYERNORM, offset: float = 0.0,
+def add_forward(norm: Norm, x, residual, weight, bias, eps: float, x_bias=None, offset: float = 0.0,
                 differentiated: bool = False):
-    """(y, s, *stats) with s = x + residual in x's dtype (with x_bias: (x + x_bias) + residual,
+    """`norm`'s (y, s, *stats) with s = x + residual in x's dtype (with x_bias: (x + x_bias) + residual,
     reference.add_residual), for checked inputs. Where the rule runs our kernel, the
     residual-fused FFI forward computes them all in one kernel that reads x and residual once;
     elsewhere jnp's add followed by the jnp forward. Both normalize the rounded s."""
@@ -95,8 +95,8 @@ def settings(norm: Norm, eps: float, kernel, block_size, offset: float = 0.0, *,
     """A norm's checked custom_jvp settings: the backward kernel (_checks.kernel) and the
     backward's switch mode, captured now ("ffi" when a kernel or block size is given)."""
     given = kernel is not None or block_size is not None
-    kernel, block_size = _checks.kernel(fn, kernel, block_size, _checks.dtype_name(x), x.shape[-1], mixed=mixed,
-                                        residual=residual, norm=norm.name)
+    kernel, block_size = _checks.kernel(fn, kernel, block_size, _checks.dtype_name(x), x.shape[-1], norm=norm,
+                                        mixed=mixed, residual=residual)
     return Settings(norm, eps, kernel, block_size, offset, "ffi" if given else dispatch.mode(dispatch.BACKWARD))
 
 
@@ -145,7 +145,7 @@ class Settings:
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
 def norm(x, weight, bias, settings: Settings):
-    return forward(x, weight, bias, settings.eps, settings.norm, settings.offset)[0]
+    return forward(settings.norm, x, weight, bias, settings.eps, settings.offset)[0]
 
 
 @norm.defjvp
@@ -156,7 +156,7 @@ def _norm_jvp(settings, primals, tangents):
     both are constants here, not tangents, so reverse mode returns no gradient for them."""
     x, weight, bias = primals
     dx, dweight, dbias = tangents
-    y, *stats = forward(x, weight, bias, settings.eps, settings.norm, settings.offset, differentiated=True)
+    y, *stats = forward(settings.norm, x, weight, bias, settings.eps, settings.offset, differentiated=True)
     weight, *ptangents = fill_params(settings.norm, x, weight, bias, dweight, dbias)
     dy = tangent.tangent_map(settings.norm, x, weight, stats, ptangents, dx, **settings.backward())
     return y, dy
@@ -164,7 +164,7 @@ def _norm_jvp(settings, primals, tangents):
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(5,))
 def add_norm(x, residual, weight, bias, x_bias, settings: Settings):
-    y, s, *_ = add_forward(x, residual, weight, bias, settings.eps, x_bias, settings.norm, settings.offset)
+    y, s, *_ = add_forward(settings.norm, x, residual, weight, bias, settings.eps, x_bias, settings.offset)
     return y, s
 
 
@@ -177,7 +177,7 @@ def _add_norm_jvp(settings, primals, tangents):
     cotangent is the fp32 column sum of ds (JAX transposes the broadcast into that sum)."""
     x, residual, weight, bias, x_bias = primals
     dx, dresidual, dweight, dbias, dx_bias = tangents
-    y, s, *stats = add_forward(x, residual, weight, bias, settings.eps, x_bias, settings.norm, settings.offset,
+    y, s, *stats = add_forward(settings.norm, x, residual, weight, bias, settings.eps, x_bias, settings.offset,
                                differentiated=True)
     weight, *ptangents = fill_params(settings.norm, s, weight, bias, dweight, dbias)
     if x_bias is not None:

@@ -68,7 +68,7 @@ def layernorm_fwd(x, weight, bias, *, eps: float = 1e-5):
 
     weight and/or bias may be None (no scale, no shift)."""
     eps = _checks.forward_args("layernorm_fwd", x, {"weight": weight, "bias": bias}, eps)
-    return autodiff.forward(x, weight, bias, eps)
+    return autodiff.forward(LAYERNORM, x, weight, bias, eps)
 
 
 def layernorm_bwd(dy, x, weight, mean, rstd, *, kernel: int | None = None, block_size: int | None = None):
@@ -87,7 +87,7 @@ def layernorm_bwd(dy, x, weight, mean, rstd, *, kernel: int | None = None, block
     if config.xla_backward_enabled():
         return reference.layernorm_bwd(dy, x, weight, mean, rstd)
     return backward_op.dispatched(dy, x, weight, mean, rstd, seg_dims=0, kernel=s.kernel, block_size=s.block_size,
-                                  caller=fn, mode=s.bwd_mode)
+                                  caller=fn, norm=LAYERNORM, mode=s.bwd_mode)
 
 
 def add_layernorm(x, residual, weight, bias, *, x_bias=None, eps: float = 1e-5, kernel: int | None = None,

@@ -57,7 +57,7 @@ def rmsnorm_fwd(x, weight, *, eps: float = 1e-6, offset: float = 0.0):
     fn = "rmsnorm_fwd"
     eps = _checks.forward_args(fn, x, {"weight": weight}, eps)
     offset = _checks.offset(fn, offset, weight)
-    return autodiff.forward(x, weight, None, eps, RMSNORM, offset)
+    return autodiff.forward(RMSNORM, x, weight, None, eps, offset)
 
 
 def rmsnorm_bwd(dy, x, weight, rstd, *, offset: float = 0.0, kernel: int | None = None,

@@ -38,6 +38,8 @@ these primitives (autodiff.py). What each transformation then sees:
 rmsnorm (x̂ = x * rstd, y = x̂ * (offset + weight), norms.RMSNORM) is the same with no mean and
 no bias: dx̂ = rstd * (dx - x̂ * mean(x̂ * dx)), dy = (offset + weight) * dx̂ + x̂ * dweight, and
 its transpose is rmsnorm's backward, dx = rstd * (g - x̂ * mean(g * x̂)), g = (offset + weight) * dy.
+So the two are one formula (`tangent_reference`) keyed by the row's `centered`: a centered norm
+subtracts the means and adds dbias.
 
 Every primitive here is bound to (x, weight, *stats, *tangents) with static parameters
 seg_dims, kernel, block_size and bwd_mode (and rmsnorm's offset). stats are the norm's saved statistics
@@ -62,7 +64,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from . import reference
-from .norms import LAYERNORM, RMSNORM
+from .norms import NORMS, Norm
 from .ops import backward as backward_op, ffi
 
 WEIGHT = 1   # the weight's operand index
@@ -170,8 +172,8 @@ def _transpose(fn: str, tangent_names, linear_transpose, nonlinear_names, cts, *
     return (None,) * n + tuple(cotangents)
 
 
-def define(name: str, formula, linear_transpose, *, fn: str, tangent_names: tuple[str, ...], n_out: int = 1,
-           norm=LAYERNORM) -> Primitive:
+def define(name: str, formula, linear_transpose, *, norm: Norm, fn: str, tangent_names: tuple[str, ...],
+           n_out: int = 1) -> Primitive:
     """The primitive `name`, a tangent map of `fn` (a function of `norm`) with the rules above.
 
     formula(x, weight, *stats, *tangents, **static) -> its n_out results in jnp.
@@ -199,35 +201,31 @@ def define(name: str, formula, linear_transpose, *, fn: str, tangent_names: tupl
     return p
 
 
-# --- each norm's formula ------------------------------------------------------------------------
+# --- the norms' formula, one for both: `centered` adds the means and the bias ---------------------
 
 def _per_column(p, rows: int, acc):
     """(*segments', C) -> (*segments', 1 per row axis, C) in `acc`: broadcasts against x."""
     return p.astype(acc).reshape(p.shape[:-1] + (1,) * rows + p.shape[-1:])
 
 
-def tangent_reference(x, weight, mean, rstd, dx, dweight, dbias, *, seg_dims: int, **_):
-    """dy, layernorm's formula above in jnp, accumulated in float32 (float64 for float64)."""
+def tangent_reference(norm, x, weight, *rest, seg_dims: int, offset: float = 0.0, **_):
+    """dy, `norm`'s formula above in jnp, accumulated in float32 (float64 for float64).
+    rest = (*stats, dx, *parameter tangents); a centered norm subtracts the means (of x: its
+    saved mean; of dx: mean(dx)) and adds dbias, the rest is one formula. The scale is
+    offset + weight (reference.scale: the weight itself for a norm without an offset)."""
+    n = len(norm.stats)
+    stats, dx, (dweight, *dbias) = dict(zip(norm.stats, rest[:n])), rest[n], rest[n + 1:]
     acc = reference.acc_dtype(x.dtype)
     rows = x.ndim - 1 - seg_dims
-    r = rstd.astype(acc)[..., None]
-    xhat = (x.astype(acc) - mean.astype(acc)[..., None]) * r
+    r = stats["rstd"].astype(acc)[..., None]
+    xc = x.astype(acc) - stats["mean"].astype(acc)[..., None] if norm.centered else x.astype(acc)
+    xhat = xc * r
     d = dx.astype(acc)
-    dxhat = (d - jnp.mean(d, axis=-1, keepdims=True) - xhat * jnp.mean(xhat * d, axis=-1, keepdims=True)) * r
-    dy = dxhat * _per_column(weight, rows, acc) + xhat * _per_column(dweight, rows, acc) \
-        + _per_column(dbias, rows, acc)
-    return dy.astype(x.dtype)
-
-
-def rms_tangent_reference(x, weight, rstd, dx, dweight, *, seg_dims: int, offset: float, **_):
-    """dy, rmsnorm's formula above in jnp, accumulated in float32 (float64 for float64)."""
-    acc = reference.acc_dtype(x.dtype)
-    rows = x.ndim - 1 - seg_dims
-    r = rstd.astype(acc)[..., None]
-    xhat = x.astype(acc) * r
-    d = dx.astype(acc)
-    dxhat = (d - xhat * jnp.mean(xhat * d, axis=-1, keepdims=True)) * r
+    dc = d - jnp.mean(d, axis=-1, keepdims=True) if norm.centered else d
+    dxhat = (dc - xhat * jnp.mean(xhat * d, axis=-1, keepdims=True)) * r
     dy = dxhat * _per_column(reference.scale(weight, offset, acc), rows, acc) + xhat * _per_column(dweight, rows, acc)
+    if norm.centered:
+        dy = dy + _per_column(dbias[0], rows, acc)
     return dy.astype(x.dtype)
 
 
@@ -235,13 +233,15 @@ def rms_tangent_reference(x, weight, rstd, dx, dweight, *, seg_dims: int, offset
 # Operands: (x, weight, *stats, dx, *ptangents) and (s, weight, *stats, dx, dresidual, *ptangents),
 # ptangents the parameters' tangents (dweight[, dbias]).
 
-def _add_formula(formula, n_stats: int):
+def _add_formula(norm):
     """add_*'s (dy, ds) in jnp: ds = dx + dresidual in s's dtype (as jnp's x + residual), dy the
     norm's map applied to ds."""
+    n = len(norm.stats)
+
     def add_formula(s, weight, *rest, **params):
-        stats, (dx, dresidual), ptangents = rest[:n_stats], rest[n_stats:n_stats + 2], rest[n_stats + 2:]
+        stats, (dx, dresidual), ptangents = rest[:n], rest[n:n + 2], rest[n + 2:]
         ds = dx + dresidual
-        return formula(s, weight, *stats, ds, *ptangents, **params), ds
+        return tangent_reference(norm, s, weight, *stats, ds, *ptangents, **params), ds
     return add_formula
 
 
@@ -276,19 +276,18 @@ def _add_norm_transpose(norm):
     return transpose
 
 
-def _primitives(norm, formula):
+def _primitives(norm):
     """(the norm's tangent-map primitive, add_*'s), e.g. jax_lnbwd_layernorm_tangent and
     jax_lnbwd_add_layernorm_tangent."""
     ptangents = tuple("d" + p for p in norm.params)
-    plain = define(f"jax_lnbwd_{norm.name}_tangent", formula, _norm_transpose(norm), fn=norm.name,
-                   tangent_names=("dx", *ptangents), norm=norm)
-    add = define(f"jax_lnbwd_add_{norm.name}_tangent", _add_formula(formula, len(norm.stats)),
-                 _add_norm_transpose(norm), fn=f"add_{norm.name}", tangent_names=("dx", "dresidual", *ptangents),
-                 n_out=2, norm=norm)
+    plain = define(f"jax_lnbwd_{norm.name}_tangent", functools.partial(tangent_reference, norm),
+                   _norm_transpose(norm), norm=norm, fn=norm.name, tangent_names=("dx", *ptangents))
+    add = define(f"jax_lnbwd_add_{norm.name}_tangent", _add_formula(norm), _add_norm_transpose(norm), norm=norm,
+                 fn=f"add_{norm.name}", tangent_names=("dx", "dresidual", *ptangents), n_out=2)
     return plain, add
 
 
-_PRIMITIVES = {LAYERNORM: _primitives(LAYERNORM, tangent_reference), RMSNORM: _primitives(RMSNORM, rms_tangent_reference)}
+_PRIMITIVES = {norm: _primitives(norm) for norm in NORMS}
 
 
 # --- bound by the norms' custom_jvps (autodiff.py) ---------------------------------------------

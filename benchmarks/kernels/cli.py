@@ -10,6 +10,7 @@ import jax
 
 from jax_lnbwd import DEFAULT_KERNEL, KERNELS
 from jax_lnbwd.kernels import v2_refusal
+from jax_lnbwd.norms import Norm
 
 from .. import _term
 from .._term import Progress, paint
@@ -28,7 +29,7 @@ L2_MB = 60  # the H200's L2
 DRAM_GBPS = 4800  # the H200's HBM3e peak: a copy faster than this found its data in the L2
 
 
-def plan_ours(kernels, block_sizes: str, dtype: str, C: int, norm: str = "layernorm"):
+def plan_ours(kernels, block_sizes: str, dtype: str, C: int, norm: Norm):
     """([(kernel, block_size)], [refusal reasons]) for one (dtype, C) of norm's backward."""
     combos, refused = [], []
     for kid in kernels:

@@ -31,6 +31,7 @@ import numpy as np
 from jax_lnbwd import KERNELS, RMSNORM, LAYERNORM, autodiff, layernorm_bwd, layernorm_fwd, reference, rmsnorm_bwd
 from jax_lnbwd import rmsnorm_fwd as rmsnorm_fwd_public
 
+from jax_lnbwd.norms import Norm
 from jax_lnbwd.ops.forward import add_layernorm_fwd_op, add_rmsnorm_fwd_op, layernorm_fwd_op, rmsnorm_fwd_op
 
 from . import pallas
@@ -75,8 +76,8 @@ class Op:
     peers: tuple[str, ...]   # the --peers that apply, besides copy
     prepare: Callable        # (rows, C, dtype, params, key) -> Case
     impls: Callable          # (case, args, combos) -> [Impl], ours and the jnp peers
+    norm: Norm               # the op's norm (norms.py): what the backward kernels must run (their refusals)
     kernels: bool = False    # takes --kernels / --block-sizes
-    norm: str = "layernorm"  # which norm the backward kernels must run (their refusals)
     carry: int = 1           # outputs chained into the next step (timing.time_jax): add ops 2
 
 
@@ -243,7 +244,7 @@ def add_forward_xla(x, r, w, b):
 
 
 def add_forward_default(x, r, w, b):
-    return autodiff.add_forward(x, r, w, b, EPS, None, LAYERNORM)
+    return autodiff.add_forward(LAYERNORM, x, r, w, b, EPS, None)
 
 
 def _add_forward_impls_of(ours, unfused, xla, default):
@@ -374,7 +375,7 @@ def add_rms_forward_xla(x, r, w):
 
 
 def add_rms_forward_default(x, r, w):
-    return autodiff.add_forward(x, r, w, None, EPS, None, RMSNORM)
+    return autodiff.add_forward(RMSNORM, x, r, w, None, EPS, None)
 
 
 _add_rms_forward_impls = _add_forward_impls_of(add_rms_forward_ours, add_rms_forward_unfused, add_rms_forward_xla,
@@ -384,18 +385,22 @@ _add_rms_forward_impls = _add_forward_impls_of(add_rms_forward_ours, add_rms_for
 OPS = {op.name: op for op in (
     Op("layernorm_bwd", "backward", "layernorm backward", ("dx", "dweight", "dbias"),
        BACKWARD_GPU_SHAPES, ("default", "xla", "autodiff", "torch", "liger", "pallas"), _prepare_backward,
-       _backward_impls, kernels=True),
+       _backward_impls, norm=LAYERNORM, kernels=True),
     Op("layernorm_fwd", "forward", "layernorm forward", ("y", "mean", "rstd"),
-       FORWARD_GPU_SHAPES, ("default", "xla", "torch", "liger", "pallas"), _prepare_forward, _forward_impls),
+       FORWARD_GPU_SHAPES, ("default", "xla", "torch", "liger", "pallas"), _prepare_forward, _forward_impls,
+       norm=LAYERNORM),
     Op("add_layernorm_fwd", "add_forward", "add + layernorm forward", ("y", "s", "mean", "rstd"),
-       FORWARD_GPU_SHAPES, ("default", "xla", "ours-unfus"), _prepare_add_forward, _add_forward_impls, carry=2),
+       FORWARD_GPU_SHAPES, ("default", "xla", "ours-unfus"), _prepare_add_forward, _add_forward_impls,
+       norm=LAYERNORM, carry=2),
     Op("rmsnorm_bwd", "rms_backward", "rmsnorm backward", ("dx", "dweight"), RMS_GPU_SHAPES,
        ("default", "xla", "autodiff", "torch", "liger", "pallas"), _prepare_rms_backward, _rms_backward_impls,
-       kernels=True, norm="rmsnorm"),
+       norm=RMSNORM, kernels=True),
     Op("rmsnorm_fwd", "rms_forward", "rmsnorm forward", ("y", "rstd"), RMS_GPU_SHAPES,
-       ("default", "xla", "torch", "liger", "pallas"), _prepare_rms_forward, _rms_forward_impls),
+       ("default", "xla", "torch", "liger", "pallas"), _prepare_rms_forward, _rms_forward_impls,
+       norm=RMSNORM),
     Op("add_rmsnorm_fwd", "add_rms_forward", "add + rmsnorm forward", ("y", "s", "rstd"),
-       RMS_GPU_SHAPES, ("default", "xla", "ours-unfus"), _prepare_add_rms_forward, _add_rms_forward_impls, carry=2),
+       RMS_GPU_SHAPES, ("default", "xla", "ours-unfus"), _prepare_add_rms_forward, _add_rms_forward_impls,
+       norm=RMSNORM, carry=2),
 )}
 ALIASES = {op.alias: name for name, op in OPS.items()}
 

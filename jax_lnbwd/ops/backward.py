@@ -35,7 +35,7 @@ import numpy as np
 
 from .. import _checks, dispatch, reference
 from ..kernels import KERNELS, workspace_bytes
-from ..norms import LAYERNORM, Norm
+from ..norms import Norm
 from . import ffi, partition
 
 # Kernels that can split the rows into segments with their own dweight/dbias sums: the ones
@@ -45,8 +45,8 @@ SEGMENT_KERNELS = frozenset(k for k, info in KERNELS.items() if info.segments)
 
 
 def ffi_call(dy, x, weight, *stats, segments: int, kernel: int, block_size: int, workspace_bytes: int,
-             v2: bool, dresidual=None, alias_residual: bool = False, norm: Norm = LAYERNORM, offset: float = 0.0):
-    """The FFI target on (rows, C) arrays: (dx, *grads) (layernorm: dx, dweight, dbias; rmsnorm:
+             v2: bool, norm: Norm, dresidual=None, alias_residual: bool = False, offset: float = 0.0):
+    """`norm`'s FFI target on (rows, C) arrays: (dx, *grads) (layernorm: dx, dweight, dbias; rmsnorm:
     dx, dweight). stats are the norm's saved statistics, (rows,) each. weight is (1, C) shared by
     all rows, or (segments, C); the rows form `segments` equal contiguous segments and the
     parameter gradients have shape (segments, C): the sums over each segment's rows.
@@ -109,7 +109,7 @@ def _local(norm: Norm, v2: bool, offset: float, dy, x, weight, *rest):
             *(s.reshape(rows) for s in stats))
     res = dresidual[0].reshape(rows, C) if dresidual else None
     dx, *grads = ffi_call(*args, segments=segments, kernel=kernel, block_size=block_size,
-                          workspace_bytes=ws, v2=v2, dresidual=res, norm=norm, offset=offset)
+                          workspace_bytes=ws, v2=v2, norm=norm, dresidual=res, offset=offset)
     return (dx.reshape(x.shape), *(g.reshape(*segs, C) for g in grads))
 
 
@@ -120,13 +120,12 @@ def _partitioned(norm: Norm, v2: bool, residual: bool, offset: float):
     def local(*args):
         return _local(norm, v2, offset, *args)
 
-    return partition.backward_partitioned(local, 3 + len(norm.stats) + residual, n_stats=len(norm.stats),
-                                          n_grads=len(norm.params), op=f"the {norm.name} backward")
+    return partition.backward_partitioned(local, 3 + len(norm.stats) + residual, norm)
 
 
 def partitioned_call(dy, x, weight, *arrays, seg_dims: int, kernel: int, block_size: int, v2: bool,
-                     norm: Norm = LAYERNORM, offset: float = 0.0):
-    """The op on (dy, x, weight, *stats, [dresidual]), partitioned wherever XLA partitions it. A
+                     norm: Norm, offset: float = 0.0):
+    """`norm`'s op on (dy, x, weight, *stats, [dresidual]), partitioned wherever XLA partitions it. A
     shard_map over some mesh axes with the others automatic is left to XLA: the plain FFI call
     runs and XLA gathers its inputs along the automatic axes (partition.partly_manual warns)."""
     args = (dy, x, weight, *arrays, seg_dims, kernel, block_size)
@@ -158,7 +157,7 @@ def reference_segments(norm: Norm, offset: float, dy, x, weight, *arrays, seg_di
     return (dx, *(g.reshape(*segs, C) for g in grads))
 
 
-def _vmap_rule(seg_dims, kernel, block_size, caller, norm, offset, axis_size, in_batched, dy, x, weight, *arrays):
+def _vmap_rule(norm, offset, seg_dims, kernel, block_size, caller, axis_size, in_batched, dy, x, weight, *arrays):
     """custom_vmap rule: a batch of B problems is one problem with one more segment axis.
 
     custom_vmap has moved every batched argument's batch axis to the front, which is exactly
@@ -187,15 +186,15 @@ def _vmap_rule(seg_dims, kernel, block_size, caller, norm, offset, axis_size, in
     else:  # one weight shared by all segments, old and new
         weight = weight.reshape((1,) * (seg_dims + 1) + (C,))
     residual = len(arrays) > len(norm.stats)
-    out = segmented_op(seg_dims + 1, kernel, block_size, caller, residual, norm, offset)(
+    out = segmented_op(norm, offset, seg_dims + 1, kernel, block_size, caller, residual)(
         batch(dy, dy_b), batch(x, x_b), weight, *(batch(a, b) for a, b in zip(arrays, arrays_b)))
     return out, (True,) * n_out
 
 
 @functools.cache
-def segmented_op(seg_dims: int, kernel: int, block_size: int, caller: str, residual: bool = False,
-                 norm: Norm = LAYERNORM, offset: float = 0.0):
-    """The FFI op for these static settings: op(dy, x, weight, *stats) -> (dx, *grads), or with
+def segmented_op(norm: Norm, offset: float, seg_dims: int, kernel: int, block_size: int, caller: str,
+                 residual: bool):
+    """`norm`'s FFI op for these static settings: op(dy, x, weight, *stats) -> (dx, *grads), or with
     `residual` op(dy, x, weight, *stats, dresidual), whose dx is the norm's dx + dresidual
     (add_*'s backward).
 
@@ -228,7 +227,7 @@ def segmented_op(seg_dims: int, kernel: int, block_size: int, caller: str, resid
         return partitioned_call(dy, x, weight, *arrays, seg_dims=seg_dims, kernel=kernel, block_size=block_size,
                                 v2=v2, norm=norm, offset=offset)
 
-    run.def_vmap(functools.partial(_vmap_rule, seg_dims, kernel, block_size, caller, norm, offset))
+    run.def_vmap(functools.partial(_vmap_rule, norm, offset, seg_dims, kernel, block_size, caller))
     op = jax.custom_jvp(run)
 
     @op.defjvp
@@ -241,8 +240,8 @@ def segmented_op(seg_dims: int, kernel: int, block_size: int, caller: str, resid
 
 
 def backward(dy, x, weight, *stats, seg_dims: int, kernel: int, block_size: int, caller: str,
-             dresidual=None, norm: Norm = LAYERNORM, offset: float = 0.0):
-    """(dx, *grads) by the op, for the layout above with possibly NO row axis.
+             norm: Norm, dresidual=None, offset: float = 0.0):
+    """(dx, *grads) by `norm`'s op, for the layout above with possibly NO row axis.
 
     (x of shape (*segments, C): one row per segment; the op needs a row axis, so one is added.)
     dresidual (x's shape and dtype), if given, is added to dx in the kernel (target v2).
@@ -251,15 +250,15 @@ def backward(dy, x, weight, *stats, seg_dims: int, kernel: int, block_size: int,
         expand = lambda a: None if a is None else jnp.expand_dims(a, seg_dims)  # noqa: E731
         dx, *grads = backward(
             expand(dy), expand(x), weight, *map(expand, stats), seg_dims=seg_dims, kernel=kernel,
-            block_size=block_size, caller=caller, dresidual=expand(dresidual), norm=norm, offset=offset)
+            block_size=block_size, caller=caller, norm=norm, dresidual=expand(dresidual), offset=offset)
         return (jnp.squeeze(dx, seg_dims), *grads)
     residual = () if dresidual is None else (dresidual,)
-    op = segmented_op(seg_dims, kernel, block_size, caller, bool(residual), norm, offset)
+    op = segmented_op(norm, offset, seg_dims, kernel, block_size, caller, bool(residual))
     return op(dy, x, weight, *stats, *residual)
 
 
 def dispatched(dy, x, weight, *stats, seg_dims: int, kernel: int, block_size: int, caller: str,
-               dresidual=None, norm: Norm = LAYERNORM, offset: float = 0.0, mode: str = "auto"):
+               norm: Norm, dresidual=None, offset: float = 0.0, mode: str = "auto"):
     """`backward`, or the same sums in jnp (reference_segments), as the dispatch rule decides
     (dispatch.py) under the switches' `mode` that the call captured when it was traced ("ffi"
     when a kernel or block size was given: the FFI op everywhere)."""
@@ -273,7 +272,7 @@ def dispatched(dy, x, weight, *stats, seg_dims: int, kernel: int, block_size: in
     def ours(dy, x, weight, *arrays):
         st, res = arrays[:n_stats], arrays[n_stats:]
         return tuple(backward(dy, x, weight, *st, seg_dims=seg_dims, kernel=kernel, block_size=block_size,
-                              caller=caller, dresidual=res[0] if res else None, norm=norm, offset=offset))
+                              caller=caller, norm=norm, dresidual=res[0] if res else None, offset=offset))
 
     def jnp_path(dy, x, weight, *arrays):
         if x.ndim == seg_dims + 1:   # no row axis: one row per segment

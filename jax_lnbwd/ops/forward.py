@@ -52,8 +52,8 @@ from . import ffi, partition
 __all__ = ["layernorm_fwd_op", "add_layernorm_fwd_op", "rmsnorm_fwd_op", "add_rmsnorm_fwd_op"]
 
 
-def ffi_call(x, weight, bias, eps: float, residual=None, x_bias=None, norm: Norm = LAYERNORM, offset: float = 0.0):
-    """The FFI target on (rows, C) x and (W, C) parameters: (y, *stats); with a (rows, C)
+def ffi_call(norm: Norm, x, weight, bias, eps: float, residual=None, x_bias=None, offset: float = 0.0):
+    """`norm`'s FFI target on (rows, C) x and (W, C) parameters: (y, *stats); with a (rows, C)
     residual of x's dtype, the residual variant: (y, s, *stats), s = x + residual rounded to x's
     dtype and y, stats those of s; with a (W, C) x_bias (W >= 1) too, s = (x + x_bias) + residual.
 
@@ -105,23 +105,22 @@ def _local(norm: Norm, offset: float, has_xb: bool, x, *rest):
     w = flat(has_w)
     b = flat(has_b) if norm.centered else None
     res = None if residual is None else residual.reshape(rows, C)
-    out = ffi_call(x.reshape(rows, C), w, b, eps, res, xb, norm, offset)
+    out = ffi_call(norm, x.reshape(rows, C), w, b, eps, res, xb, offset)
     n_rows = 2 if has_res else 1
     return (*(a.reshape(x.shape) for a in out[:n_rows]), *(st.reshape(x.shape[:-1]) for st in out[n_rows:]))
 
 
 @functools.cache
-def _partitioned(n_params: int, has_res: bool, has_xb: bool = False, norm: Norm = LAYERNORM, offset: float = 0.0):
+def _partitioned(norm: Norm, offset: float, n_params: int, has_res: bool, has_xb: bool):
     """The partitioned op for n_params present parameters (x_bias first with has_xb)."""
     def local(x, *rest):
         return _local(norm, offset, has_xb, x, *rest)
 
-    return partition.forward_partitioned(local, 1 + has_res + n_params, n_stats=len(norm.stats),
-                                         op=f"the {norm.name} forward")
+    return partition.forward_partitioned(local, 1 + has_res + n_params, norm)
 
 
-def partitioned_call(x, params, seg_dims: int, has_w: bool, has_b: bool, eps: float, residual=None,
-                     has_xb: bool = False, norm: Norm = LAYERNORM, offset: float = 0.0):
+def partitioned_call(norm: Norm, offset: float, x, params, seg_dims: int, has_w: bool, has_b: bool, eps: float,
+                     residual, has_xb: bool):
     """The op, partitioned wherever XLA partitions it. A shard_map over only some mesh axes is
     left to XLA (partition.partly_manual): the plain FFI call runs there and XLA gathers x along
     the automatic axes."""
@@ -130,11 +129,11 @@ def partitioned_call(x, params, seg_dims: int, has_w: bool, has_b: bool, eps: fl
     statics = (seg_dims, has_w, has_b, eps, has_res)
     if partition.partly_manual(f"the {norm.name} forward", "x"):
         return _local(norm, offset, has_xb, *arrays, *statics)
-    return _partitioned(len(params), has_res, has_xb, norm, offset)(*arrays, *statics)
+    return _partitioned(norm, offset, len(params), has_res, has_xb)(*arrays, *statics)
 
 
-def _reference(seg_dims: int, has_w: bool, has_b: bool, eps: float, has_res: bool, has_xb: bool, norm: Norm,
-               offset: float, x, *operands):
+def _reference(norm: Norm, offset: float, seg_dims: int, has_w: bool, has_b: bool, eps: float, has_res: bool,
+               has_xb: bool, x, *operands):
     """What the op computes, in jnp: the norm's reference forward with each parameter broadcast
     over its segment's rows (of s = reference.add_residual(x, residual[, x_bias]) for has_res)."""
     residual, params = (operands[0], operands[1:]) if has_res else (None, operands)
@@ -154,7 +153,7 @@ def _reference(seg_dims: int, has_w: bool, has_b: bool, eps: float, has_res: boo
     return (y, s, *stats) if has_res else (y, *stats)
 
 
-def _vmap_rule(seg_dims, has_w, has_b, eps, has_res, has_xb, norm, offset, axis_size, in_batched, x, *operands):
+def _vmap_rule(norm, offset, seg_dims, has_w, has_b, eps, has_res, has_xb, axis_size, in_batched, x, *operands):
     """custom_vmap rule: B problems are one problem whose rows are the examples' rows.
 
     custom_vmap has moved every batched argument's batch axis to the front. x becomes
@@ -183,27 +182,26 @@ def _vmap_rule(seg_dims, has_w, has_b, eps, has_res, has_xb, norm, offset, axis_
         return p.reshape((1,) * (seg_dims + 1) + (C,))
 
     params = tuple(batch(p, b) for p, b in zip(params, p_b))
-    out = _op(seg_dims + 1, has_w, has_b, eps, has_res, has_xb, norm, offset)(*rows_in, *params)
+    out = _op(norm, offset, seg_dims + 1, has_w, has_b, eps, has_res, has_xb)(*rows_in, *params)
     return out, (True,) * n_out
 
 
 @functools.cache
-def _op(seg_dims: int, has_w: bool, has_b: bool, eps: float, has_res: bool = False, has_xb: bool = False,
-        norm: Norm = LAYERNORM, offset: float = 0.0):
-    """op(x, *params) -> (y, *stats), or with has_res op(x, residual, *params) -> (y, s, *stats)
+def _op(norm: Norm, offset: float, seg_dims: int, has_w: bool, has_b: bool, eps: float, has_res: bool, has_xb: bool):
+    """`norm`'s op(x, *params) -> (y, *stats), or with has_res op(x, residual, *params) -> (y, s, *stats)
     (params = (x_bias, weight, bias)'s present ones with has_xb), for these static settings
     (cached: equal settings give the same function, so jit caches hit)."""
     @jax.custom_batching.custom_vmap
     def run(x, *operands):
         residual, params = (operands[0], operands[1:]) if has_res else (None, operands)
-        return partitioned_call(x, params, seg_dims, has_w, has_b, eps, residual, has_xb, norm, offset)
+        return partitioned_call(norm, offset, x, params, seg_dims, has_w, has_b, eps, residual, has_xb)
 
-    run.def_vmap(functools.partial(_vmap_rule, seg_dims, has_w, has_b, eps, has_res, has_xb, norm, offset))
+    run.def_vmap(functools.partial(_vmap_rule, norm, offset, seg_dims, has_w, has_b, eps, has_res, has_xb))
     op = jax.custom_jvp(run)
 
     @op.defjvp
     def op_jvp(primals, tangents):
-        ref = functools.partial(_reference, seg_dims, has_w, has_b, eps, has_res, has_xb, norm, offset)
+        ref = functools.partial(_reference, norm, offset, seg_dims, has_w, has_b, eps, has_res, has_xb)
         _, tangents_out = jax.jvp(ref, primals, tangents)
         return op(*primals), tangents_out
 
@@ -216,7 +214,7 @@ def norm_fwd_op(norm: Norm, x, weight, bias, eps: float, offset: float = 0.0):
     two dtypes reach the kernel in one (_checks.one_param_dtype)."""
     weight, bias = _checks.one_param_dtype(weight, bias)
     params = tuple(p for p in (weight, bias) if p is not None)
-    op = _op(0, weight is not None, bias is not None, eps, False, False, norm, offset)
+    op = _op(norm, offset, 0, weight is not None, bias is not None, eps, False, False)
     if x.ndim == 1:  # one row: the op needs a row axis
         return tuple(o[0] for o in op(x[None], *params))
     return op(x, *params)
@@ -227,7 +225,7 @@ def add_norm_fwd_op(norm: Norm, x, residual, weight, bias, eps: float, x_bias=No
     residual), and `norm`'s (y, *stats) of s, by the residual-fused FFI forward."""
     weight, bias, x_bias = _checks.one_param_dtype(weight, bias, x_bias)
     params = tuple(p for p in (x_bias, weight, bias) if p is not None)
-    op = _op(0, weight is not None, bias is not None, eps, True, x_bias is not None, norm, offset)
+    op = _op(norm, offset, 0, weight is not None, bias is not None, eps, True, x_bias is not None)
     if x.ndim == 1:  # one row: the op needs a row axis
         return tuple(o[0] for o in op(x[None], residual[None], *params))
     return op(x, residual, *params)

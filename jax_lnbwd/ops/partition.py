@@ -48,6 +48,7 @@ from jax.extend.mlir import ir
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .. import reference
+from ..norms import Norm
 
 
 class ShardingFallbackWarning(UserWarning):
@@ -182,10 +183,10 @@ def _bwd_rule(n_stats, n_grads, seg_dims, kernel, block_size, mesh, value_types,
     return f"{lead} c, {lead} c, {weight} c{stats}{residual} -> {lead} c" + f", {sums}" * n_grads
 
 
-def backward_partitioned(local, n_arrays: int, *, n_stats: int = 2, n_grads: int = 2,
-                         op: str = "the layernorm backward"):
-    """local(*arrays, seg_dims, kernel, block_size) -> (dx, *grads), partitioned by the rule
-    above; arrays = (dy, x, weight, *stats, [dresidual]). The three settings are static."""
+def backward_partitioned(local, n_arrays: int, norm: Norm):
+    """local(*arrays, seg_dims, kernel, block_size) -> (dx, *grads), `norm`'s backward partitioned
+    by the rule above; arrays = (dy, x, weight, *stats, [dresidual]). The three settings are static."""
+    n_stats, n_grads, op = len(norm.stats), len(norm.params), f"the {norm.name} backward"
     cp = custom_partitioning(local, static_argnums=(n_arrays, n_arrays + 1, n_arrays + 2))
     cp.def_partition(partition=functools.partial(_bwd_partition, local, n_stats, n_grads, op),
                      infer_sharding_from_operands=functools.partial(_bwd_infer, n_stats, n_grads, op),
@@ -239,10 +240,11 @@ def _fwd_rule(n_stats, seg_dims, has_w, has_b, eps, has_res, mesh, value_types, 
     return ", ".join([*rows, *params]) + " -> " + ", ".join([*rows] + [lead] * n_stats)
 
 
-def forward_partitioned(local, n_arrays: int, *, n_stats: int = 2, op: str = "the layernorm forward"):
-    """local(*arrays, seg_dims, has_w, has_b, eps, has_res) -> (y, [s], *stats), partitioned by
-    the rule above; n_arrays = x, [residual] and the present parameters. The five settings are
-    static."""
+def forward_partitioned(local, n_arrays: int, norm: Norm):
+    """local(*arrays, seg_dims, has_w, has_b, eps, has_res) -> (y, [s], *stats), `norm`'s forward
+    partitioned by the rule above; n_arrays = x, [residual] and the present parameters. The five
+    settings are static."""
+    n_stats, op = len(norm.stats), f"the {norm.name} forward"
     cp = custom_partitioning(local, static_argnums=tuple(range(n_arrays, n_arrays + 5)))
     cp.def_partition(partition=functools.partial(_fwd_partition, local, n_stats, op),
                      infer_sharding_from_operands=functools.partial(_fwd_infer, n_stats, op),

@@ -18,7 +18,7 @@ import pytest
 
 import jax_lnbwd
 from conftest import PLATFORMS, assert_close, f64, np_dtype, put, reference_bwd, reference_stats
-from jax_lnbwd import TARGET, TARGET_V2
+from jax_lnbwd import LAYERNORM, TARGET, TARGET_V2
 from jax_lnbwd.ops import backward as backward_op
 
 # (x dtype, weight dtype): the four same-dtype calls and the two mixed ones.
@@ -54,7 +54,7 @@ def v2_call(platform, dy, x, w, mean, rstd, dres=None, *, segments=1, kernel=12,
     ws = 256 + max(rows, segments, 1) * 2 * C * (8 if x.dtype == np.float64 else 4)
     if alias:
         def f(dy, x, w, mean, rstd, *r):
-            return backward_op.ffi_call(dy, x, w, mean, rstd, v2=True, segments=segments, kernel=kernel,
+            return backward_op.ffi_call(dy, x, w, mean, rstd, v2=True, norm=LAYERNORM, segments=segments, kernel=kernel,
                                                   block_size=0, workspace_bytes=ws,
                                                   dresidual=r[0] if r else None, alias_residual=True)
     else:
@@ -166,7 +166,7 @@ def test_residual_is_donated_in_place(platform):
     ws = 256 + 16 * 2 * 128 * 4
 
     def f(res, dy, x, w, mean, rstd):
-        return backward_op.ffi_call(dy, x, w, mean, rstd, v2=True, segments=1, kernel=12, block_size=0,
+        return backward_op.ffi_call(dy, x, w, mean, rstd, v2=True, norm=LAYERNORM, segments=1, kernel=12, block_size=0,
                                               workspace_bytes=ws, dresidual=res, alias_residual=True)
     args = put(platform, res, dy, x, w, mean, rstd)
     donated = jax.jit(f, donate_argnums=0)
@@ -188,7 +188,7 @@ def test_v2_plain_equals_v1(platform, dtype, wdtype):
     v2 = v2_call(platform, dy, x, w, mean, rstd)
     if dtype == wdtype:
         ws = 256 + 37 * 2 * 520 * 4
-        f = jax.jit(lambda *a: backward_op.ffi_call(*a, v2=False, segments=1, kernel=12, block_size=0,
+        f = jax.jit(lambda *a: backward_op.ffi_call(*a, v2=False, norm=LAYERNORM, segments=1, kernel=12, block_size=0,
                                                            workspace_bytes=ws))
         v1 = tuple(np.asarray(o) for o in f(*put(platform, dy, x, w, mean, rstd)))
         for a, b in zip(v2, v1):
@@ -268,9 +268,9 @@ def test_python_wrapper_checks_at_trace_time():
     dy, x, w, mean, rstd, res = make(4, 8, "float32", "float32", seed=10)
     kw = dict(segments=1, kernel=12, block_size=0, workspace_bytes=1024)
     with pytest.raises(TypeError, match="'weight' has dtype bfloat16 but expected float32 for x"):
-        backward_op.ffi_call(dy, x, w.astype(np_dtype("bfloat16")), mean, rstd, v2=True, **kw)
+        backward_op.ffi_call(dy, x, w.astype(np_dtype("bfloat16")), mean, rstd, v2=True, norm=LAYERNORM, **kw)
     with pytest.raises(ValueError, match=r"'dresidual' has shape \(4, 7\) but x has shape \(4, 8\)"):
-        backward_op.ffi_call(dy, x, w, mean, rstd, v2=True, dresidual=res[:, :7], **kw)
+        backward_op.ffi_call(dy, x, w, mean, rstd, v2=True, norm=LAYERNORM, dresidual=res[:, :7], **kw)
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
@@ -282,7 +282,7 @@ def test_v2_exports_and_runs_again(platform):
     ws = 256 + 12 * 2 * 264 * 4
 
     def f(dy, x, w, mean, rstd, res):
-        return backward_op.ffi_call(dy, x, w, mean, rstd, v2=True, segments=1, kernel=12, block_size=0,
+        return backward_op.ffi_call(dy, x, w, mean, rstd, v2=True, norm=LAYERNORM, segments=1, kernel=12, block_size=0,
                                               workspace_bytes=ws, dresidual=res, alias_residual=True)
     args = put(platform, dy, x, w, mean, rstd, res)
     exported = export.export(jax.jit(f), platforms=[{"cpu": "cpu", "gpu": "cuda"}[platform]],

@@ -51,10 +51,10 @@ def test_help_and_all_list_the_rmsnorm_ops_and_the_pallas_peer(capsys):
 
 
 def test_rmsnorm_backward_runs_only_the_kernels_that_take_rmsnorm():
-    combos, refused = bench.plan_ours([1, 12], "best", "float32", 768, "rmsnorm")
+    combos, refused = bench.plan_ours([1, 12], "best", "float32", 768, jax_lnbwd.RMSNORM)
     assert [k for k, _ in combos] == [12]
     assert len(refused) == 1 and refused[0].startswith("k1:") and "rmsnorm" in refused[0]
-    assert [k for k, _ in bench.plan_ours([1, 12], "best", "float32", 768)[0]] == [1, 12]
+    assert [k for k, _ in bench.plan_ours([1, 12], "best", "float32", 768, jax_lnbwd.LAYERNORM)[0]] == [1, 12]
 
 
 def test_rmsnorm_rows_validate_time_and_write_their_rows(tmp_path, capsys):

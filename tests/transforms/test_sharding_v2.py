@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_lnbwd
 from conftest import assert_close
-from jax_lnbwd import reference
+from jax_lnbwd import LAYERNORM, reference
 from test_sharding import assert_grads_close, assert_one_psum_no_gather, env, grads, inputs  # noqa: F401 (env: the fixture)
 
 
@@ -46,7 +46,7 @@ def test_v2_mixed_precision_and_residual_rows_sharded(env, residual, shardy):
 
     def f(dy, x, w, mean, rstd, res):
         return backward_op.partitioned_call(dy, x, w, mean, rstd, *((res,) if residual else ()), seg_dims=0,
-                                            kernel=12, block_size=0, v2=True)
+                                            kernel=12, block_size=0, v2=True, norm=LAYERNORM)
     args = (dy, x, w, mean, rstd, res)
     want = env.one_device(f, *args)
     rows, rep = NamedSharding(env.mesh2, P("a", "b")), NamedSharding(env.mesh2, P())
