@@ -48,6 +48,10 @@ static double time_us(F&& launch) {
 // launch before. GB/s counts the rows x C tensors read and written.
 static int sweep(int64_t rows, int64_t C, const std::string& dtype, bool f32params, bool residual, bool x_bias,
                  bool rms, int only_tpr, bool chain) {
+  if (dtype != "float32" && dtype != "bfloat16" && dtype != "float16" && dtype != "float64") {
+    std::fprintf(stderr, "forward_tune: unknown dtype '%s' (float32, bfloat16, float16, float64)\n", dtype.c_str());
+    return 2;   // a typo must never be timed as another dtype
+  }
   const Dtype d = dtype == "float32" ? Dtype::kF32 : dtype == "bfloat16" ? Dtype::kBF16 : dtype == "float16" ? Dtype::kF16 : Dtype::kF64;
   const Dtype pd = f32params ? Dtype::kF32 : d;
   const size_t n = static_cast<size_t>(rows * C), bytes = n * item_bytes(d);
