@@ -22,9 +22,7 @@ dispatch rule's default in a training step is XLA's forward and our backward, ja
                              (inside use_ffi_forward(True) and jax_lnbwd.use_ffi_backward(False))
 
 With an offset every variant initializes its scale to zeros (so y starts as x * rstd, as with
-offset 0 and ones). Our modules are looked up when a model is built, so that this file imports
-with a jax_lnbwd that has no RMSNorm modules (or no use_ffi_backward) yet; building then fails
-with OursMissing.
+offset 0 and ones).
 """
 from __future__ import annotations
 
@@ -38,22 +36,14 @@ from jax import lax
 
 import jax_lnbwd
 import jax_lnbwd.flax
+import jax_lnbwd.flax.nnx
 
 from .registry import Variant, register
 
 
-class OursMissing(ImportError):
-    """jax_lnbwd has no Flax RMSNorm module of that name (an older build)."""
-
-
 def ours(api: str, name: str) -> type:
-    """jax_lnbwd.flax's (linen) or jax_lnbwd.flax.nnx's class `name`, or OursMissing."""
-    path = "jax_lnbwd.flax" + (".nnx" if api == "nnx" else "")
-    try:
-        mod = jax_lnbwd.flax if api == "linen" else __import__(path, fromlist=["x"])
-        return getattr(mod, name)
-    except (ImportError, AttributeError) as e:
-        raise OursMissing(f"{path}.{name} is not in this jax_lnbwd ({type(e).__name__})") from e
+    """jax_lnbwd.flax's (linen) or jax_lnbwd.flax.nnx's class `name`."""
+    return getattr(jax_lnbwd.flax if api == "linen" else jax_lnbwd.flax.nnx, name)
 
 
 def _offset_rms(x, scale, offset: float, epsilon: float, dtype):
@@ -131,23 +121,17 @@ class NnxPublicRMSNorm(nnx.Module):
 def half_switch(kind: str) -> Callable[[], Any]:
     """What makes the context a kind's norm is traced in: "ours_jnp_fwd": the jnp forward
     (use_ffi_forward(False)); "ours_ffi_fwd": our forward (use_ffi_forward(True)); "ours_jnp_bwd":
-    our forward and the jnp backward (use_ffi_backward(False), looked
-    up now: OursMissing in a jax_lnbwd without it); any other kind: nothing. Call the result
+    our forward and the jnp backward (use_ffi_backward(False)); any other kind: nothing. Call the result
     right in the with statement: constructing a switch already sets it, the exit restores it."""
     if kind == "ours_jnp_fwd":
         return lambda: jax_lnbwd.use_ffi_forward(False)
     if kind == "ours_ffi_fwd":
         return lambda: jax_lnbwd.use_ffi_forward(True)
     if kind == "ours_jnp_bwd":
-        switch = getattr(jax_lnbwd, "use_ffi_backward", None)
-        if switch is None:
-            raise OursMissing("jax_lnbwd.use_ffi_backward is not in this jax_lnbwd: the variant "
-                              "jax_lnbwd_rmsnorm_jnp_bwd needs it (our forward, the jnp backward)")
-
         def both():
             stack = contextlib.ExitStack()
             stack.enter_context(jax_lnbwd.use_ffi_forward(True))
-            stack.enter_context(switch(False))
+            stack.enter_context(jax_lnbwd.use_ffi_backward(False))
             return stack
         return both
     return contextlib.nullcontext
@@ -199,7 +183,6 @@ def nnx_rms(kind: str) -> type:
             elif kind == "public":
                 self.norm = NnxPublicRMSNorm(features, dtype=dtype, epsilon=epsilon, offset=offset, rngs=rngs)
             else:
-                half_switch(kind)  # a missing switch fails here, when the model is built (sets nothing)
                 cls = ours("nnx", "RMSNorm") if kind.startswith("ours") else NnxOffsetRMSNorm if offset else nnx.RMSNorm
                 self.norm = cls(features, **kw)
             self.fused = kind == "fused"

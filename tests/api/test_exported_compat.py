@@ -1,10 +1,10 @@
-"""Programs exported by an earlier jax_lnbwd (tests/api/data/exported, made by
-tools/export_compat.py before the package was laid out by op) still load and run: the targets
-they call (backward v1 and v2, the fused forward, add_layernorm's forward v2) keep their names and
-signatures. On the CPU the results are bit-identical to the ones stored with them; on a GPU they
-agree within the dtype's tolerance (the stored results are the CPU's)."""
+"""Programs exported by an earlier jax_lnbwd (tests/api/data/exported, written by
+tests/api/export_compat.py) still load and run: the targets they call keep their names and
+signatures. Each fixture calls the targets listed for it below. On the CPU the results are bit-identical to the ones stored with them; on a
+GPU they agree within the dtype's tolerance (the stored results are the CPU's)."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import jax
@@ -18,6 +18,28 @@ from conftest import PLATFORMS, assert_close, put
 
 DATA = Path(__file__).with_name("data") / "exported"
 PROGRAMS = sorted(p.stem for p in DATA.glob("*.bin"))
+# The custom-call targets each fixture's module calls: the names baked into exported programs.
+CALLS = {
+    "layernorm_grad_v1": {"jax_lnbwd_layernorm_fwd_v1", "jax_lnbwd_layernorm_bwd_v1"},
+    "layernorm_grad_mixed_v2": {"jax_lnbwd_layernorm_fwd_v1", "jax_lnbwd_layernorm_bwd_v2"},
+    "add_layernorm_x_bias_grad": {"jax_lnbwd_add_layernorm_fwd_v2", "jax_lnbwd_layernorm_bwd_v2"},
+    "layernorm_fused_forward": {"jax_lnbwd_layernorm_fwd_v1"},
+    "rmsnorm_grad_f32": {"jax_lnbwd_rmsnorm_fwd_v1", "jax_lnbwd_rmsnorm_bwd_v1"},
+    "rmsnorm_grad_bf16_offset": {"jax_lnbwd_rmsnorm_fwd_v1", "jax_lnbwd_rmsnorm_bwd_v1"},
+    "add_rmsnorm_x_bias_grad": {"jax_lnbwd_add_rmsnorm_fwd_v1", "jax_lnbwd_rmsnorm_bwd_v1"},
+}
+
+
+def test_every_fixture_is_listed():
+    assert set(PROGRAMS) == set(CALLS)
+
+
+@pytest.mark.parametrize("name", PROGRAMS)
+def test_fixture_calls_its_targets(name):
+    exp = export.deserialize((DATA / f"{name}.bin").read_bytes())
+    assert set(exp.platforms) == {"cpu", "cuda"}
+    assert set(re.findall(r"custom_call @(\w+)", exp.mlir_module())) == CALLS[name]
+
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)

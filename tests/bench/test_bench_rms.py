@@ -1,20 +1,14 @@
-"""The kernel bench's rmsnorm rows and its Pallas peer, on CPU (tests/bench/test_bench.py: the rest).
-
-Our rmsnorm rows need the rmsnorm FFI handlers; with a build that has none yet, the tests of
-those rows skip (rms_handler_missing) and the peers' rows are still checked."""
+"""The kernel bench's rmsnorm rows and its Pallas peer, on CPU (tests/bench/test_bench.py: the rest)."""
 from __future__ import annotations
 
 import sys
 
-import functools
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jax_lnbwd
 from conftest import CHECKOUT
 
 sys.path.insert(0, str(CHECKOUT))  # the checkout: benchmarks/
@@ -22,19 +16,6 @@ from benchmarks.kernels import cli as bench  # noqa: E402
 from benchmarks.kernels import ops, pallas, timing  # noqa: E402
 
 RMS_OPS = ("rmsnorm_bwd", "rmsnorm_fwd", "add_rmsnorm_fwd")
-
-
-@functools.cache
-def rms_handler_missing() -> str | None:
-    """Why our rmsnorm ops cannot run in this build, or None."""
-    x = jnp.ones((2, 8), jnp.float32)
-    try:
-        jax.block_until_ready(jax_lnbwd.rmsnorm_bwd(x, x, jnp.ones(8, jnp.float32), jnp.ones(2, jnp.float32)))
-    except Exception as e:
-        if "No FFI handler" in str(e) or "NOT_FOUND" in str(e):
-            return f"this jax_lnbwd build has no rmsnorm FFI handler yet ({type(e).__name__})"
-        raise
-    return None
 
 
 def test_help_and_all_list_the_rmsnorm_ops_and_the_pallas_peer(capsys):
@@ -73,8 +54,6 @@ def test_rmsnorm_rows_validate_time_and_write_their_rows(tmp_path, capsys):
     fwd = {r["dtype"]: r for r in rows if r["op"] == "rmsnorm_fwd" and r["impl"] == "xla"}
     assert fwd["bfloat16"]["params"] == "float32"
     assert fwd["float32"]["bytes"] == ops.rms_forward_bytes(4, 24, "float32", "float32")
-    if why := rms_handler_missing():
-        pytest.skip(why)
     for dtype in ("bfloat16", "float32"):
         assert {("rmsnorm_fwd", dtype, "ours"), ("add_rmsnorm_fwd", dtype, "ours"),
                 ("add_rmsnorm_fwd", dtype, "ours-unfus")} <= got

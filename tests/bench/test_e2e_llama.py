@@ -1,8 +1,4 @@
-"""The e2e bench's llama model and its RMSNorm variants, on CPU.
-
-Our variants need jax_lnbwd.flax's RMSNorm modules and the rmsnorm FFI handlers; where they are
-missing, building those variants is checked against stand-ins with the same constructor
-(fake_ours) and the run of them skips with the reason."""
+"""The e2e bench's llama model and its RMSNorm variants, on CPU."""
 from __future__ import annotations
 
 import sys
@@ -13,8 +9,6 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-import jax_lnbwd.flax
-import jax_lnbwd.flax.nnx
 from conftest import CHECKOUT
 
 sys.path.insert(0, str(CHECKOUT))  # the checkout: benchmarks/
@@ -25,64 +19,8 @@ from benchmarks.e2e.trace import our_calls  # noqa: E402
 RMS = ("flax_rmsnorm", "jax_lnbwd_rmsnorm", "add_rmsnorm")
 
 
-def ours_missing() -> str | None:
-    try:
-        for api in ("linen", "nnx"):
-            variants_rms.ours(api, "RMSNorm"), variants_rms.ours(api, "AddRMSNorm")
-        x = jnp.ones((2, 8), jnp.float32)
-        jax.block_until_ready(jax_lnbwd.rmsnorm_bwd(x, x, jnp.ones(8, jnp.float32), jnp.ones(2, jnp.float32)))
-    except Exception as e:
-        return f"our RMSNorm is not in this build yet: {type(e).__name__}: {str(e)[:120]}"
-    return None
-
-
-@pytest.fixture
-def fake_ours(monkeypatch):
-    """Stand-ins for jax_lnbwd.flax{,.nnx}.RMSNorm/AddRMSNorm where those are missing, with
-    the constructors the variants call (offset; use_x_bias), computing in jnp."""
-    def y(x, scale, offset, eps, dtype):
-        return variants_rms._offset_rms(x, scale, offset, eps, dtype)
-
-    class LinenRMS(nn.RMSNorm):
-        offset: float = 0.0
-
-        @nn.compact
-        def __call__(self, x):
-            scale = self.param("scale", self.scale_init, (x.shape[-1],), self.param_dtype)
-            return y(x, scale, self.offset, self.epsilon, self.dtype)
-
-    class LinenAdd(LinenRMS):
-        use_x_bias: bool = False
-
-        @nn.compact
-        def __call__(self, x, residual=None):
-            s = x if residual is None else x + residual
-            return LinenRMS.__call__(self, s), s
-
-    class NnxRMS(nnx.RMSNorm):
-        def __init__(self, num_features, *, offset=0.0, **kw):
-            super().__init__(num_features, **kw)
-            self.offset = offset
-
-        def __call__(self, x):
-            return y(x, self.scale[...], self.offset, self.epsilon, self.dtype)
-
-    class NnxAdd(NnxRMS):
-        def __init__(self, num_features, *, use_x_bias=False, **kw):
-            super().__init__(num_features, **kw)
-
-        def __call__(self, x, residual=None):
-            s = x if residual is None else x + residual
-            return NnxRMS.__call__(self, s), s
-
-    for mod, names in ((jax_lnbwd.flax, (LinenRMS, LinenAdd)), (jax_lnbwd.flax.nnx, (NnxRMS, NnxAdd))):
-        for name, cls in zip(("RMSNorm", "AddRMSNorm"), names):
-            if not hasattr(mod, name):
-                monkeypatch.setattr(mod, name, cls, raising=False)
-
-
 @pytest.mark.parametrize("offset", [0.0, 1.0])
-def test_llama_builds_in_both_apis_with_every_rms_variant(fake_ours, offset):
+def test_llama_builds_in_both_apis_with_every_rms_variant(offset):
     cfg = cli.parse_args(["--small", "--models", "llama"] + (["--offset", str(offset)] if offset else [])).configs[0]
     assert cfg.norm == "rmsnorm" and cfg.offset == offset and not cfg.dense_bias and cfg.rope
     counts = {}
@@ -129,8 +67,7 @@ def test_our_rmsnorm_calls_count_as_ours():
 
 
 def test_a_small_llama_run_in_linen_and_nnx(tmp_path, capsys):
-    why = ours_missing()
-    names = ["flax_rmsnorm"] + ([] if why else ["jax_lnbwd_rmsnorm", "add_rmsnorm"])
+    names = list(RMS)
     table = cli.main(["--small", "--models", "llama", "--apis", "linen,nnx", "--variants", ",".join(names),
                       "--rounds", "2", "--steps", "1", "--warmup", "1", "--trace-steps", "1",
                       "--no-progress", "--out", str(tmp_path)])
@@ -140,5 +77,3 @@ def test_a_small_llama_run_in_linen_and_nnx(tmp_path, capsys):
     base = [r for r in table if r["baseline"]]
     assert len(base) == 2 and all(r["trace"] for r in base)  # the jax trace attributes the scope
     assert all(report.ln_mixed_ms(r["trace"]) > 0 for r in base)
-    if why:
-        pytest.skip(why)

@@ -1,9 +1,9 @@
 """The e2e bench's public-style decoders (public_llama, public_gemma) and the norm variants made
 for them (public_rmsnorm, jax_lnbwd_rmsnorm_jnp_fwd, jax_lnbwd_rmsnorm_jnp_bwd), on CPU.
 
-Our variants run with the FFI forward forced on (jax_lnbwd.use_ffi_forward(True): the CPU runs
-the C++ handler), and the FFI backward too where jax_lnbwd has use_ffi_backward, so that a loss
-compared against the public baseline comes from our kernels and not from a jnp fallback."""
+Our variants run with the FFI forward and backward forced on (jax_lnbwd.use_ffi_forward(True),
+use_ffi_backward(True): the CPU runs the C++ handler), so that a loss compared against the public
+baseline comes from our kernels and not from a jnp fallback."""
 from __future__ import annotations
 
 import contextlib
@@ -20,7 +20,7 @@ import jax_lnbwd
 from conftest import CHECKOUT, RTOL
 
 sys.path.insert(0, str(CHECKOUT))  # the checkout: benchmarks/
-from benchmarks.e2e import cli, config, train, variants, variants_rms  # noqa: E402
+from benchmarks.e2e import cli, config, train, variants  # noqa: E402
 from e2e_shapes import shapes  # noqa: E402
 
 PUBLIC = ("public_llama", "public_gemma")
@@ -33,26 +33,13 @@ STEPS = 3
 LOSS_RTOL = 10 * RTOL["float32"]
 
 
-def ffi_backward_switch():
-    """jax_lnbwd.use_ffi_backward, or None in a jax_lnbwd without it."""
-    return getattr(jax_lnbwd, "use_ffi_backward", None)
-
-
 def ours_forced() -> contextlib.ExitStack:
-    """Our FFI forward, and our FFI backward where that has a switch, on every platform (a
-    variant's own switch, inside its module, still overrides these)."""
+    """Our FFI forward and backward on every platform (a variant's own switch, inside its
+    module, still overrides these)."""
     stack = contextlib.ExitStack()
     stack.enter_context(jax_lnbwd.use_ffi_forward(True))
-    if ffi_backward_switch() is not None:
-        stack.enter_context(ffi_backward_switch()(True))
+    stack.enter_context(jax_lnbwd.use_ffi_backward(True))
     return stack
-
-
-def missing(variant: str) -> str | None:
-    """Why a variant cannot be built in this jax_lnbwd, or None."""
-    if variant == "jax_lnbwd_rmsnorm_jnp_bwd" and ffi_backward_switch() is None:
-        return "jax_lnbwd.use_ffi_backward is not in this jax_lnbwd yet"
-    return None
 
 
 def fields(cfg, names: str) -> tuple:
@@ -213,11 +200,10 @@ def test_every_rmsnorm_variant_steps_to_the_same_loss(model):
     the public baseline, and the bf16 step of each default variant trains (finite losses)."""
     cfg = config.SMALL[model]
     rest = [v for v, var in variants.VARIANTS.items() if var.norm == "rmsnorm" and v not in DEFAULT[1:]]
-    skipped = [v for v in rest if missing(v)]
     for api in cli.APIS:
         losses = {}
         with ours_forced():
-            for v in (v for v in rest if v not in skipped):
+            for v in rest:
                 run = train.build(cfg, api, variants.VARIANTS[v], "float32")
                 train.run_steps(run, STEPS)
                 losses[v] = run.losses[-1]
@@ -227,8 +213,6 @@ def test_every_rmsnorm_variant_steps_to_the_same_loss(model):
                 assert np.isfinite(run.losses[-1]), (api, v, run.losses)
         for v, got in losses.items():
             np.testing.assert_allclose(got, losses["public_rmsnorm"], rtol=LOSS_RTOL, err_msg=f"{api} {v}")
-    if skipped:
-        pytest.skip(f"not run: {', '.join(skipped)} ({missing(skipped[0])})")
 
 
 @pytest.mark.parametrize("api", cli.APIS)
@@ -241,29 +225,15 @@ def test_the_diagnosis_variants_swap_one_half(api):
     texts = {}
     with ours_forced():
         for v in ("jax_lnbwd_rmsnorm",) + DIAGNOSIS:
-            if missing(v):
-                continue
             apply, params = train.init(cfg, api, variants.VARIANTS[v], jnp.float32, x, 0)
             loss = lambda p: apply(p, x).astype(jnp.float32).sum()  # noqa: E731
             texts[v] = jax.jit(jax.grad(loss)).lower(params).as_text()
     assert f"@{fwd}(" in texts["jax_lnbwd_rmsnorm"] and bwd in texts["jax_lnbwd_rmsnorm"]
     assert f"@{fwd}(" not in texts["jax_lnbwd_rmsnorm_jnp_fwd"] and bwd in texts["jax_lnbwd_rmsnorm_jnp_fwd"]
-    if "jax_lnbwd_rmsnorm_jnp_bwd" not in texts:
-        pytest.skip(missing("jax_lnbwd_rmsnorm_jnp_bwd"))
     assert f"@{fwd}(" in texts["jax_lnbwd_rmsnorm_jnp_bwd"]
     assert bwd not in texts["jax_lnbwd_rmsnorm_jnp_bwd"], (
         "use_ffi_backward(False) around the norm's call did not reach its backward: this jax_lnbwd "
         "reads the backward switch when the backward is transposed, not when the norm is traced")
-
-
-def test_a_missing_backward_switch_fails_the_build_not_the_import(monkeypatch):
-    monkeypatch.delattr(jax_lnbwd, "use_ffi_backward", raising=False)
-    cfg = config.SMALL["public_llama"]
-    x = config.make_batch(cfg, jnp.float32)[0]
-    v = variants.VARIANTS["jax_lnbwd_rmsnorm_jnp_bwd"]  # registered all the same
-    for api in cli.APIS:
-        with pytest.raises(variants_rms.OursMissing, match="use_ffi_backward"):
-            jax.eval_shape(lambda: train.init(cfg, api, v, jnp.float32, x, 0)[1])
 
 
 def test_dump_hlo_writes_each_runs_hlo(tmp_path):

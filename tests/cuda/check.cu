@@ -12,7 +12,7 @@
 //   LNBWD_QUICK=1: fewer shapes (for the sanitizers); LNBWD_QUICK_MAX_ELEMENTS caps rows * C.
 //
 // Build (run_sanitizers.sh builds it the same way, with -lineinfo):
-//   nvcc -O3 -std=c++17 -arch=sm_90 -Iffi/kernels -Iffi tests/cuda/check.cu ffi/registry.cc \
+//   nvcc -O3 -std=c++17 -arch=sm_90 -Iffi/kernels -Iffi -Icuda_harness tests/cuda/check.cu ffi/registry.cc \
 //        $(find ffi/kernels -name '*.cu') -o check
 #include <memory>
 

@@ -6,24 +6,20 @@
 // starts one element into its allocation and ends at its end), so memcheck, racecheck,
 // synccheck and initcheck see every stray access, race and unwritten output.
 //
-//   forward_check check                  every path (registers at each feasible row-group size,
+//   forward_check [check]                every path (registers at each feasible row-group size,
 //                                        shared memory, global memory) x dtypes x parameter
 //                                        kinds x shapes, plain and with a residual (add_layernorm's
 //                                        variant: s = x + residual must match the CPU's rounded
 //                                        sum bit for bit; and with x's own bias, s = (x + x_bias)
 //                                        + residual in the accumulator type), against a CPU
 //                                        reference in double
-//   forward_check sweep ROWS C DTYPE [f32params] [residual] [x_bias] [rms] [tpr=N] [chain]
-//                                        time each configuration of one shape and a same-bytes
-//                                        device copy (CUDA events, median of 7 runs of 20);
-//                                        tpr=N: only the register path at N threads a row (one
-//                                        configuration, e.g. for ncu's first launch); chain:
-//                                        each launch reads the one before's output
 //
-// The check is this file; the sweep is forward_sweep.cuh, the buffers both use forward_buffers.cuh.
+// The buffers are cuda_harness/forward_buffers.cuh's (the forward's configuration sweep,
+// tools/tune/forward_tune.cu, uses them too).
 //
-// Build and run (tests/cuda/run_forward_sanitizers.sh runs it under the sanitizers):
-//   tools/build_forward_check.sh /tmp/forward_check
+// Build and run (tests/cuda/run_forward_sanitizers.sh builds it so and runs it under the sanitizers):
+//   nvcc -O3 -std=c++17 -arch=sm_90 -Iffi/kernels -Icuda_harness tests/cuda/forward_check.cu \
+//        ffi/kernels/forward/*.cu ffi/kernels/common/occupancy.cu ffi/kernels/common/device_limits.cu -o /tmp/forward_check
 //   /tmp/forward_check check
 //   for t in memcheck racecheck synccheck initcheck; do
 //     compute-sanitizer --tool $t --error-exitcode 1 /tmp/forward_check check; done
@@ -38,7 +34,6 @@
 #include <vector>
 
 #include "forward_buffers.cuh"
-#include "forward_sweep.cuh"
 
 struct Case {
   int64_t rows, C;
@@ -262,20 +257,6 @@ static int check() {
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "check";
   if (mode == "check") return check();
-  if (mode == "sweep" && argc >= 5) {
-    bool f32params = false, residual = false, x_bias = false, rms = false, chain = false;
-    int only_tpr = 0;
-    for (int i = 5; i < argc; ++i) {
-      if (std::strncmp(argv[i], "tpr=", 4) == 0) only_tpr = std::atoi(argv[i] + 4);
-      rms |= std::string(argv[i]) == "rms";
-      f32params |= std::string(argv[i]) == "f32params";
-      residual |= std::string(argv[i]) == "residual";
-      x_bias |= std::string(argv[i]) == "x_bias";
-      chain |= std::string(argv[i]) == "chain";
-    }
-    return sweep(std::atoll(argv[2]), std::atoll(argv[3]), argv[4], f32params, residual, x_bias, rms, only_tpr, chain);
-  }
-  std::fprintf(stderr, "usage: %s check | sweep ROWS C DTYPE [f32params] [residual [x_bias]] [rms] [tpr=N] [chain]\n",
-               argv[0]);
+  std::fprintf(stderr, "usage: %s [check]\n", argv[0]);
   return 2;
 }

@@ -13,7 +13,7 @@
 //   rms_check           (LNBWD_QUICK=1: fewer shapes, for the sanitizers)
 //
 // Build:
-//   nvcc -O3 -lineinfo -std=c++17 -arch=sm_90 -Iffi/kernels -Iffi tests/cuda/rms_check.cu ffi/registry.cc \
+//   nvcc -O3 -lineinfo -std=c++17 -arch=sm_90 -Iffi/kernels -Iffi -Icuda_harness tests/cuda/rms_check.cu ffi/registry.cc \
 //        $(find ffi/kernels -name '*.cu') -o /tmp/rms_check
 #include <cstdint>
 #include <cstdlib>

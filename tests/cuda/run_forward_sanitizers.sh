@@ -10,7 +10,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:-/tmp/forward_sanitizers}
 mkdir -p "$OUT"
-NVCC=(nvcc -O3 -lineinfo -std=c++17 -arch=sm_90 -Iffi/kernels)
+NVCC=(nvcc -O3 -lineinfo -std=c++17 -arch=sm_90 -Iffi/kernels -Icuda_harness)
 KERNELS=(ffi/kernels/forward/forward_launch.cu ffi/kernels/forward/forward_wide.cu ffi/kernels/common/occupancy.cu
          ffi/kernels/common/device_limits.cu)
 TIMEOUT=${LNBWD_SANITIZER_TIMEOUT:-900}

@@ -11,7 +11,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:-/tmp/rms_sanitizers}
 mkdir -p "$OUT/obj"
-NVCC=(nvcc -O3 -lineinfo -std=c++17 -arch=sm_90 -Iffi/kernels -Iffi)
+NVCC=(nvcc -O3 -lineinfo -std=c++17 -arch=sm_90 -Iffi/kernels -Iffi -Icuda_harness)
 TIMEOUT=${LNBWD_SANITIZER_TIMEOUT:-900}
 source tests/cuda/control_report.sh
 

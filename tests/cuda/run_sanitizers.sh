@@ -8,7 +8,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:-/tmp/sanitizers}
 mkdir -p "$OUT/obj"
-NVCC=(nvcc -O3 -lineinfo -std=c++17 -arch=sm_90 -Iffi/kernels -Iffi)
+NVCC=(nvcc -O3 -lineinfo -std=c++17 -arch=sm_90 -Iffi/kernels -Iffi -Icuda_harness)
 
 # Build the check (objects in parallel), with the kernel registry it reads.
 build() {   # build OUT_BINARY KERNEL_SOURCES...

@@ -1,6 +1,6 @@
 """jax_lnbwd.flax: drop-in LayerNorms for flax.linen and flax.nnx.
 
-The linen tests train the transformer of examples/flax_step_time.py (embedding, two pre-LN
+The linen tests train the transformer of small_transformer.py (embedding, two pre-LN
 residual blocks, a final LayerNorm, a head; adam) once with flax.linen.LayerNorm and once
 with ours, from the same seed: the parameter trees must be identical (names, shapes, dtypes
 and initial values: checkpoints are interchangeable) and the loss curves equal to the compute
@@ -12,8 +12,6 @@ and the forward/gradients against flax.nnx.LayerNorm. Unsupported options must r
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -24,20 +22,14 @@ flax = pytest.importorskip("flax")
 optax = pytest.importorskip("optax")
 import flax.linen as nn  # noqa: E402
 
-from conftest import CHECKOUT, PLATFORMS, RTOL, device, rel_err  # noqa: E402
+import small_transformer as model_lib  # noqa: E402
+from conftest import PLATFORMS, RTOL, device, rel_err  # noqa: E402
 from jax_lnbwd import TARGET  # noqa: E402
 from jax_lnbwd import TARGET_V2  # noqa: E402
 from jax_lnbwd.flax import LayerNorm  # noqa: E402
 
-# The example is a script, not part of the package: load it from its file (registered in
-# sys.modules first, as its dataclasses need).
-_spec = importlib.util.spec_from_file_location(
-    "flax_step_time", CHECKOUT / "examples" / "flax_step_time.py")
-example = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(example)
-
 STEPS = 20
-CFG = example.SMALL  # batch 4, seq 16, d_model 64, 2 blocks: 5 LayerNorms
+CFG = model_lib.Config()  # batch 4, seq 16, d_model 64, 2 blocks: 5 LayerNorms
 # How far the two loss curves may drift apart over 20 adam steps, relative to the loss. The
 # two differ only in rounding: Flax's fast variance (E[x²] - E[x]²) against our centered one,
 # the order of the backward's sums and, in bfloat16, where y and the gradients are rounded to
@@ -45,12 +37,12 @@ CFG = example.SMALL  # batch 4, seq 16, d_model 64, 2 blocks: 5 LayerNorms
 
 
 def train(cfg, norm):
-    """(initial params, losses of STEPS adam steps, the compiled step's HLO) of the example's
-    model with `norm`."""
-    model, params = example.init(cfg, norm)
-    tx = example.optimizer()
-    opt_state, batch = tx.init(params), example.tokens(cfg)
-    step = example.make_train_step(model, tx).lower(params, opt_state, batch).compile()
+    """(initial params, losses of STEPS adam steps, the compiled step's HLO) of the small
+    transformer with `norm`."""
+    model, params = model_lib.init(cfg, norm)
+    tx = model_lib.optimizer()
+    opt_state, batch = tx.init(params), model_lib.tokens(cfg)
+    step = model_lib.make_train_step(model, tx).lower(params, opt_state, batch).compile()
     initial, losses = params, []
     for _ in range(STEPS):
         params, opt_state, loss = step(params, opt_state, batch)

@@ -1,20 +1,17 @@
-// Tuning tools for the kernels of ffi/kernels/, without JAX or XLA: they time launchers and
+// The backward's configuration sweeps, without JAX or XLA: they time launchers and
 // configurations directly (CUDA events, CUDA graphs), which is how the llm.c kernels' default
-// block sizes and kernel 11's and 12's configuration choices were set. Timings of whole calls
-// through JAX are the bench's job; correctness is tests/cuda/check.cu's.
+// block sizes and kernel 11's and 12's configuration choices are set. How a call compares with a
+// copy and with the peers is the kernel bench's question (python -m benchmarks.kernels);
+// correctness is tests/cuda/check.cu's.
 //
 //   tune blocks ROWS C DTYPE [kernel ...]  time llm.c's kernels (default 1-10) at each block size
 //   tune sweep ROWS C DTYPE [default]      time every kernel 11 and 12 configuration (or only
-//                                          kernel 12's default) and a same-bytes copy, the kernels
-//                                          replayed from a CUDA graph (the GPU's time alone)
-//   tune host ROWS C DTYPE                 the host time of one call of the default launcher
-//   tune profile ROWS C DTYPE              three calls of the default launcher, for ncu
+//                                          kernel 12's default), replayed from a CUDA graph (the
+//                                          GPU's time alone), each with a correctness spot check
 //
-// Build:
-//   nvcc -O3 -std=c++17 -arch=sm_90 -Iffi/kernels -Iffi -Itests/cuda tools/tune/tune.cu ffi/registry.cc \
+// Build (tools/tune/build.sh OUT_DIR tune does this):
+//   nvcc -O3 -std=c++17 -arch=sm_90 -Iffi/kernels -Iffi -Icuda_harness tools/tune/tune.cu ffi/registry.cc \
 //        $(find ffi/kernels -name '*.cu') -o tune
-#include <chrono>
-
 #include "harness.cuh"
 
 namespace {
@@ -68,9 +65,8 @@ int blocks(int64_t rows, int64_t C, Dtype d, const std::vector<int>& kernels) {
   return 0;
 }
 
-// The buffers and parameters of one full-size problem, every input byte 0x3c: what profile and
-// host run as they are (the values don't matter there), and sweep after filling the inputs with
-// random values.
+// The buffers and parameters of one full-size problem, every input byte 0x3c; sweep fills the
+// inputs with random values.
 struct FilledProblem {
   DeviceBuf dy, x, dx, w, dw, db, mean, rstd, ws;
   LayernormBwdParams p;
@@ -83,84 +79,45 @@ struct FilledProblem {
   }
 };
 
-// Runs the default kernel 12 launcher a few times on a big problem (for ncu).
-int profile(int64_t rows, int64_t C, Dtype d) {
-  FilledProblem f(rows, C, d, device0_attribute(cudaDevAttrMultiProcessorCount));
-  for (int i = 0; i < 3; ++i) CHECK_CUDA(layernorm_bwd_kernel12(f.p, 0));
-  CHECK_CUDA(cudaDeviceSynchronize());
-  return 0;
-}
-
-// Host time of one call of the default kernel 12 launcher (enqueueing only, the GPU runs behind):
-// the median over 10 rounds of 200 calls each, the stream drained between rounds.
-int host(int64_t rows, int64_t C, Dtype d) {
-  FilledProblem f(rows, C, d, device0_attribute(cudaDevAttrMultiProcessorCount));
-  CHECK_CUDA(layernorm_bwd_kernel12(f.p, 0));
-  std::vector<double> us;
-  for (int round = 0; round < 10; ++round) {
-    CHECK_CUDA(cudaDeviceSynchronize());
-    const auto t0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < 200; ++i) CHECK_CUDA(layernorm_bwd_kernel12(f.p, 0));
-    us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / 200);
-  }
-  CHECK_CUDA(cudaDeviceSynchronize());
-  std::sort(us.begin(), us.end());
-  std::printf("%s %lldx%lld: %.2f us of host time per call\n", dtype_name(d), (long long)rows, (long long)C, us[us.size() / 2]);
-  return 0;
-}
-
 // Times every kernel 11 and kernel 12 configuration that fits, or only kernel 12's default.
 int sweep(int64_t rows, int64_t C, Dtype d, bool default_only) {
   const int sms = device0_attribute(cudaDevAttrMultiProcessorCount);
   const size_t it = dtype_item_bytes(d);
   const double bytes = double(3 * rows * C + 3 * C) * it + 2.0 * rows * dtype_acc_bytes(d);
-  // Ceiling: a device-to-device copy moving the same bytes (half read, half written).
-  DeviceBuf a(size_t(bytes / 2)), b(size_t(bytes / 2));
   cudaEvent_t e0, e1;
   CHECK_CUDA(cudaEventCreate(&e0)); CHECK_CUDA(cudaEventCreate(&e1));
   // Median over 15 samples of 10 back-to-back calls, each call's time the sample's over 10. The
-  // kernels' calls are replayed from a CUDA graph, as under XLA's command buffers: launched one
-  // by one, a call whose kernel is shorter than the host's launch work times the host. The copy
-  // is launched one by one: in a graph it becomes a copy-engine node, slower than the copy
-  // kernel the driver launches outside one.
+  // calls are replayed from a CUDA graph, as under XLA's command buffers: launched one by one, a
+  // call whose kernel is shorter than the host's launch work times the host.
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  auto time_it = [&](auto&& fn, bool in_graph = true) {
+  auto time_it = [&](auto&& fn) {
     constexpr int kCalls = 10;
     fn(stream);   // warm-up; the launchers' first call asks the driver about their kernel
     CHECK_CUDA(cudaStreamSynchronize(stream));
     cudaGraphExec_t exec = nullptr;
-    if (in_graph) {
-      cudaGraph_t graph;
-      CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed));
-      for (int c = 0; c < kCalls; ++c) fn(stream);
-      CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
-      CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-      CHECK_CUDA(cudaGraphDestroy(graph));
-      CHECK_CUDA(cudaGraphLaunch(exec, stream));   // the first replay uploads the graph
-    }
+    cudaGraph_t graph;
+    CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed));
+    for (int c = 0; c < kCalls; ++c) fn(stream);
+    CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+    CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+    CHECK_CUDA(cudaGraphDestroy(graph));
+    CHECK_CUDA(cudaGraphLaunch(exec, stream));   // the first replay uploads the graph
     std::vector<float> ms;
     for (int i = 0; i < 15; ++i) {
       CHECK_CUDA(cudaEventRecord(e0, stream));
-      if (in_graph) {
-        CHECK_CUDA(cudaGraphLaunch(exec, stream));
-      } else {
-        for (int c = 0; c < kCalls; ++c) fn(stream);
-      }
+      CHECK_CUDA(cudaGraphLaunch(exec, stream));
       CHECK_CUDA(cudaEventRecord(e1, stream));
       CHECK_CUDA(cudaEventSynchronize(e1));
       float t = 0;
       CHECK_CUDA(cudaEventElapsedTime(&t, e0, e1));
       ms.push_back(t / kCalls);
     }
-    if (exec) CHECK_CUDA(cudaGraphExecDestroy(exec));
+    CHECK_CUDA(cudaGraphExecDestroy(exec));
     std::sort(ms.begin(), ms.end());
     return ms[ms.size() / 2] * 1e3;   // median, microseconds
   };
-  const double copy_us = time_it([&](cudaStream_t st) { CHECK_CUDA(cudaMemcpyAsync(b.ptr, a.ptr, a.bytes, cudaMemcpyDeviceToDevice, st)); },
-                                false);
-  std::printf("%s %lldx%lld: copy %.1f us (%.0f GB/s)\n", dtype_name(d), (long long)rows, (long long)C, copy_us,
-              bytes / copy_us / 1e3);
+  std::printf("%s %lldx%lld (%.0f MB)\n", dtype_name(d), (long long)rows, (long long)C, bytes / 1e6);
 
   // Device buffers for the kernel, filled like a real call: dy and x independent standard
   // normals, weight 1 + 0.1 N(0, 1), mean 0 and rstd 1 (x's own statistics, near enough). Data
@@ -193,17 +150,17 @@ int sweep(int64_t rows, int64_t C, Dtype d, bool default_only) {
     const double e = err ? INFINITY : rel_err(d, o.dx, pb.ref_dx);
     const double us = time_it([&](cudaStream_t st) { CHECK_CUDA(layernorm_bwd_kernel11_config(p, c, st)); });
     const bool is_pick = has_pick && c.nv == picked.nv && c.prefetch == picked.prefetch && c.tpr == picked.tpr;
-    std::printf("  vec=%d nv=%d prefetch=%d tpr=%4d groups=%2d: %8.1f us %6.0f GB/s %5.1f%% of copy  dx err %.1e%s\n",
-                c.vec, c.nv, int(c.prefetch), c.tpr, c.groups, us, bytes / us / 1e3, 100 * copy_us / us, e,
+    std::printf("  vec=%d nv=%d prefetch=%d tpr=%4d groups=%2d: %8.1f us %6.0f GB/s  dx err %.1e%s\n",
+                c.vec, c.nv, int(c.prefetch), c.tpr, c.groups, us, bytes / us / 1e3, e,
                 is_pick ? "  <- default" : "");
   }
   if (!has_pick && !default_only) {
     const double us = time_it([&](cudaStream_t st) { CHECK_CUDA(layernorm_bwd_kernel11_wide(p, st)); });
-    std::printf("  k11 wide path: %8.1f us %6.0f GB/s %5.1f%% of copy\n", us, bytes / us / 1e3, 100 * copy_us / us);
+    std::printf("  k11 wide path: %8.1f us %6.0f GB/s\n", us, bytes / us / 1e3);
   }
   if (kernel12_wide_fits(d, C, device0_limits()) && !default_only) {
     const double us = time_it([&](cudaStream_t st) { CHECK_CUDA(layernorm_bwd_kernel12_wide(p, st)); });
-    std::printf("  k12 wide path: %8.1f us %6.0f GB/s %5.1f%% of copy\n", us, bytes / us / 1e3, 100 * copy_us / us);
+    std::printf("  k12 wide path: %8.1f us %6.0f GB/s\n", us, bytes / us / 1e3);
   }
   Kernel12Config pick12;
   const bool has12 = kernel12_pick(d, C, device0_limits(), &pick12);
@@ -215,8 +172,8 @@ int sweep(int64_t rows, int64_t C, Dtype d, bool default_only) {
     const cudaError_t err = run(pb, 12, 0, nullptr, &o, sms, 1, &c);
     const double e = err ? INFINITY : rel_err(d, o.dx, pb.ref_dx);
     const double us = time_it([&](cudaStream_t st) { CHECK_CUDA(layernorm_bwd_kernel12_config(p, c, st)); });
-    std::printf("  k12 split=%d regs=%d raw_w=%d nv=%d nb=%d tpr=%4d groups=%2d: %8.1f us %6.0f GB/s %5.1f%% of copy  dx err %.1e%s\n",
-                c.split, int(c.regs), int(c.raw_weight), c.nv, c.nb, c.tpr, c.groups, us, bytes / us / 1e3, 100 * copy_us / us, e,
+    std::printf("  k12 split=%d regs=%d raw_w=%d nv=%d nb=%d tpr=%4d groups=%2d: %8.1f us %6.0f GB/s  dx err %.1e%s\n",
+                c.split, int(c.regs), int(c.raw_weight), c.nv, c.nb, c.tpr, c.groups, us, bytes / us / 1e3, e,
                 is_pick ? "  <- default" : "");
   }
   CHECK_CUDA(cudaStreamDestroy(stream));
@@ -230,8 +187,6 @@ int main(int argc, char** argv) {
   if (mode == "sweep" && (argc == 5 || (argc == 6 && std::string(argv[5]) == "default"))) {
     return sweep(std::atoll(argv[2]), std::atoll(argv[3]), parse_dtype(argv[4]), argc == 6);
   }
-  if (mode == "host" && argc >= 5) return host(std::atoll(argv[2]), std::atoll(argv[3]), parse_dtype(argv[4]));
-  if (mode == "profile" && argc >= 5) return profile(std::atoll(argv[2]), std::atoll(argv[3]), parse_dtype(argv[4]));
   if (mode == "blocks" && argc >= 5) {
     // The kernels with a list of block sizes to try (llm.c's 1-10), or those asked for.
     std::vector<int> kernels;
@@ -251,7 +206,6 @@ int main(int argc, char** argv) {
     return blocks(std::atoll(argv[2]), std::atoll(argv[3]), parse_dtype(argv[4]), kernels);
   }
   std::fprintf(stderr,
-               "usage: tune blocks ROWS C DTYPE [kernel ...] | tune sweep ROWS C DTYPE [default] | "
-               "tune host ROWS C DTYPE | tune profile ROWS C DTYPE\n");
+               "usage: tune blocks ROWS C DTYPE [kernel ...] | tune sweep ROWS C DTYPE [default]\n");
   return 2;
 }

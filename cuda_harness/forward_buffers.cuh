@@ -1,5 +1,6 @@
-// The forward harness's buffers and dtype bytes (tests/cuda/forward_check.cu and its sweep,
-// forward_sweep.cuh): exact-size device buffers, and host values to and from a dtype's storage.
+// The forward's standalone programs' buffers and dtype bytes (tests/cuda/forward_check.cu, the
+// check, and tools/tune/forward_tune.cu, the configuration sweep): exact-size device buffers, and
+// host values to and from a dtype's storage.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -13,7 +14,7 @@
 #include "check_cuda.h"
 #include "forward/api.h"
 
-// A header of the forward harness: forward_check.cu is its one translation unit.
+// A header of single-file programs (forward_check.cu, forward_tune.cu): one translation unit each.
 using namespace lnbwd;
 
 // Sizes and names from ffi/kernels/dtype.h.

@@ -1,5 +1,6 @@
-// The common setup of the standalone CUDA programs that run the kernels of ffi/kernels/ without
-// JAX or XLA: tests/cuda/check.cu (what the sanitizers run) and the tuning tools in tools/tune/.
+// The common setup of the standalone CUDA programs that run the backward's kernels of
+// ffi/kernels/ without JAX or XLA: the checks in tests/cuda/ (what the sanitizers run) and the
+// configuration sweeps in tools/tune/. Built with -Icuda_harness -Iffi/kernels -Iffi.
 // Exact-size device buffers (one cudaMalloc each, so memcheck sees a stray access), problems
 // with a float64 CPU reference, the dtype conversions, and what each kernel accepts, from the
 // kernel registry (ffi/registry.h, linked from ffi/registry.cc).

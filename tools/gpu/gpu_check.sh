@@ -1,31 +1,32 @@
 #!/usr/bin/env bash
-# One GPU session's checks, in stages, each logging under OUT (default $OUT or /tmp/gpu_check):
-#   tools/gpu_check.sh STAGE...
+# The checks and measurements of a GPU machine, in stages, each logging under OUT (default $OUT
+# or /tmp/gpu_check). Run from a checkout on the GPU machine:
+#   tools/gpu/gpu_check.sh STAGE...
 # Stages:
 #   build      pip install the package (no build isolation: the machine's jax and its CUDA plugin)
 #   tests      the GPU test suite (pytest -m gpu), the `slow` ones (a second build, 100,000
 #              segments) included only with SLOW=1
 #   check      tests/cuda/check.cu for every kernel (LNBWD_QUICK=1), and the forward's check
-#   sanitize   the three below (about 10 minutes together: more than one device call allows)
+#   sanitize   the three below (about 10 minutes together)
 #   sanitize_bwd  compute-sanitizer over kernels 11 and 12 (run_sanitizers.sh; about 5 minutes)
 #   sanitize_fwd  the forward (run_forward_sanitizers.sh)
 #   sanitize_rms  RMSNorm through both (run_rms_sanitizers.sh)
-#   kernels    the kernel bench on the issue shapes, three dtypes
+#   kernels    the kernel bench on the README's shapes (SHAPES), three dtypes
 #   rms        the kernel bench's rmsnorm rows (forward, backward, add) with every peer
 #   coop       the same bench with the cooperative in-grid finish (A/B of the launch path)
 #   forward    the forward bench: layernorm and add_layernorm in bf16, fp16 and fp32
-#   sweep      the forward harness's sweep (every row group, and the pick) of SWEEP_SHAPES
-#              (forward_check sweep arguments, comma-separated), each in chain mode: every launch
-#              reads the launch before's output, as in the kernel bench
+#   sweep      the forward's configuration sweep (tools/tune/forward_tune.cu: every row group, and
+#              the pick) of SWEEP_SHAPES (forward_tune arguments, comma-separated), each in chain
+#              mode: every launch reads the launch before's output, as in the kernel bench
 #   l2         the L2-resident shapes (8192x768, 1024x768): every norm op against every peer
 #   ncu        ncu's key lines (DRAM throughput, issue rate, stalls, occupancy, registers, waves) of
-#              the forward on NCU_SHAPES (forward_check sweep arguments, comma-separated; the auto
-#              pick), of kernel 12 at 16384x1600 bf16, and of our rmsnorm forward beside Liger's
-#              (the bench's chain at 16384x2048 bf16; Liger installed from .carry/wheels)
-#   ncu_chain  kernel time alone (ncu's gpu__time_duration, tools/ncu_durations.py) of ours, Liger's and
-#              the copy's kernels inside the kernel bench's chain, for each NCU_CHAIN "op:shape:dtype"
-#              (space-separated; default: rmsnorm_fwd 16384x4096 and the forwards at 1024x768, bf16):
-#              beside the bench's step times, what the framework adds per call
+#              the forward on NCU_SHAPES (forward_tune arguments, comma-separated; the auto pick),
+#              of kernel 12 at 16384x1600 bf16, and of our rmsnorm forward beside Liger's (the
+#              bench's chain at 16384x2048 bf16)
+#   kernel_time  the kernel bench with --kernel-time (each step's kernels alone beside the step)
+#              for ours, Liger's and the copy, for each KERNEL_TIME "op:shape:dtype" (space-separated;
+#              default: rmsnorm_fwd 16384x4096 and the forwards at 1024x768, bf16): what the
+#              framework adds per call
 #   crossover  the dispatch rule's crossovers: ours against XLA's fusion (and the default, the
 #              rule's pick) for every norm op, forward and backward, bf16 and fp32, over C from 32
 #              to 16384 at about 64 MB a tensor and at L2-sized shapes (CROSS_SHAPES, CROSS_OPS,
@@ -33,11 +34,13 @@
 #   e2e        the training-step bench
 # PEERS: the forward and l2 stages' --peers (by default every peer but Pallas, to keep the stages
 # short: name it in PEERS to add it).
-# Wheels under .carry/wheels (e.g. liger-kernel, a bench peer; tools/fetch_peer_wheels.sh downloads
-# them) are installed first when present.
+# The build stage first installs the wheels in PEER_WHEELS (default build/peer-wheels), when there
+# are any: the bench peers a GPU machine without network lacks (tools/gpu/fetch_peer_wheels.sh
+# downloads them on a machine with network).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/gpu_check}
+PEER_WHEELS=${PEER_WHEELS:-build/peer-wheels}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 SHAPES=${SHAPES:-16384x1600,16384x2048,16384x4096,8192x8192,4096x16384,1024x768}
@@ -55,7 +58,7 @@ run() {   # run NAME COMMAND...: tee the output to OUT/NAME.log, remember a fail
 for stage in "$@"; do
   case $stage in
     build)
-      ls .carry/wheels/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps .carry/wheels/*.whl
+      ls "$PEER_WHEELS"/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps "$PEER_WHEELS"/*.whl
       # Editable: `python -m pytest` puts the checkout first on sys.path, where an installed
       # (non-editable) package would be shadowed by the source folder, which has no extension.
       run build python3 -m pip install -q --no-build-isolation --no-deps -e . ;;
@@ -64,7 +67,7 @@ for stage in "$@"; do
       [ -z "${SLOW:-}" ] || marks=gpu
       run tests python3 -m pytest -q -m "$marks" -n "${JOBS:-4}" tests ;;
     check)
-      nvcc -O3 -std=c++17 -arch=sm_90 -Iffi/kernels -Iffi tests/cuda/check.cu ffi/registry.cc \
+      nvcc -O3 -std=c++17 -arch=sm_90 -Iffi/kernels -Iffi -Icuda_harness tests/cuda/check.cu ffi/registry.cc \
         $(find ffi/kernels -name '*.cu') -o /tmp/lnbwd_check && LNBWD_QUICK=1 run check /tmp/lnbwd_check
       ;;
     sanitize | sanitize_bwd | sanitize_fwd | sanitize_rms)
@@ -93,27 +96,27 @@ for stage in "$@"; do
         --shapes 16384x1600,16384x2048,8192x8192,16384x1024,4096x16384,8192x768 \
         --peers "${PEERS:-xla,copy,liger,torch,ours-unfus}" --no-progress --out "$OUT/forward" ;;
     sweep)
-      tools/build_forward_check.sh /tmp/lnbwd_forward_check || status=1
+      tools/tune/build.sh /tmp/lnbwd_tune forward_tune || status=1
       IFS=, read -ra sweep_shapes <<< "${SWEEP_SHAPES:-16384 1600 bfloat16,16384 2048 bfloat16,8192 8192 bfloat16,16384 4096 bfloat16 rms,4096 16384 bfloat16 rms,8192 8192 float32 rms}"
       for s in "${sweep_shapes[@]}"; do
         # shellcheck disable=SC2086 (the arguments split on purpose)
-        /tmp/lnbwd_forward_check sweep $s chain
+        /tmp/lnbwd_tune/forward_tune $s chain
       done > "$OUT/sweep.log" 2>&1
-      grep -E "copy|auto" "$OUT/sweep.log" ;;
+      grep -E "norm|auto" "$OUT/sweep.log" ;;
     ncu)
-      tools/build_forward_check.sh /tmp/lnbwd_forward_check . -lineinfo || status=1
+      tools/tune/build.sh /tmp/lnbwd_tune forward_tune -- -lineinfo || status=1
       keys='Duration|DRAM Throughput|Issued Warp Per Scheduler|No Eligible|Warp Cycles Per Issued|Registers Per|Waves Per SM'
       keys="$keys|Theoretical Occupancy|Achieved Occupancy|Block Limit Registers|Stall"
       sections=(--section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats
                 --section SchedulerStats)
-      # NCU_SHAPES: comma-separated forward_check sweep arguments, "ROWS C DTYPE [f32params] [residual]
+      # NCU_SHAPES: comma-separated forward_tune arguments, "ROWS C DTYPE [f32params] [residual]
       # [rms] [tpr=N]" (tpr=N: that row group alone; 256 at C = 2048 bf16 is Liger's geometry, one
       # row per 256-thread block, one vector a thread)
       IFS=, read -ra ncu_shapes <<< "${NCU_SHAPES:-16384 1600 bfloat16,16384 2048 bfloat16,4096 16384 float32,16384 2048 bfloat16 rms,16384 2048 bfloat16 rms tpr=256}"
       for s in "${ncu_shapes[@]}"; do
         echo "### forward $s"
         # shellcheck disable=SC2086 (the arguments split on purpose)
-        ncu "${sections[@]}" -k regex:forward --launch-count 1 /tmp/lnbwd_forward_check sweep $s 2>&1 |
+        ncu "${sections[@]}" -k regex:forward --launch-count 1 /tmp/lnbwd_tune/forward_tune $s 2>&1 |
           grep -E "forward_|$keys"
       done > "$OUT/ncu.log" 2>&1
       echo "### kernel 12, 16384 x 1600 bfloat16" >> "$OUT/ncu.log"
@@ -127,22 +130,12 @@ for stage in "$@"; do
           --dtypes bfloat16 --shapes 16384x2048 --peers liger --reps 1 --no-progress 2>&1 | grep -E "$kernel|$keys"
       done >> "$OUT/ncu.log"
       tail -n 60 "$OUT/ncu.log" ;;
-    ncu_chain)
-      for spec in ${NCU_CHAIN:-rmsnorm_fwd:16384x4096:bfloat16 layernorm_fwd:1024x768:bfloat16 rmsnorm_fwd:1024x768:bfloat16}; do
+    kernel_time)
+      for spec in ${KERNEL_TIME:-rmsnorm_fwd:16384x4096:bfloat16 layernorm_fwd:1024x768:bfloat16 rmsnorm_fwd:1024x768:bfloat16}; do
         IFS=: read -r op shape dtype <<< "$spec"
-        bench=(python3 -m benchmarks.kernels --op "$op" --dtypes "$dtype" --shapes "$shape" --peers copy,liger
-               --no-progress)
-        echo "### $op $shape $dtype: the bench's steps, then each kernel alone"
-        "${bench[@]}" --reps 5 2>&1 | grep -E "^$shape "
-        # ours (the forward's kernels, the backward's and its finalize), Liger's Triton kernels, XLA's copy
-        for kernels in 'regex:^(forward_|kernel[0-9]|finalize_partials|copy_to_dweight)' 'regex:^_(layer|rms)_norm_' \
-                       'regex:^wrapped_not'; do
-          ncu --metrics gpu__time_duration.sum --cache-control none --clock-control none --csv \
-            -k "$kernels" --launch-skip 10 --launch-count 20 "${bench[@]}" --reps 1 --min-run-ms 1 \
-            > "$OUT/ncu_chain.csv" 2>&1
-          python3 tools/ncu_durations.py "$OUT/ncu_chain.csv"
-        done
-      done 2>&1 | tee "$OUT/ncu_chain.log" ;;
+        python3 -m benchmarks.kernels --op "$op" --dtypes "$dtype" --shapes "$shape" --peers copy,liger \
+          --kernel-time --reps 5 --no-progress
+      done 2>&1 | tee "$OUT/kernel_time.log" ;;
     crossover)
       run crossover python3 -m benchmarks.kernels --op "${CROSS_OPS:-layernorm_fwd,layernorm_bwd,rmsnorm_fwd,rmsnorm_bwd,add_layernorm_fwd,add_rmsnorm_fwd}" \
         --dtypes bfloat16,float32 --kernels 12 --peers "${CROSS_PEERS:-default,xla,copy}" --reps 3 --chain 20 --min-run-ms 10 \

@@ -1,9 +1,19 @@
-// The forward harness's timing mode (forward_check sweep ...): each configuration of one shape
-// beside a same-bytes device copy, CUDA events. Included by tests/cuda/forward_check.cu.
-#pragma once
-
+// The fused forward's configuration sweep, without JAX or XLA: every path and row group
+// (threads a row) that fits one shape, timed with CUDA events, the launcher's own pick first; how
+// layernorm_fwd_pick (ffi/kernels/forward/forward_launch.cu) chooses is revisited with it. How a
+// call compares with a copy and with the peers is the kernel bench's question (python -m
+// benchmarks.kernels); correctness is tests/cuda/forward_check.cu's.
+//
+//   forward_tune ROWS C DTYPE [f32params] [residual [x_bias]] [rms] [tpr=N] [chain]
+//
+// tpr=N: only the register path at N threads a row (one configuration, e.g. for ncu's first
+// launch). Build (tools/tune/build.sh OUT_DIR forward_tune does this):
+//   nvcc -O3 -std=c++17 -arch=sm_90 -Iffi/kernels -Icuda_harness tools/tune/forward_tune.cu \
+//        ffi/kernels/forward/*.cu ffi/kernels/common/occupancy.cu ffi/kernels/common/device_limits.cu -o forward_tune
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
@@ -31,13 +41,17 @@ static double time_us(F&& launch) {
   return t[t.size() / 2];
 }
 
-// residual: the residual variant, which reads x and residual and writes y and s; its copy moves
-// the same bytes (two copies of rows x C). x_bias (with residual): x's own bias added too.
-// rms: RMSNorm's kernels (no mean, no bias). chain: each launch reads what the one before wrote
-// (x and y swap, for the copy too), as in a network or the kernel bench's chain; otherwise every
-// launch reads the same x, which may then be found partly in L2 from the launch before.
+// residual: the residual variant, which reads x and residual and writes y and s. x_bias (with
+// residual): x's own bias added too. rms: RMSNorm's kernels (no mean, no bias). chain: each
+// launch reads what the one before wrote (x and y swap), as in a network or the kernel bench's
+// chain; otherwise every launch reads the same x, which may then be found partly in L2 from the
+// launch before. GB/s counts the rows x C tensors read and written.
 static int sweep(int64_t rows, int64_t C, const std::string& dtype, bool f32params, bool residual, bool x_bias,
                  bool rms, int only_tpr, bool chain) {
+  if (dtype != "float32" && dtype != "bfloat16" && dtype != "float16" && dtype != "float64") {
+    std::fprintf(stderr, "forward_tune: unknown dtype '%s' (float32, bfloat16, float16, float64)\n", dtype.c_str());
+    return 2;   // a typo must never be timed as another dtype
+  }
   const Dtype d = dtype == "float32" ? Dtype::kF32 : dtype == "bfloat16" ? Dtype::kBF16 : dtype == "float16" ? Dtype::kF16 : Dtype::kF64;
   const Dtype pd = f32params ? Dtype::kF32 : d;
   const size_t n = static_cast<size_t>(rows * C), bytes = n * item_bytes(d);
@@ -59,16 +73,8 @@ static int sweep(int64_t rows, int64_t C, const std::string& dtype, bool f32para
     in = odd ? y.ptr : x.ptr;
     out = odd ? x.ptr : y.ptr;
   };
-  const double copy = time_us([&] {
-    const void* in;
-    void* out;
-    swap_xy(in, out);
-    CHECK_CUDA(cudaMemcpyAsync(out, in, bytes, cudaMemcpyDeviceToDevice));
-    if (residual) CHECK_CUDA(cudaMemcpyAsync(sum.ptr, res.ptr, bytes, cudaMemcpyDeviceToDevice));
-  });
-  std::printf("%s %lldx%lld %s (params %s)%s%s%s: copy %.2f us (%.0f GB/s)\n", rms ? "rmsnorm" : "layernorm", (long long)rows,
-              (long long)C, dtype.c_str(), dtype_name(pd), residual ? " residual" : "", x_bias ? " x_bias" : "",
-              chain ? " chain" : "", copy, tensors * bytes / copy / 1e3);
+  std::printf("%s %lldx%lld %s (params %s)%s%s%s\n", rms ? "rmsnorm" : "layernorm", (long long)rows, (long long)C,
+              dtype.c_str(), dtype_name(pd), residual ? " residual" : "", x_bias ? " x_bias" : "", chain ? " chain" : "");
   std::vector<std::pair<FwdPath, int>> paths;
   if (only_tpr == 0) paths = {{FwdPath::kAuto, 0}, {FwdPath::kSharedMemory, 0}, {FwdPath::kGlobal, 0}};
   for (int tpr = 32; tpr <= 512; tpr *= 2) {
@@ -85,9 +91,27 @@ static int sweep(int64_t rows, int64_t C, const std::string& dtype, bool f32para
       swap_xy(p.x, p.y);
       CHECK_CUDA(layernorm_fwd(p, 0));
     });
-    std::printf("  %-9s tpr %3d nv %d vec %d rows/block %d threads %4d smem %7zu: %9.2f us %6.0f GB/s %5.1f%% of copy\n",
+    std::printf("  %-9s tpr %3d nv %d vec %d rows/block %d threads %4d smem %7zu: %9.2f us %6.0f GB/s\n",
                 path_name(path), cfg.tpr, cfg.nv, cfg.vec, cfg.rows_per_block, cfg.threads, cfg.smem_bytes, us,
-                tensors * bytes / us / 1e3, 100.0 * copy / us);
+                tensors * bytes / us / 1e3);
   }
   return 0;
+}
+
+int main(int argc, char** argv) {
+  if (argc < 4) {
+    std::fprintf(stderr, "usage: %s ROWS C DTYPE [f32params] [residual [x_bias]] [rms] [tpr=N] [chain]\n", argv[0]);
+    return 2;
+  }
+  bool f32params = false, residual = false, x_bias = false, rms = false, chain = false;
+  int only_tpr = 0;
+  for (int i = 4; i < argc; ++i) {
+    if (std::strncmp(argv[i], "tpr=", 4) == 0) only_tpr = std::atoi(argv[i] + 4);
+    rms |= std::string(argv[i]) == "rms";
+    f32params |= std::string(argv[i]) == "f32params";
+    residual |= std::string(argv[i]) == "residual";
+    x_bias |= std::string(argv[i]) == "x_bias";
+    chain |= std::string(argv[i]) == "chain";
+  }
+  return sweep(std::atoll(argv[1]), std::atoll(argv[2]), argv[3], f32params, residual, x_bias, rms, only_tpr, chain);
 }

@@ -3,7 +3,7 @@
 # virtualenv with nvcc hidden and nothing fetched, then runs a gradient check through the FFI
 # call and the tests from a copy outside the source tree (so the installed package is used).
 #
-#   tools/check_wheel.sh WHEEL [PYTEST_ARGS...]      (default PYTEST_ARGS: -m gpu tests)
+#   tools/release/check_wheel.sh WHEEL [PYTEST_ARGS...]      (default PYTEST_ARGS: -m gpu tests)
 #
 # The venv sees this Python's packages (jax and its CUDA plugin, pytest, flax, ...): it is made
 # with --system-site-packages and, where this Python is itself a venv, a .pth file adds that
@@ -12,7 +12,7 @@
 # unset. On a GPU it requires jax_lnbwd.WITH_CUDA and a result from the GPU.
 set -euo pipefail
 wheel=$(readlink -f "$1"); shift
-src=$(cd "$(dirname "$0")/.." && pwd)
+src=$(cd "$(dirname "$0")/../.." && pwd)
 py=$(command -v "${PYTHON:-python3}")
 (( $# )) || set -- -m gpu tests
 
@@ -40,7 +40,7 @@ unset CUDA_HOME CUDA_PATH CUDACXX CUDAToolkit_ROOT
 if command -v nvcc; then echo "check_wheel: nvcc still found" >&2; exit 1; fi
 echo "check_wheel: no nvcc on the PATH; LD_LIBRARY_PATH='$LD_LIBRARY_PATH'"
 
-cp -r "$src/tests" "$src/examples" "$src/benchmarks" "$work/"
+cp -r "$src/tests" "$src/benchmarks" "$work/"   # the bench tests import benchmarks/
 cp "$src/pyproject.toml" "$work/"   # pytest's settings (markers) only
 cd "$work"
 so=$(ls "$venv_site"/jax_lnbwd/_jax_lnbwd*.so)

@@ -1,4 +1,4 @@
-// CHECK_CUDA(expr): how the standalone CUDA programs (tests/cuda/*.cu, tools/tune/) stop on a
+// CHECK_CUDA(expr): how the standalone CUDA programs (tests/cuda/*.cu, tools/tune/*.cu) stop on a
 // failed CUDA call: the call, its file and line and CUDA's message on stderr, exit status 2.
 #pragma once
 

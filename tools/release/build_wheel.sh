@@ -3,7 +3,7 @@
 # CMakeLists.txt lists (sm_80/90/100/120 machine code + compute_90 PTX), the CUDA runtime
 # linked in statically, and checks it. Installed anywhere with a driver, no toolkit needed.
 #
-#   tools/build_wheel.sh [OUT_DIR]          (default: dist/)
+#   tools/release/build_wheel.sh [OUT_DIR]          (default: dist/)
 #
 # Needs nvcc (CUDA 12.8 or newer for the Blackwell cubins) and a C++17 compiler. The build
 # runs in pip's isolated environment (scikit-build-core and nanobind come from PyPI);
@@ -21,7 +21,7 @@
 # JAX_LNBWD_NO_AUDITWHEEL=1: the wheel keeps its plain linux_x86_64 tag, which pip installs
 # all the same (PyPI alone refuses it).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 out=${1:-dist}
 py=${PYTHON:-python3}
 
