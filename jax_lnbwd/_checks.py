@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -35,8 +36,19 @@ def array(fn: str, name: str, a, *, optional: bool = False) -> None:
         raise TypeError(f"{fn}: '{name}' has dtype {dtype_name(a)} but expected one of {', '.join(SUPPORTED)}")
 
 
+def _static(fn: str, name: str, value) -> None:
+    """eps and offset are compile-time constants of the kernel call: a traced value (an argument
+    of a jitted function) cannot be one. Say so, and how to pass it."""
+    if isinstance(value, jax.core.Tracer):
+        raise ValueError(f"{fn}: {name} must be a static Python float, got a traced value "
+                         f"({type(value).__name__} {value.dtype}{list(value.shape)}); it is fixed when the "
+                         f"function is traced: close over it (functools.partial(f, {name}=...)) or mark "
+                         f"it static (jax.jit(f, static_argnames='{name}'))")
+
+
 def eps(fn: str, value) -> float:
-    """eps as a float: a positive finite number (not a bool or a string)."""
+    """eps as a float: a positive finite number (not a bool or a string, not traced)."""
+    _static(fn, "eps", value)
     try:
         f = float(value)
     except (TypeError, ValueError):
@@ -183,7 +195,8 @@ def v2_args(fn: str, x, weight, dresidual) -> None:
 
 def offset(fn: str, value, weight) -> float:
     """rmsnorm's offset (added to the weight: Gemma's zero-centred scale is offset=1.0) as a
-    float: finite, and 0 when there is no weight (there is no scale to shift)."""
+    float: finite, and 0 when there is no weight (there is no scale to shift); not traced."""
+    _static(fn, "offset", value)
     try:
         f = float(value)
     except (TypeError, ValueError):

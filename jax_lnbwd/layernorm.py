@@ -103,9 +103,15 @@ def add_layernorm(x, residual, weight, bias, *, x_bias=None, eps: float = 1e-5, 
     Kernels 11 and 12 run it (kernel=None: the default); 1-10 refuse at trace time. The forward
     is one fused kernel where layernorm's is (on CUDA; jax_lnbwd.use_ffi_forward). Works under
     jit, grad, jvp, vmap, shard_map / sharded jit and jax.export. jax_lnbwd.use_xla_backward
-    applies here too (jnp add + layernorm, differentiated by JAX).
+    applies here too (jnp add + layernorm, differentiated by JAX). residual=None (a first block,
+    nothing to add yet), as the Flax AddLayerNorm: s = x (+ x_bias, rounded once) and
+    y = layernorm(s, weight, bias).
     """
     fn = "add_layernorm"
+    if residual is None:
+        _checks.forward_args(fn, x, {"weight": weight, "bias": bias, "x_bias": x_bias}, eps)
+        s = reference.add_residual(x, None, x_bias)
+        return layernorm(s, weight, bias, eps=eps, kernel=kernel, block_size=block_size), s
     _checks.array(fn, "residual", residual)
     eps = _checks.forward_args(fn, x, {"weight": weight, "bias": bias, "x_bias": x_bias}, eps)
     _checks.residual(fn, residual, x)

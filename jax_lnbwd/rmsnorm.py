@@ -86,8 +86,15 @@ def add_rmsnorm(x, residual, weight, *, x_bias=None, eps: float = 1e-6, offset: 
     bias of the projection that made x), is added first: s = (x + x_bias) + residual in fp32,
     rounded once. The forward is one fused kernel where rmsnorm's is; the backward is ONE call
     that adds s's cotangent (the residual stream's gradient) to dx inside the kernel.
+    residual=None (a first block, nothing to add yet), as the Flax AddRMSNorm: s = x (+ x_bias,
+    rounded once) and y = rmsnorm(s, weight).
     """
     fn = "add_rmsnorm"
+    if residual is None:
+        _settings(fn, x, weight, eps, offset, kernel, block_size)
+        _checks.param(fn, "x_bias", x_bias, x)
+        s = reference.add_residual(x, None, x_bias)
+        return rmsnorm(s, weight, eps=eps, offset=offset, kernel=kernel, block_size=block_size), s
     _checks.array(fn, "residual", residual)
     settings = _settings(fn, x, weight, eps, offset, kernel, block_size, residual=True)
     _checks.param(fn, "x_bias", x_bias, x)

@@ -224,21 +224,31 @@ def emit(runs, args, meta, traced: bool, floors=None, kinds: str = ""):
     the rounds (the timings are safe even if a trace then fails or takes the process down)
     and again after the traces. `kinds`: --kernels' breakdown (printed already), which e2e.txt
     also keeps."""
-    table = report.rows(runs, args.baselines)
+    table = report.rows(runs, args.baselines, {c.name: c.norm for c in args.configs})
     text = report.format_table(table, comm=args.devices > 1)
-    text += "\n\nwhich path each run's norms took (jax_lnbwd.dispatch: ffi = our kernel, jnp = XLA's fusion):\n" + \
+    paths = "\n\nwhich path each run's norms took (jax_lnbwd.dispatch: ffi = our kernel, jnp = XLA's fusion):\n" + \
         "\n".join(f"  {r.label}: {r.paths}" for r in runs)
+    text += paths
     fl = floor.format_block(floor.against(floors, table)) if floors else ""
-    print()
-    if not traced:
-        print("step times (the trace columns say n/a until the traces, which come next):")
-    print(text)
-    if traced:
+    if jax.default_backend() != "gpu":
+        # Off a GPU: one short table, once, after the traces; the byte floor, the trace columns and
+        # their legend are GPU quantities (e2e.txt and e2e.json still keep everything).
+        if traced:
+            print()
+            print("CPU smoke run: every variant compiled and ran (their losses should agree); the times are a CPU's, "
+                  "not a measurement (run it on a GPU for one)")
+            print(report.format_table(table, comm=args.devices > 1, traces=False) + paths)
+    else:
         print()
-        print(report.columns(args.devices > 1))
-    if fl:
-        print()
-        print(fl + ("\n" + floor.LEGEND if traced else ""))
+        if not traced:
+            print("step times (the trace columns say n/a until the traces, which come next):")
+        print(text)
+        if traced:
+            print()
+            print(report.columns(args.devices > 1))
+        if fl:
+            print()
+            print(fl + ("\n" + floor.LEGEND if traced else ""))
     if meta["failures"]:
         print(paint(f"{len(meta['failures'])} runs failed and are missing (above)", "red"))
     if not args.out:
@@ -254,7 +264,8 @@ def emit(runs, args, meta, traced: bool, floors=None, kinds: str = ""):
                  (f"\n{fl}\n{floor.LEGEND}\n" if fl else "") + (f"\n{kinds}\n" if kinds else ""))
     title = f"training step, {devices}" + ("" if jax.default_backend() == "gpu" else " (CPU smoke test)")
     try:
-        made = report.plot(table, os.path.join(args.out, "e2e.png"), title)
+        made = report.plot(table, os.path.join(args.out, "e2e.png"), title,
+                           "GPU" if jax.default_backend() == "gpu" else "CPU")
     except Exception as e:  # a broken plot must not cost the run's numbers
         made = False
         print(paint(f"e2e.png failed: {type(e).__name__}: {e}", "red"))
@@ -360,7 +371,8 @@ def main(argv=None):
             run.trace = None if id(run) in broken else trace.median_summary(done[id(run)]) or None
         prog.close()
     meta["seconds"]["traces"] = time.perf_counter() - clock["floor"]
-    kinds = breakdown.text(report.rows(runs, args.baselines), args.kernels) if args.kernels else ""
+    kinds = breakdown.text(report.rows(runs, args.baselines, {c.name: c.norm for c in args.configs}),
+                           args.kernels) if args.kernels else ""
     if kinds:
         print(kinds)
     print(seconds(meta))

@@ -77,6 +77,7 @@ import jax
 import jax.numpy as jnp
 
 from .._term import aligner
+from . import config
 from .report import ln_mixed_ms, ln_ms
 from .trace import step_span_ms
 from .variants import VARIANTS
@@ -246,7 +247,8 @@ def format_block(entries: list[dict]) -> str:
 
     def line(c):
         return aligned(c).rstrip()
-    out = ["byte floor of the layernorm work (ms per step; base: the baseline's ms/step and +mix):",
+    norms = sorted({config.FULL[e["model"]].norm for e in entries if e["model"] in config.FULL}) or ["norm"]
+    out = [f"byte floor of the {' and '.join(norms)} work (ms per step; base: the baseline's ms/step and +mix):",
            line(head), "-" * len(line(head))] + [line(c) for c in cells]
     ours = [(e["model"], e["dtype"], o["api"], o["variant"], f"{o['speedup']:.3f}", f"{o['ln_ms']:.3f}", str(o["t"]),
              f"{o['floor_ms']:.3f}", ratio(o["ceiling"]), ratio(o.get("gpu_speedup")), ratio(o.get("gpu_ceiling")))

@@ -11,9 +11,10 @@ COLUMNS = """\
   spread    (slowest round - fastest round) / median, for this run
   ×base     the median over the rounds of the baseline's round time / this run's in the same
             round (> 1: faster than the baseline); in brackets the lowest and highest of them
-  ln, +mix  GPU ms per step while kernels made only of layernorm work run, and while those or
-            kernels that fuse layernorm work with other work run (a lower and an upper bound;
-            kernels running at once count once; see trace/summary.py)
+  ln, +mix  GPU ms per step while kernels made only of the norm's work run (ln for LayerNorm,
+            rms for RMSNorm; norm when the table has both), and while those or kernels that fuse
+            it with other work run (a lower and an upper bound; kernels running at once count
+            once; see trace/summary.py)
   kernel    GPU ms per step in all kernels, memcpys and memsets (summed)
   idle      ms per step the GPU ran nothing inside a step (between its first kernel and its
             last); of --trace-repeats traces, the one whose traced step is the median
@@ -23,6 +24,7 @@ COLUMNS = """\
   unmap     the share of kernel time matched to no HLO instruction nor library (should be ~0)
   loss      the loss after the last step: every run of a model takes the same steps from the
             same initial parameters, so the variants' losses agree to the compute dtype's rounding
+            (the traces take more steps: the table after them shows a later loss)
   n/a       no trace (--trace none, or no collector on this machine)"""
 
 # With --devices N > 1 (data parallel): what the columns above then mean, and three more.
@@ -53,18 +55,27 @@ def columns(comm: bool) -> str:
 
 
 SHORT = {"bfloat16": "bf16", "float32": "fp32"}
+NORM_COLUMN = {"layernorm": "ln", "rmsnorm": "rms"}
 
 
-def rows(runs, baseline: str | tuple[str, ...]) -> list[dict]:
+def norm_column(norms) -> str:
+    """The name of the norm-only column: the norm's own (ln, rms), or norm for a mix of them."""
+    names = {NORM_COLUMN.get(n, n) for n in norms}
+    return names.pop() if len(names) == 1 else "norm"
+
+
+def rows(runs, baseline: str | tuple[str, ...], norms: dict | None = None) -> list[dict]:
     """One dict per run: its timings, its ratio against the baseline variant and its trace.
     baseline: a variant name, or several (one per norm: a LayerNorm model's baseline is not an
-    RMSNorm model's); a run's baseline is the one of them that ran its (model, api, dtype)."""
+    RMSNorm model's); a run's baseline is the one of them that ran its (model, api, dtype).
+    norms: {model: its norm's name} (config.py), for the column names."""
+    norms = norms or {}
     names = (baseline,) if isinstance(baseline, str) else tuple(baseline)
     base = {(r.model, r.api, r.dtype): r for r in runs if r.variant in names}
     out = []
     for r in runs:
         med = statistics.median(r.times)
-        row = {"model": r.model, "api": r.api, "dtype": r.dtype, "variant": r.variant,
+        row = {"model": r.model, "api": r.api, "dtype": r.dtype, "variant": r.variant, "norm": norms.get(r.model),
                "baseline": r.variant in names,
                "ms": med * 1e3, "round_ms": [t * 1e3 for t in r.times], "round_steps": r.round_steps,
                "step_estimate_ms": None if r.step_estimate_s is None else r.step_estimate_s * 1e3,
@@ -81,13 +92,14 @@ def rows(runs, baseline: str | tuple[str, ...]) -> list[dict]:
     return out
 
 
-def format_table(table: list[dict], comm: bool = False) -> str:
-    """The text table; comm: with the columns comm, overlap and exposed (data parallel)."""
+def format_table(table: list[dict], comm: bool = False, traces: bool = True) -> str:
+    """The text table; comm: with the columns comm, overlap and exposed (data parallel);
+    traces=False: without the trace's columns (a CPU smoke run: they are GPU quantities)."""
     def f(v, fmt):
         return "n/a" if v is None else format(v, fmt)
 
-    head = ("model", "api", "dtype", "variant", "ms/step", "spread", "×base", "ln", "+mix",
-            "kernel", "idle", "host", "unmap", "loss") + (("comm", "overlap", "exposed") if comm else ())
+    head = ("model", "api", "dtype", "variant", "ms/step", "spread", "×base", norm_column(r.get("norm") for r in table),
+            "+mix", "kernel", "idle", "host", "unmap", "loss") + (("comm", "overlap", "exposed") if comm else ())
     cells, groups = [], []
     for r in table:
         t = r["trace"] or {}
@@ -102,6 +114,10 @@ def format_table(table: list[dict], comm: bool = False) -> str:
                      (tuple(f(t.get(k), ".3f") for k in ("comm_ms", "overlap_ms", "comm_exposed_ms"))
                       if comm else ()))
         groups.append((r["model"], r["api"], r["dtype"]))
+    if not traces:   # keep model .. ×base and loss
+        keep = list(range(7)) + [head.index("loss")]
+        head = tuple(head[i] for i in keep)
+        cells = [tuple(c[i] for i in keep) for c in cells]
     line = aligner(head, cells, left=range(4))
     lines = [line(head), "-" * len(line(head))]
     for i, c in enumerate(cells):
@@ -111,7 +127,7 @@ def format_table(table: list[dict], comm: bool = False) -> str:
     return "\n".join(lines)
 
 
-def plot(table: list[dict], path: str, title: str) -> bool:
+def plot(table: list[dict], path: str, title: str, device: str = "GPU") -> bool:
     """e2e.png: step time per run (bars, the rounds' range as whiskers) and, where traced, each
     run's GPU time per step split into ln, mixed, other kernels and idle."""
     try:
@@ -143,7 +159,8 @@ def plot(table: list[dict], path: str, title: str) -> bool:
     ax.set_title(title)
     if traced:  # side by side: what layernorm costs is a few % of a step, too thin in a stack
         ax = axes[1, 0]
-        parts = [("ln", ln_ms, "C3"), ("ln + mixed", ln_mixed_ms, "C1"),
+        norm = norm_column(r.get("norm") for r in traced)
+        parts = [(norm, ln_ms, "C3"), (f"{norm} + mixed", ln_mixed_ms, "C1"),
                  ("idle", lambda t: t["idle_ms"], "0.6")]
         if any(r["trace"].get("devices", 1) > 1 for r in traced):  # data parallel: per device
             parts += [("comm overlapping ours", lambda t: t["overlap_ms"], "C2"),
@@ -154,7 +171,7 @@ def plot(table: list[dict], path: str, title: str) -> bool:
                    [get(r["trace"]) for r in traced], w, label=name, color=c)
         ax.set_xticks(range(len(traced)))
         ax.set_xticklabels([label(r) for r in traced], fontsize="x-small")
-        ax.set_ylabel("GPU ms per step" + (" per device" if len(parts) > 3 else "") + " (traced)")
+        ax.set_ylabel(f"{device} ms per step" + (" per device" if len(parts) > 3 else "") + " (traced)")
         ax.legend(fontsize="small", ncol=3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -15,7 +15,7 @@ from jax_lnbwd.norms import Norm
 from .. import _term
 from .._term import Progress, paint
 from . import __doc__ as METHOD
-from . import kernel_time
+from . import dram, kernel_time
 from .ops import OPS, Impl, resolve
 from .peers import available_peers, time_torch, torch_step
 from .report import CPU_MARK, format_table, plot
@@ -26,7 +26,6 @@ CPU_CHAIN, GPU_CHAIN = 3, 50
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 PEERS = ("default", "xla", "autodiff", "copy", "torch", "liger", "pallas", "ours-unfus")
 L2_MB = 60  # the H200's L2
-DRAM_GBPS = 4800  # the H200's HBM3e peak: a copy faster than this found its data in the L2
 
 
 def plan_ours(kernels, block_sizes: str, dtype: str, C: int, norm: Norm):
@@ -125,6 +124,7 @@ def bench_group(op, rows: int, C: int, dtype: str, combos, peers, args, key, pro
         r["pct_copy"] = 100 * us["copy"] / r["us"] if "copy" in us else None
         r["vs_xla"] = us["xla"] / r["us"] if "xla" in us else None
         r["vs_best"] = best / r["us"] if best else None
+        r["pct_peak"] = 100 * r["gbps"] / args.dram_gbps if args.dram_gbps else None
     return out
 
 
@@ -143,8 +143,10 @@ def parse_args(argv, on_gpu: bool):
 
     intro, method = METHOD.split("\n\n", 1)
     names = ", ".join(f"{n} ({op.alias})" for n, op in OPS.items())
-    p = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=intro, epilog=method,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=intro,
+                                epilog="How ops are timed and what each column means: --method.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--method", action="store_true", help="print the method (timing, bytes, columns) and exit")
     p.add_argument("--op", default="layernorm_bwd",
                    help=f"comma list of ops from {names}, or 'all' (default layernorm_bwd)")
     p.add_argument("--kernels", default=str(DEFAULT_KERNEL),
@@ -172,9 +174,9 @@ def parse_args(argv, on_gpu: bool):
                    help="chain calls per timed run until it lasts this long (default 20 GPU, 0 CPU)")
     p.add_argument("--l2-mb", type=float, default=L2_MB,
                    help=f"the GPU's L2 in MB: shapes whose bytes fit are marked L2 (default {L2_MB}, the H200's)")
-    p.add_argument("--dram-gbps", type=float, default=DRAM_GBPS,
-                   help="the GPU's DRAM peak in GB/s: shapes whose copy runs faster are marked L2 too "
-                        f"(default {DRAM_GBPS}, the H200's)")
+    p.add_argument("--dram-gbps", type=float, default=None,
+                   help=f"the DRAM's peak in GB/s, the %%peak column's denominator; a copy faster than it "
+                        f"marks a shape L2 (default: ${dram.ENV}, else the device's from dram.py's table)")
     p.add_argument("--kernel-time", action="store_true",
                    help="after timing each impl, trace one call of its chain and add the column kern µs: "
                         "its kernels' time per step alone (kernel_time.py; µs - kern µs is what the step "
@@ -183,6 +185,9 @@ def parse_args(argv, on_gpu: bool):
     p.add_argument("--out", default=None, help="directory for bench.txt, bench.json and bench.png")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
+    if a.method:
+        print(METHOD)
+        p.exit()
     try:
         a.ops = resolve(csv(a.op))
     except KeyError as e:
@@ -230,6 +235,7 @@ def main(argv=None):
     args = parse_args(argv, on_gpu)
     args.on_gpu = on_gpu
     meta = _term.machine()
+    args.dram_gbps, peak_from = dram.peak_gbps(meta["device"], args.dram_gbps)
     print(f"jax_lnbwd {meta['jax_lnbwd']} kernel bench  {meta['date']}  device: {meta['device']}  "
           f"jax {meta['jax']}")
     print(f"ops: {', '.join(op.name for op in args.ops)}; timing: median of {args.reps} runs, each n "
@@ -241,6 +247,9 @@ def main(argv=None):
     if args.cpu_sized:
         print(f"note: CPU-sized defaults (shapes {CPU_SHAPES}, chain {CPU_CHAIN}, one call per run); "
               "on a GPU the defaults are the measurement's (--help)")
+    print("denominators: %copy = a same-bytes copy's time over ours, measured in this run; %peak = GB/s over "
+          + (f"the DRAM's peak, {args.dram_gbps:g} GB/s ({peak_from})" if args.dram_gbps else
+             f"the DRAM's peak: none known for {meta['device']} (--dram-gbps or ${dram.ENV})"))
 
     why_not = available_peers(on_gpu) if any(q in args.peers for q in ("torch", "liger", "pallas")) else {}
     peers = [q for q in args.peers if why_not.get(q) is None]
@@ -285,12 +294,13 @@ def main(argv=None):
                 mark = "" if r["kernel_timing"] else f" {CPU_MARK}"
                 prog.write(f"{op.name} {dtype} {rows}x{C} {r['impl']}{mark}: {r['us']:.2f} µs" +
                            (f", {r['pct_copy']:.1f}% of copy" if r["pct_copy"] else "") +
+                           (f", {r['pct_peak']:.1f}% of DRAM peak" if r["pct_peak"] else "") +
                            (f", {r['vs_best']:.2f}x the best peer" if r["vs_best"] else ""))
         if args.out:
             write_json(complete=False)
     prog.close()
 
-    text = format_table(table, args.l2_mb) if table else "(nothing was timed)"
+    text = format_table(table, args.l2_mb, args.dram_gbps) if table else "(nothing was timed)"
     if args.out:
         write_json(complete=True)
         with open(os.path.join(args.out, "bench.txt"), "w") as fh:

@@ -8,25 +8,26 @@ CPU_NOTE = (f"{CPU_MARK}: on CPU our ops run C++ reference handlers (every backw
             "same one); these rows time that reference, not a kernel")
 
 
-def format_table(rows, l2_mb: float = 60) -> str:
+def format_table(rows, l2_mb: float = 60, dram_gbps: float | None = None) -> str:
     """The plain-text table: one line per timed entry, a blank line between (op, shape, dtype)
     groups. An op column when there are several ops, a params column when some weight/bias
     dtype differs from x's; rows that are not kernel timings (ours on CPU) carry CPU_MARK, and
-    shapes whose bytes fit in the L2 an "L2" mark, each with a footnote."""
+    shapes whose bytes fit in the L2 an "L2" mark, each with a footnote. Two denominators:
+    %copy (a same-bytes copy in this run) and %peak (the DRAM's peak, dram_gbps GB/s)."""
     def f(v, fmt, suffix=""):
         return "-" if v is None else format(v, fmt) + suffix
     ops = len({r.get("op") for r in rows}) > 1
     params = any(r.get("params", r["dtype"]) != r["dtype"] for r in rows)
     kern = any("kernel_us" in r for r in rows)   # --kernel-time
     head = (("op",) * ops + ("shape", "dtype") + ("params",) * params +
-            ("impl", "µs") + ("kern µs",) * kern + ("GB/s", "%copy", "×xla", "×best"))
+            ("impl", "µs") + ("kern µs",) * kern + ("GB/s", "%copy", "%peak", "×xla", "×best"))
     cells, groups = [], []
     for r in rows:
         impl = r["impl"] if r.get("kernel_timing", True) else f"{r['impl']} {CPU_MARK}"
         shape = r["shape"] + (" L2" if r.get("fits_l2") else "")
         cells.append(((r.get("op", ""),) * ops + (shape, r["dtype"]) + (r.get("params", r["dtype"]),) * params +
                       (impl, f(r["us"], ".2f")) + (f(r.get("kernel_us"), ".2f"),) * kern +
-                      (f(r["gbps"], ".1f"), f(r["pct_copy"], ".1f", "%"),
+                      (f(r["gbps"], ".1f"), f(r["pct_copy"], ".1f", "%"), f(r.get("pct_peak"), ".1f", "%"),
                        f(r["vs_xla"], ".2f", "x"), f(r["vs_best"], ".2f", "x"))))
         groups.append((r.get("op"), r["shape"], r["dtype"]))
     line = aligner(head, cells, left=range(head.index("µs")))   # names left, figures right
@@ -35,6 +36,9 @@ def format_table(rows, l2_mb: float = 60) -> str:
         if i and groups[i] != groups[i - 1]:
             lines.append("")
         lines.append(line(c))
+    peak = f"{dram_gbps:g} GB/s" if dram_gbps else "unknown here: -"
+    lines += ["", f"%copy: a same-bytes device copy's time over this row's (this run's ceiling); "
+                  f"%peak: GB/s over the DRAM's peak ({peak}; --dram-gbps)"]
     if not all(r.get("kernel_timing", True) for r in rows):
         lines += ["", CPU_NOTE]
     if kern:

@@ -10,8 +10,9 @@ the backward adds the residual stream's gradient inside the one kernel call.
 
 Each is a subclass of the Flax class it replaces: the same constructor, attributes, defaults
 (epsilon=1e-6), parameter names, shapes and initializers, so existing code and checkpoints work
-unchanged; only __call__ differs, normalizing with jax_lnbwd.layernorm. What is and is not
-supported is in _options.py and the README ("Flax and sharding").
+unchanged; only __call__ differs, normalizing with jax_lnbwd.layernorm / rmsnorm. Every option
+of Flax's modules is accepted; which ones run on our ops and which run Flax's own code (logged
+once): _options.py and the README's "Flax".
 """
 from .linen import AddLayerNorm, AddRMSNorm, LayerNorm, RMSNorm
 

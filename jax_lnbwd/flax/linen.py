@@ -5,7 +5,8 @@ from typing import Any, Callable
 
 import flax.linen as nn
 
-from ._options import add_normalize, check_options, normalize
+from ._options import (LAYERNORM, RMSNORM, add_inputs, add_normalize, broadcast_shape, feature_shape,
+                       linen_rmsnorm_with_offset, normalize, route)
 
 
 class LayerNorm(nn.LayerNorm):
@@ -22,14 +23,18 @@ class LayerNorm(nn.LayerNorm):
     go to the op as float32 (mixed precision: float32 scale/bias gradients). x is cast only
     when the output dtype is wider than x's (bf16 x, float32 params, dtype=None: y is float32,
     as in Flax); with dtype=bfloat16 it is not cast at all. (The rule: _options.py.)
-    Unsupported options raise a ValueError (see jax_lnbwd/flax/_options.py).
+    Every option of Flax's is accepted: those our ops do not cover (mask, axis_name, axes other
+    than trailing ones, force_float32_reductions=False) run Flax's own code, logged once
+    (jax_lnbwd/flax/_options.py).
     """
 
     @nn.compact
     def __call__(self, x, *, mask=None):
-        check_options(self, x, mask)
+        row = route(self, x, mask, has_params=self.use_scale or self.use_bias)
+        if row is None:
+            return nn.LayerNorm.__call__(self, x, mask=mask)
         scale, bias = _params(self, x)
-        return normalize("linen", x, scale, bias, epsilon=self.epsilon, dtype=self.dtype)
+        return normalize("linen", LAYERNORM, row, x, scale, bias, epsilon=self.epsilon, dtype=self.dtype)
 
 
 class AddLayerNorm(nn.LayerNorm):
@@ -46,7 +51,7 @@ class AddLayerNorm(nn.LayerNorm):
     s's (bf16 activations with dtype=None and float32 params) the add and the norm are done
     separately, with Flax's numbers.
 
-    use_x_bias=True adds one more parameter, `x_bias` of shape (features,) (x_bias_init, zeros
+    use_x_bias=True adds one more parameter, `x_bias` of the scale's shape (x_bias_init, zeros
     by default, param_dtype): the bias of the projection that produced x, moved here from that
     Dense (built with use_bias=False), so that the forward kernel adds it as well, s = (x +
     x_bias) + residual, and XLA runs no bias add of its own (jax_lnbwd.add_layernorm's x_bias):
@@ -58,15 +63,26 @@ class AddLayerNorm(nn.LayerNorm):
 
     @nn.compact
     def __call__(self, x, residual=None, *, mask=None):
-        check_options(self, x, mask)
+        row = route(self, x, mask, has_params=self.use_scale or self.use_bias or self.use_x_bias)
+        if row is None:
+            _, _, s = add_inputs(x, residual, _x_bias(self, x), broadcast_shape(self, x))
+            return nn.LayerNorm.__call__(self, s, mask=mask), s
         scale, bias = _params(self, x)
-        x_bias = self.param("x_bias", self.x_bias_init, (x.shape[-1],), self.param_dtype) if self.use_x_bias else None
-        return add_normalize("linen", x, residual, scale, bias, epsilon=self.epsilon, dtype=self.dtype, x_bias=x_bias)
+        x_bias = _x_bias(self, x)
+        return add_normalize("linen", LAYERNORM, row, x, residual, scale, bias, epsilon=self.epsilon, dtype=self.dtype,
+                             x_bias=x_bias)
+
+
+def _x_bias(module, x):
+    """The Add* modules' `x_bias` (the scale's shape), None without use_x_bias."""
+    if not module.use_x_bias:
+        return None
+    return module.param("x_bias", module.x_bias_init, feature_shape(module, x), module.param_dtype)
 
 
 def _params(module, x):
     """(scale, bias) as linen.LayerNorm makes them (None where unused)."""
-    features = (x.shape[-1],)
+    features = feature_shape(module, x)
     scale = module.param("scale", module.scale_init, features, module.param_dtype) if module.use_scale else None
     bias = module.param("bias", module.bias_init, features, module.param_dtype) if module.use_bias else None
     return scale, bias
@@ -83,14 +99,17 @@ class RMSNorm(nn.RMSNorm):
     offset (default 0.0): added to the scale by the kernel, y = x * rstd * (offset + scale).
     offset=1.0 is Gemma's zero-centred scale (store it with scale_init=zeros); the stored scale
     is untouched and its gradient is the same as without the offset.
+    Options our ops do not cover run Flax's own code (as LayerNorm's), with offset + scale.
     """
     offset: float = 0.0
 
     @nn.compact
     def __call__(self, x, *, mask=None):
-        check_options(self, x, mask)
+        row = route(self, x, mask, has_params=self.use_scale)
+        if row is None:
+            return _flax_rmsnorm(self, x, mask)
         scale = _rms_scale(self, x)
-        return normalize("linen", x, scale, None, epsilon=self.epsilon, dtype=self.dtype, rms=True,
+        return normalize("linen", RMSNORM, row, x, scale, None, epsilon=self.epsilon, dtype=self.dtype,
                          offset=self.offset)
 
 
@@ -110,15 +129,25 @@ class AddRMSNorm(RMSNorm):
 
     @nn.compact
     def __call__(self, x, residual=None, *, mask=None):
-        check_options(self, x, mask)
+        row = route(self, x, mask, has_params=self.use_scale or self.use_x_bias)
+        if row is None:
+            _, _, s = add_inputs(x, residual, _x_bias(self, x), broadcast_shape(self, x))
+            return _flax_rmsnorm(self, s, mask), s
         scale = _rms_scale(self, x)
-        x_bias = self.param("x_bias", self.x_bias_init, (x.shape[-1],), self.param_dtype) if self.use_x_bias else None
-        return add_normalize("linen", x, residual, scale, None, epsilon=self.epsilon, dtype=self.dtype,
-                             x_bias=x_bias, rms=True, offset=self.offset)
+        x_bias = _x_bias(self, x)
+        return add_normalize("linen", RMSNORM, row, x, residual, scale, None, epsilon=self.epsilon, dtype=self.dtype,
+                             x_bias=x_bias, offset=self.offset)
 
 
 def _rms_scale(module, x):
     """`scale` as linen.RMSNorm makes it (None without use_scale)."""
     if not module.use_scale:
         return None
-    return module.param("scale", module.scale_init, (x.shape[-1],), module.param_dtype)
+    return module.param("scale", module.scale_init, feature_shape(module, x), module.param_dtype)
+
+
+def _flax_rmsnorm(module, x, mask):
+    """Flax's own linen.RMSNorm code (with offset + scale where offset is not 0)."""
+    if module.offset == 0.0:
+        return nn.RMSNorm.__call__(module, x, mask=mask)
+    return linen_rmsnorm_with_offset(module, x, mask)

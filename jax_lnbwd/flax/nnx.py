@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from flax import nnx
 
-from ._options import add_normalize, check_options, normalize
+from ._options import (LAYERNORM, RMSNORM, add_inputs, add_normalize, broadcast_shape, normalize,
+                       nnx_rmsnorm_with_offset, route)
 
 
 class _XBias:
     """The Add* modules' one extra Param: `x_bias` (num_features,) with use_x_bias=True, made by
-    x_bias_init (zeros) in param_dtype, else None. Put before the Flax class in the bases."""
+    x_bias_init (zeros) in param_dtype, else None; reshaped against x as the scale is. Put
+    before the Flax class in the bases."""
 
     def __init__(self, num_features: int, *args, use_x_bias: bool = False,
                  x_bias_init=nnx.initializers.zeros_init(), rngs: nnx.Rngs, **kwargs):
@@ -32,13 +34,16 @@ class LayerNorm(nnx.LayerNorm):
     nnx: y has `dtype`, or when None the promotion of x's and the parameters' dtypes, and x is
     cast to it as nnx casts it; statistics are float32 (float64 for float64). Unlike nnx, float32
     parameters are never rounded: beside bf16/fp16 x they go to the op as float32 (mixed
-    precision: float32 scale/bias gradients). The rule: _options.py. Unsupported options
-    raise a ValueError (see jax_lnbwd/flax/_options.py).
+    precision: float32 scale/bias gradients). The rule: _options.py. Every option of Flax's is
+    accepted: those our ops do not cover (mask, axis_name, axes other than trailing ones, a
+    promote_dtype of one's own) run Flax's own code, logged once (jax_lnbwd/flax/_options.py).
     """
 
     def __call__(self, x, *, mask=None):
-        check_options(self, x, mask)
-        return normalize("nnx", x, *_params(self), epsilon=self.epsilon, dtype=self.dtype)
+        row = route(self, x, mask, has_params=_has_params(self))
+        if row is None:
+            return nnx.LayerNorm.__call__(self, x, mask=mask)
+        return normalize("nnx", LAYERNORM, row, x, *_params(self), epsilon=self.epsilon, dtype=self.dtype)
 
 
 class AddLayerNorm(_XBias, nnx.LayerNorm):
@@ -53,9 +58,16 @@ class AddLayerNorm(_XBias, nnx.LayerNorm):
     AddLayerNorm, jax_lnbwd/flax/linen.py)."""
 
     def __call__(self, x, residual=None, *, mask=None):
-        check_options(self, x, mask)
-        return add_normalize("nnx", x, residual, *_params(self), epsilon=self.epsilon, dtype=self.dtype,
-                             x_bias=self.x_bias_value())
+        row = route(self, x, mask, has_params=_has_params(self))
+        if row is None:
+            _, _, s = add_inputs(x, residual, self.x_bias_value(), broadcast_shape(self, x))
+            return nnx.LayerNorm.__call__(self, s, mask=mask), s
+        return add_normalize("nnx", LAYERNORM, row, x, residual, *_params(self), epsilon=self.epsilon,
+                             dtype=self.dtype, x_bias=self.x_bias_value())
+
+
+def _has_params(module) -> bool:
+    return any(getattr(module, name, None) is not None for name in ("scale", "bias", "x_bias"))
 
 
 def _params(module):
@@ -70,15 +82,17 @@ class RMSNorm(nnx.RMSNorm):
 
     A subclass: __init__ is Flax's own (same arguments, defaults, `scale` Param), plus `offset`
     (default 0.0), added to the scale by the kernel (Gemma's zero-centred scale: 1.0). dtypes as
-    LayerNorm above."""
+    LayerNorm above; options our ops do not cover run Flax's own code, with offset + scale."""
 
     def __init__(self, num_features: int, *args, offset: float = 0.0, rngs: nnx.Rngs, **kwargs):
         super().__init__(num_features, *args, rngs=rngs, **kwargs)
         self.offset = offset
 
-    def __call__(self, x, *, mask=None):
-        check_options(self, x, mask)
-        return normalize("nnx", x, _scale(self), None, epsilon=self.epsilon, dtype=self.dtype, rms=True,
+    def __call__(self, x, mask=None):
+        row = route(self, x, mask, has_params=_has_params(self))
+        if row is None:
+            return _flax_rmsnorm(self, x, mask)
+        return normalize("nnx", RMSNORM, row, x, _scale(self), None, epsilon=self.epsilon, dtype=self.dtype,
                          offset=self.offset)
 
 
@@ -88,10 +102,20 @@ class AddRMSNorm(_XBias, RMSNorm):
     AddLayerNorm; use_x_bias adds the Param `x_bias`)."""
 
     def __call__(self, x, residual=None, *, mask=None):
-        check_options(self, x, mask)
-        return add_normalize("nnx", x, residual, _scale(self), None, epsilon=self.epsilon, dtype=self.dtype,
-                             x_bias=self.x_bias_value(), rms=True, offset=self.offset)
+        row = route(self, x, mask, has_params=_has_params(self))
+        if row is None:
+            _, _, s = add_inputs(x, residual, self.x_bias_value(), broadcast_shape(self, x))
+            return _flax_rmsnorm(self, s, mask), s
+        return add_normalize("nnx", RMSNORM, row, x, residual, _scale(self), None, epsilon=self.epsilon,
+                             dtype=self.dtype, x_bias=self.x_bias_value(), offset=self.offset)
 
 
 def _scale(module):
     return None if module.scale is None else module.scale[...]
+
+
+def _flax_rmsnorm(module, x, mask):
+    """Flax's own nnx.RMSNorm code (with offset + scale where offset is not 0)."""
+    if module.offset == 0.0:
+        return nnx.RMSNorm.__call__(module, x, mask)
+    return nnx_rmsnorm_with_offset(module, x, mask)

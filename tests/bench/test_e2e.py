@@ -139,6 +139,9 @@ def test_the_command_runs_end_to_end_in_a_pipe(tmp_path):
         assert len(steps) == 1 and 1 <= steps.pop() <= train.ROUND_STEPS_CAP, rows
     assert all(r["step_estimate_ms"] > 0 for r in rows)
     assert "steps per round" in printed
+    # On the CPU: one short table that says it is a smoke run; no GPU columns, legend or byte floor.
+    assert printed.count("CPU smoke run") == 1 and printed.count("ms/step") == 1
+    assert "byte floor" not in printed and "GPU ms" not in printed and "layernorm work" not in printed
     for r in rows:  # on CPU: jax.profiler's per-instruction tasks
         assert r["trace"]["ln_ms"] > 0 and r["trace"]["other_ms"] > 0 and r["trace"]["idle_ms"] >= 0
         assert r["devices"] == r["trace"]["devices"] == 1 and r["trace"]["comm_ms"] == 0

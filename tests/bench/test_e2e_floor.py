@@ -3,7 +3,7 @@
 It checks the counting rule's totals for the models, that the rule's add & norms are the
 models' (their number, and which of them hold a residual add and a gradient add inside the
 layernorm scope, read from the step's jaxpr), the +mix/floor and ceiling arithmetic on made-up
-rows, and that the command prints the floor block and writes it to e2e.txt and e2e.json.
+rows, and that the command writes the floor block to e2e.txt and e2e.json (a GPU run also prints it).
 """
 from __future__ import annotations
 
@@ -197,7 +197,7 @@ def test_our_kernels_at_the_floor_on_made_up_rows():
 
 
 @pytest.mark.slow
-def test_the_command_prints_and_writes_the_floor(tmp_path):
+def test_the_command_writes_the_floor(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0", NO_COLOR="", JAX_PLATFORMS="cpu")
     cmd = [sys.executable, "-m", "benchmarks.e2e", "--small", "--models", "gpt", "--apis", "linen", "--layers", "2",
            "--variants", "flax,jax_lnbwd", "--rounds", "2", "--steps", "2", "--round-seconds", "0",
@@ -214,7 +214,7 @@ def test_the_command_prints_and_writes_the_floor(tmp_path):
     assert e["copy_gbps"] > 0 and all(v["ms"] > 0 for v in e["forms"].values())
     (b,) = e["baseline"]
     assert b["api"] == "linen" and b["variant"] == "flax" and b["forms"]["fused"]["mix_over_floor"] > 0
-    assert "byte floor of the layernorm work" in done.stdout
+    assert "byte floor" not in done.stdout   # on the CPU: in e2e.txt only, the printout is one short table
     (o,) = e["ours"]
     assert (o["variant"], o["t"]) == ("jax_lnbwd", 5 * 5) and "our kernels at the floor" in text
     assert o["gpu_speedup"] > 0 and b["span_ms"] > 0   # the CPU trace has spans too

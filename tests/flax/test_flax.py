@@ -7,7 +7,7 @@ and initial values: checkpoints are interchangeable) and the loss curves equal t
 dtype's precision, in float32 and in bfloat16 compute with float32 params; the compiled train
 step must call our backward once per LayerNorm. The training runs on the CPU, and on the GPU
 when there is one; the other tests run on the default device. The nnx tests check the state
-and the forward/gradients against flax.nnx.LayerNorm. Unsupported options must raise.
+and the forward/gradients against flax.nnx.LayerNorm. Every other option: test_flax_options.py.
 """
 from __future__ import annotations
 
@@ -132,23 +132,6 @@ def test_linen_options_match_flax(options):
         assert rel_err(b, a) <= tol
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"reduction_axes": (1, 2)}, "reduction_axes"),
-    ({"feature_axes": 1}, "feature_axes"),
-    ({"axis_name": "batch"}, "axis_name"),
-    ({"axis_index_groups": [[0]]}, "axis_index_groups"),
-    ({"force_float32_reductions": False}, "force_float32_reductions"),
-])
-def test_linen_unsupported_options_raise(options, message):
-    with pytest.raises(ValueError, match=message):
-        LayerNorm(**options).init(jax.random.key(0), jnp.asarray(X))
-
-
-def test_linen_mask_raises():
-    with pytest.raises(ValueError, match="mask"):
-        LayerNorm().init(jax.random.key(0), jnp.asarray(X), mask=jnp.ones(X.shape, bool))
-
-
 # --- nnx -----------------------------------------------------------------------------------------
 
 try:
@@ -203,12 +186,3 @@ def test_nnx_state_forward_and_grads_match(dtype):
     hlo = jax.jit(jax.grad(loss, argnums=1), static_argnums=0).lower(graph_ours, state_ours, x).compile().as_text()
     target = TARGET if dtype is None else TARGET_V2   # bf16 x beside float32 params: mixed precision
     assert hlo.count(f'custom_call_target="{target}"') == 2
-
-
-@requires_nnx
-def test_nnx_unsupported_options_raise():
-    from jax_lnbwd.flax import nnx as lnbwd_nnx
-
-    for options, message in (({"reduction_axes": 0}, "reduction_axes"), ({"axis_name": "i"}, "axis_name")):
-        with pytest.raises(ValueError, match=message):
-            lnbwd_nnx.LayerNorm(24, rngs=nnx.Rngs(0), **options)(jnp.asarray(X))
