@@ -15,6 +15,7 @@ import numpy as np
 from . import reference
 from . import kernels
 from .kernels import DEFAULT_KERNEL, KERNELS, v2_refusal
+from .norms import NORMS_BY_NAME
 
 SUPPORTED = ("float32", "bfloat16", "float16", "float64")
 SIXTEEN_BIT = ("bfloat16", "float16")
@@ -158,8 +159,9 @@ def kernel(fn: str, kernel_, block_size, dtype: str, C: int, *, mixed: bool = Fa
         raise ValueError(f"{fn}: kernel {info.id} accepts block_size in {list(info.block_sizes)} "
                          f"or None, got {block_size!r}")
     # A kernel that cannot run this norm at all says so before any limit of its own.
-    why = v2_refusal(info.id, mixed=False, residual=False, norm=norm) or info.refuse(C, dtype, int(block_size)) \
-        or v2_refusal(info.id, mixed=mixed, residual=residual)
+    row = NORMS_BY_NAME[norm]
+    why = v2_refusal(info.id, mixed=False, residual=False, norm=row) or info.refuse(C, dtype, int(block_size)) \
+        or v2_refusal(info.id, mixed=mixed, residual=residual, norm=row)
     if why is not None:
         raise ValueError(f"{fn}: {why}")
     return info.id, int(block_size)

@@ -10,6 +10,7 @@ import jax
 
 from jax_lnbwd import DEFAULT_KERNEL, KERNELS
 from jax_lnbwd.kernels import v2_refusal
+from jax_lnbwd.norms import NORMS_BY_NAME
 
 from .. import _term
 from .._term import Progress, paint
@@ -33,7 +34,7 @@ def plan_ours(kernels, block_sizes: str, dtype: str, C: int, norm: str = "layern
     combos, refused = [], []
     for kid in kernels:
         info = KERNELS[kid]
-        if (why := v2_refusal(kid, mixed=False, residual=False, norm=norm)) is not None:
+        if (why := v2_refusal(kid, mixed=False, residual=False, norm=NORMS_BY_NAME[norm])) is not None:
             refused.append(f"k{kid}: {why.split(';')[0]}")
             continue
         if dtype not in info.dtypes:

@@ -42,7 +42,7 @@ int blocks(int64_t rows, int64_t C, Dtype d, const std::vector<int>& kernels) {
     if (!TakesDtype(k, d)) continue;
     for (int bs : BlockSizes(k)) {
       if (refuses(kernel, d, C, bs, device)) continue;
-      LayernormBwdParams p{dx.ptr, dw.ptr, db.ptr, dy.ptr, x.ptr, w.ptr, mean.ptr, rstd.ptr, rows, C, 1, 0, d, bs,
+      NormBwdParams p{dx.ptr, dw.ptr, db.ptr, dy.ptr, x.ptr, w.ptr, mean.ptr, rstd.ptr, rows, C, 1, 0, d, bs,
                            ws.ptr, ws.bytes};
       auto launch = [&] { return launch_kernel(kernel, p, 0); };
       cudaError_t err = launch();
@@ -73,7 +73,7 @@ int blocks(int64_t rows, int64_t C, Dtype d, const std::vector<int>& kernels) {
 // random values.
 struct FilledProblem {
   DeviceBuf dy, x, dx, w, dw, db, mean, rstd, ws;
-  LayernormBwdParams p;
+  NormBwdParams p;
   FilledProblem(int64_t rows, int64_t C, Dtype d, int sms)
       : dy(rows * C * dtype_item_bytes(d)), x(rows * C * dtype_item_bytes(d)), dx(rows * C * dtype_item_bytes(d)), w(C * dtype_item_bytes(d)),
         dw(C * dtype_item_bytes(d)), db(C * dtype_item_bytes(d)), mean(rows * dtype_acc_bytes(d)), rstd(rows * dtype_acc_bytes(d)),
@@ -86,7 +86,7 @@ struct FilledProblem {
 // Runs the default kernel 12 launcher a few times on a big problem (for ncu).
 int profile(int64_t rows, int64_t C, Dtype d) {
   FilledProblem f(rows, C, d, device0_attribute(cudaDevAttrMultiProcessorCount));
-  for (int i = 0; i < 3; ++i) CHECK_CUDA(layernorm_bwd_kernel12(f.p, 0));
+  for (int i = 0; i < 3; ++i) CHECK_CUDA(norm_bwd_kernel12(f.p, 0));
   CHECK_CUDA(cudaDeviceSynchronize());
   return 0;
 }
@@ -95,12 +95,12 @@ int profile(int64_t rows, int64_t C, Dtype d) {
 // the median over 10 rounds of 200 calls each, the stream drained between rounds.
 int host(int64_t rows, int64_t C, Dtype d) {
   FilledProblem f(rows, C, d, device0_attribute(cudaDevAttrMultiProcessorCount));
-  CHECK_CUDA(layernorm_bwd_kernel12(f.p, 0));
+  CHECK_CUDA(norm_bwd_kernel12(f.p, 0));
   std::vector<double> us;
   for (int round = 0; round < 10; ++round) {
     CHECK_CUDA(cudaDeviceSynchronize());
     const auto t0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < 200; ++i) CHECK_CUDA(layernorm_bwd_kernel12(f.p, 0));
+    for (int i = 0; i < 200; ++i) CHECK_CUDA(norm_bwd_kernel12(f.p, 0));
     us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / 200);
   }
   CHECK_CUDA(cudaDeviceSynchronize());
@@ -182,7 +182,7 @@ int sweep(int64_t rows, int64_t C, Dtype d, bool default_only) {
   upload(f.w, d, [&] { return 1 + 0.1 * n(gen); }, C);
   upload(f.mean, stat, [] { return 0.0; }, rows);
   upload(f.rstd, stat, [] { return 1.0; }, rows);
-  const LayernormBwdParams& p = f.p;
+  const NormBwdParams& p = f.p;
   Kernel11Config picked;
   const bool has_pick = kernel11_pick(d, C, C % (16 / it) == 0, device0_limits(), &picked);
   std::vector<Kernel11Config> cfgs;
@@ -191,18 +191,18 @@ int sweep(int64_t rows, int64_t C, Dtype d, bool default_only) {
     Outputs o;
     const cudaError_t err = run(pb, 11, 0, &c, &o, sms);
     const double e = err ? INFINITY : rel_err(d, o.dx, pb.ref_dx);
-    const double us = time_it([&](cudaStream_t st) { CHECK_CUDA(layernorm_bwd_kernel11_config(p, c, st)); });
+    const double us = time_it([&](cudaStream_t st) { CHECK_CUDA(norm_bwd_kernel11_config(p, c, st)); });
     const bool is_pick = has_pick && c.nv == picked.nv && c.prefetch == picked.prefetch && c.tpr == picked.tpr;
     std::printf("  vec=%d nv=%d prefetch=%d tpr=%4d groups=%2d: %8.1f us %6.0f GB/s %5.1f%% of copy  dx err %.1e%s\n",
                 c.vec, c.nv, int(c.prefetch), c.tpr, c.groups, us, bytes / us / 1e3, 100 * copy_us / us, e,
                 is_pick ? "  <- default" : "");
   }
   if (!has_pick && !default_only) {
-    const double us = time_it([&](cudaStream_t st) { CHECK_CUDA(layernorm_bwd_kernel11_wide(p, st)); });
+    const double us = time_it([&](cudaStream_t st) { CHECK_CUDA(norm_bwd_kernel11_wide(p, st)); });
     std::printf("  k11 wide path: %8.1f us %6.0f GB/s %5.1f%% of copy\n", us, bytes / us / 1e3, 100 * copy_us / us);
   }
   if (kernel12_wide_fits(d, C, device0_limits()) && !default_only) {
-    const double us = time_it([&](cudaStream_t st) { CHECK_CUDA(layernorm_bwd_kernel12_wide(p, st)); });
+    const double us = time_it([&](cudaStream_t st) { CHECK_CUDA(norm_bwd_kernel12_wide(p, st)); });
     std::printf("  k12 wide path: %8.1f us %6.0f GB/s %5.1f%% of copy\n", us, bytes / us / 1e3, 100 * copy_us / us);
   }
   Kernel12Config pick12;
@@ -214,7 +214,7 @@ int sweep(int64_t rows, int64_t C, Dtype d, bool default_only) {
     Outputs o;
     const cudaError_t err = run(pb, 12, 0, nullptr, &o, sms, 1, &c);
     const double e = err ? INFINITY : rel_err(d, o.dx, pb.ref_dx);
-    const double us = time_it([&](cudaStream_t st) { CHECK_CUDA(layernorm_bwd_kernel12_config(p, c, st)); });
+    const double us = time_it([&](cudaStream_t st) { CHECK_CUDA(norm_bwd_kernel12_config(p, c, st)); });
     std::printf("  k12 split=%d regs=%d raw_w=%d nv=%d nb=%d tpr=%4d groups=%2d: %8.1f us %6.0f GB/s %5.1f%% of copy  dx err %.1e%s\n",
                 c.split, int(c.regs), int(c.raw_weight), c.nv, c.nb, c.tpr, c.groups, us, bytes / us / 1e3, 100 * copy_us / us, e,
                 is_pick ? "  <- default" : "");

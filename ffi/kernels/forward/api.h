@@ -51,7 +51,7 @@ enum class FwdPath {
 };
 
 // Outputs are written, never accumulated into.
-struct LayernormFwdParams {
+struct NormFwdParams {
   void* y;                // [rows, C] dtype
   void* mean;             // [rows] float32 (float64 when dtype is kF64); null for kRmsNorm
   void* rstd;             // [rows] float32 (float64 when dtype is kF64)
@@ -88,7 +88,7 @@ struct LayernormFwdParams {
 // What the launcher runs for a shape: the path, the vector width (elements per access: 16 bytes,
 // or 1 when rows are not 16-byte aligned), for kRegisters the row group: `tpr` threads per row,
 // each holding `nv` vectors, and `rows_per_block` row groups per block; and the grid.
-struct LayernormFwdConfig {
+struct NormFwdConfig {
   FwdPath path;
   int vec;
   int nv;
@@ -100,12 +100,12 @@ struct LayernormFwdConfig {
                           // max_blocks); the blocks then stride over the rest
 };
 
-// The configuration layernorm_fwd would launch for `p` on the current device (p.path forces a
+// The configuration norm_fwd would launch for `p` on the current device (p.path forces a
 // path; cudaErrorInvalidValue if that path cannot hold this row). Host-only; reads device limits.
-cudaError_t layernorm_fwd_pick(const LayernormFwdParams& p, LayernormFwdConfig* cfg);
+cudaError_t norm_fwd_pick(const NormFwdParams& p, NormFwdConfig* cfg);
 
 // Launches the forward on `stream`. cudaErrorInvalidValue for a dtype pair it has no kernel for
 // (the FFI glue refuses those first). rows == 0 launches nothing.
-cudaError_t layernorm_fwd(const LayernormFwdParams& p, cudaStream_t stream);
+cudaError_t norm_fwd(const NormFwdParams& p, cudaStream_t stream);
 
 }  // namespace lnbwd
