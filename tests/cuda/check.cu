@@ -54,6 +54,7 @@ int check_refusals(const std::vector<int>& kernels, int* checked) {
         db(segments * C * it), mean(rows * 4), rstd(rows * 4), ws(kWorkspaceHeaderBytes + rows * 2 * C * 4);
     NormBwdParams p{dx.ptr, dw.ptr, db.ptr, dy.ptr, x.ptr, w.ptr, mean.ptr, rstd.ptr, rows, C, segments, 0, d,
                          block_size, ws.ptr, ws.bytes};
+    p.norm = NormKind::kLayerNorm;
     const cudaError_t got = launch_kernel(kernel, p, 0);
     CHECK_CUDA(cudaDeviceSynchronize());
     ++*checked;

@@ -76,6 +76,7 @@ static double rel_err(const std::vector<double>& a, const std::vector<double>& b
 // configuration does not apply to this shape (not counted).
 static int run_case(const Case& c, std::mt19937_64& rng) {
   NormFwdParams p = {};
+  p.norm = NormKind::kLayerNorm;
   p.rows = c.rows;
   p.C = c.C;
   p.dtype = c.dtype;

@@ -196,6 +196,7 @@ inline cudaError_t run(const Problem& pb, int kernel, int block_size, const Kern
   CHECK_CUDA(cudaMemset(db.ptr, 0xFF, db.bytes)); CHECK_CUDA(cudaMemset(ws.ptr, 0xFF, ws.bytes));
   NormBwdParams p{dx.ptr, dw.ptr, db.ptr, dy.ptr, x.ptr, w.ptr, mean.ptr, rstd.ptr, pb.rows, pb.C, 1, 0, d,
                        block_size, ws.ptr, ws.bytes};
+  p.norm = NormKind::kLayerNorm;
   cudaError_t err = cudaSuccess;
   for (int i = 0; i < repeats && err == cudaSuccess; ++i) {
     if (cfg) err = norm_bwd_kernel11_config(p, *cfg, 0);

@@ -44,6 +44,7 @@ int blocks(int64_t rows, int64_t C, Dtype d, const std::vector<int>& kernels) {
       if (refuses(kernel, d, C, bs, device)) continue;
       NormBwdParams p{dx.ptr, dw.ptr, db.ptr, dy.ptr, x.ptr, w.ptr, mean.ptr, rstd.ptr, rows, C, 1, 0, d, bs,
                            ws.ptr, ws.bytes};
+      p.norm = NormKind::kLayerNorm;
       auto launch = [&] { return launch_kernel(kernel, p, 0); };
       cudaError_t err = launch();
       std::vector<float> ms;
@@ -79,6 +80,7 @@ struct FilledProblem {
         dw(C * dtype_item_bytes(d)), db(C * dtype_item_bytes(d)), mean(rows * dtype_acc_bytes(d)), rstd(rows * dtype_acc_bytes(d)),
         ws(kWorkspaceHeaderBytes + std::min<int64_t>(rows, 4 * sms) * 2 * C * dtype_acc_bytes(d)),
         p{dx.ptr, dw.ptr, db.ptr, dy.ptr, x.ptr, w.ptr, mean.ptr, rstd.ptr, rows, C, 1, 0, d, 0, ws.ptr, ws.bytes} {
+    p.norm = NormKind::kLayerNorm;
     for (DeviceBuf* b : {&dy, &x, &w, &mean, &rstd}) CHECK_CUDA(cudaMemset(b->ptr, 0x3c, b->bytes));
   }
 };

@@ -1,4 +1,5 @@
-// The launcher API of the layernorm backward kernels: plain pointers, sizes and a stream.
+// The launcher API of the norm backward kernels (layernorm and RMSNorm, NormKind): plain
+// pointers, sizes and a stream.
 // This header is shared by the kernels (compiled by nvcc) and the XLA FFI glue (compiled by the
 // host compiler). It never includes an XLA header and every launcher returns a cudaError_t.
 //
@@ -81,9 +82,10 @@ struct NormBwdParams {
   // Kernels 11 and 12 only: llm.c's kernels 1-10 ignore these two, so the FFI glue refuses them there.
   const void* dresidual = nullptr;  // [rows, C] dtype, added to dx; null: nothing added
   bool weight_f32 = false;  // weight, dweight, dbias are float32 while dtype is kBF16 or kF16
-  // Kernels 11 and 12 only, as the two above: RMSNorm (mean and dbias null) and its weight
-  // offset, g_i = (offset + weight_i) * dy_i in the accumulator type (ignored for kLayerNorm).
-  NormKind norm = NormKind::kLayerNorm;
+  // The norm kind, which every caller sets: kRmsNorm (kernels 11 and 12 only, as the two above)
+  // has mean and dbias null and its weight offset, g_i = (offset + weight_i) * dy_i in the
+  // accumulator type (offset is ignored for kLayerNorm).
+  NormKind norm;
   double offset = 0.0;
 };
 

@@ -21,7 +21,9 @@ cudaError_t norm_bwd_workspace_bytes(int kernel, Dtype dtype, int64_t rows, int6
   }
   // Stand-in buffers, never touched: 16-byte aligned addresses, as XLA's buffers are.
   void* const aligned = reinterpret_cast<void*>(uintptr_t{4096});
+  // Layernorm's launch: RMSNorm's (no mean, no dbias) is the same launch with the same workspace.
   NormBwdParams p;
+  p.norm = NormKind::kLayerNorm;
   p.dx = p.dweight = p.dbias = aligned;
   p.dy = p.x = p.weight = p.mean = p.rstd = aligned;
   p.rows = rows;

@@ -1,4 +1,4 @@
-// The launcher API of the fused layernorm forward: plain pointers, sizes and a stream. Shared by
+// The launcher API of the fused norm forward (layernorm and RMSNorm): plain pointers, sizes and a stream. Shared by
 // the kernels (nvcc) and the XLA FFI glue (host compiler); never includes an XLA header.
 //
 // The math, for one row of C elements x_0..x_{C-1}, in fp32 (fp64 for fp64 data):
@@ -76,8 +76,9 @@ struct NormFwdParams {
   // The residual variant only, optional: x's own bias, added to x before the residual.
   const void* x_bias;     // [x_bias_rows, C] param_dtype, or nullptr
   int64_t x_bias_rows;    // as weight_rows
-  // RMSNorm: mean and bias null; offset is added to the weight (ignored for kLayerNorm).
-  NormKind norm = NormKind::kLayerNorm;
+  // The norm kind, which every caller sets. RMSNorm: mean and bias null; offset is added to the
+  // weight (ignored for kLayerNorm).
+  NormKind norm;
   double offset = 0.0;
   // 0: as many blocks as row groups, up to the device's grid limit (what the FFI glue uses); else
   // at most max_blocks, so that blocks stride over rows (the standalone checks' grid-stride cases:
