@@ -128,7 +128,10 @@ nb::dict DeviceLimitsDict(int device) {
   return d;
 }
 
-nb::dict PlanDict(int kernel, const std::string& dtype, int64_t rows, int64_t C, int64_t segments, int device) {
+// `op` names the function the user called, for the error: the op whose workspace is planned
+// (e.g. "rmsnorm_bwd"), or launch_plan itself.
+nb::dict PlanDict(int kernel, const std::string& dtype, int64_t rows, int64_t C, int64_t segments, int device,
+                  const std::string& op) {
   LaunchPlan plan;
   const cudaError_t err = norm_bwd_workspace_bytes(kernel, ParseDtype(dtype), rows, C, segments, device, &plan);
   if (err != cudaSuccess) {
@@ -209,8 +212,8 @@ NB_MODULE(_jax_lnbwd, m) {
   // kernels/common/device_limits.h).
   m.def("device_limits", &lnbwd::DeviceLimitsDict, nb::arg("device"));
   // The launch kernel 11 or 12 would make, and the workspace it uses (norm_bwd_workspace_bytes):
-  // rmsnorm_bwd runs the same launch, so its workspace is sized by this too.
+  // rmsnorm_bwd runs the same launch, so its workspace is sized by this too. A failure names `op`.
   m.def("launch_plan", &lnbwd::PlanDict, nb::arg("kernel"), nb::arg("dtype"), nb::arg("rows"), nb::arg("C"),
-        nb::arg("segments"), nb::arg("device"));
+        nb::arg("segments"), nb::arg("device"), nb::arg("op") = "launch_plan");
 #endif
 }

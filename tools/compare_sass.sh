@@ -23,7 +23,7 @@
 # build (one object per .cu file, which is checked).
 # RENAMES, a file of "OLD NEW" lines (C++ identifiers; blank lines and #-comments skipped), names
 # what a change renamed: NEW is read as OLD on the new side before the diff, both as a whole word
-# and as an Itanium-mangled name with its length prefix (13NormBwdParams as 19LayernormBwdParams),
+# and as an Itanium-mangled name with its length prefix (13NormBwdParams as 18LayernormBwdParams),
 # so that a rename of a kernel, or of a type in a kernel's signature, compares as no change.
 set -euo pipefail
 
@@ -69,14 +69,14 @@ dump() {
 import re, sys
 text = sys.stdin.read()
 # The new side read with the old names (RENAMES): a mangled name first (its length prefix
-# changes with it), then the word.
+# changes with it, and says where it ends), then the word.
 if sys.argv[1]:
     for line in open(sys.argv[1]):
         line = line.split("#")[0].split()
         if not line:
             continue
         old, new = line
-        text = re.sub(rf"(?<![0-9]){len(new)}{new}(?![0-9A-Za-z_])", f"{len(old)}{old}", text)
+        text = re.sub(rf"(?<![0-9]){len(new)}{new}", f"{len(old)}{old}", text)
         text = re.sub(rf"(?<![0-9A-Za-z_]){new}(?![0-9A-Za-z_])", old, text)
 # One entry per "Function : <name>" section (up to the next one, or the end of its ELF).
 parts = re.split(r"^\s*Function : ", text, flags=re.M)[1:]

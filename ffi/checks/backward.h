@@ -188,7 +188,8 @@ inline ffi::Error CheckKernelRuns(int32_t kernel, const NormBwdShape& shape, boo
   std::string what;
   bool KernelFacts::*fact = nullptr;
   if (shape.norm == NormKind::kRmsNorm && !k->rmsnorm) {
-    what = "rmsnorm", fact = &KernelFacts::rmsnorm;
+    what = "rmsnorm";
+    fact = &KernelFacts::rmsnorm;
   } else if ((shape.weight_f32 || has_residual) && !k->v2_operands) {
     what = shape.weight_f32 ? "a float32 weight beside 16-bit x (mixed precision)"
                             : "an added residual gradient ('dresidual')";
@@ -231,7 +232,8 @@ inline ffi::Error CheckLayernormBwdV2Target(const ffi::AnyBuffer& dy, const ffi:
   return CheckKernelRuns(kernel, *shape, has_residual);
 }
 
-// Target rmsnorm_bwd: v2's buffers without mean and dbias, kernels 11 and 12, a finite offset.
+// Target rmsnorm_bwd: v2's buffers without mean and dbias, a kernel that runs rmsnorm, a finite
+// offset.
 inline ffi::Error CheckRmsnormBwdTarget(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x,
                                         const ffi::AnyBuffer& weight, const ffi::AnyBuffer& rstd,
                                         const ffi::AnyBuffer& dresidual, const ffi::AnyBuffer& dx,
