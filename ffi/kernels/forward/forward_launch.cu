@@ -119,7 +119,8 @@ cudaError_t norm_fwd_pick(const NormFwdParams& p, NormFwdConfig* cfg) {
 cudaError_t norm_fwd(const NormFwdParams& p, cudaStream_t stream) {
   if (p.rows == 0) return cudaSuccess;   // nothing to read or write
   if (p.x == nullptr || p.y == nullptr || p.rstd == nullptr) return cudaErrorInvalidValue;
-  // Layernorm writes mean; RMSNorm has neither mean nor bias (its kernels are told by mean null).
+  // p.norm is the kind (the kernels' template parameter K); the buffers must agree with it:
+  // layernorm writes mean, RMSNorm has neither mean nor bias.
   if (p.norm == NormKind::kLayerNorm && p.mean == nullptr) return cudaErrorInvalidValue;
   if (p.norm == NormKind::kRmsNorm && (p.mean != nullptr || p.bias != nullptr)) return cudaErrorInvalidValue;
   if (p.norm != NormKind::kLayerNorm && p.norm != NormKind::kRmsNorm) return cudaErrorInvalidValue;
