@@ -159,10 +159,10 @@ inline bool refuses(int kernel, Dtype d, int64_t C, int block_size, const Refusa
 }
 
 // The launcher of kernel `kernel` (1-12) at its default configuration.
-inline cudaError_t launch_kernel(int kernel, const LayernormBwdParams& p, cudaStream_t stream) {
+inline cudaError_t launch_kernel(int kernel, const NormBwdParams& p, cudaStream_t stream) {
   if (kernel >= 1 && kernel <= 10) return kLlmcLaunchers[kernel - 1](p, stream);
-  if (kernel == 11) return layernorm_bwd_kernel11(p, stream);
-  if (kernel == 12) return layernorm_bwd_kernel12(p, stream);
+  if (kernel == 11) return norm_bwd_kernel11(p, stream);
+  if (kernel == 12) return norm_bwd_kernel12(p, stream);
   return cudaErrorInvalidValue;
 }
 
@@ -195,12 +195,13 @@ inline cudaError_t run(const Problem& pb, int kernel, int block_size, const Kern
   // Poison outputs and workspace (0xFF bytes are NaN in every float dtype): unwritten = wrong.
   CHECK_CUDA(cudaMemset(dx.ptr, 0xFF, dx.bytes)); CHECK_CUDA(cudaMemset(dw.ptr, 0xFF, dw.bytes));
   CHECK_CUDA(cudaMemset(db.ptr, 0xFF, db.bytes)); CHECK_CUDA(cudaMemset(ws.ptr, 0xFF, ws.bytes));
-  LayernormBwdParams p{dx.ptr, dw.ptr, db.ptr, dy.ptr, x.ptr, w.ptr, mean.ptr, rstd.ptr, pb.rows, pb.C, 1, 0, d,
+  NormBwdParams p{dx.ptr, dw.ptr, db.ptr, dy.ptr, x.ptr, w.ptr, mean.ptr, rstd.ptr, pb.rows, pb.C, 1, 0, d,
                        block_size, ws.ptr, ws.bytes};
+  p.norm = NormKind::kLayerNorm;
   cudaError_t err = cudaSuccess;
   for (int i = 0; i < repeats && err == cudaSuccess; ++i) {
-    if (cfg) err = layernorm_bwd_kernel11_config(p, *cfg, 0);
-    else if (cfg12) err = layernorm_bwd_kernel12_config(p, *cfg12, 0);
+    if (cfg) err = norm_bwd_kernel11_config(p, *cfg, 0);
+    else if (cfg12) err = norm_bwd_kernel12_config(p, *cfg12, 0);
     else err = launch_kernel(kernel, p, 0);
   }
   if (err != cudaSuccess) return err;

@@ -1,6 +1,8 @@
 // The nanobind module _jax_lnbwd, the one door between Python and the C++ side:
-//   registrations()          (target name, handler capsule, platform) for every FFI target, which
-//                            jax_lnbwd/ops/ffi.py registers with XLA at import;
+//   registrations()          (target name, handler capsule, platform) for every FFI target of
+//                            targets.h, which jax_lnbwd/ops/ffi.py registers with XLA at import;
+//   targets()                {key: target name} of every FFI target (targets.h), from which
+//                            jax_lnbwd/norms.py takes the names its ops call;
 //   kernels(), kernel_refusal(), visible_device_limits(), default_device_limits
 //                            the kernel registry (registry.h): jax_lnbwd/kernels.py builds
 //                            jax_lnbwd.KERNELS from kernels() and asks kernel_refusal() at trace
@@ -10,9 +12,6 @@
 //                            workspace size) of kernels 11 and 12, which jax_lnbwd/kernels.py
 //                            asks at trace time;
 //   with_cuda                whether this build has the CUDA handlers.
-//
-// Target names carry a version because they are baked into exported programs: a new handler
-// signature gets a new name, and old names stay registered.
 #include <string>
 
 #include <nanobind/nanobind.h>
@@ -20,6 +19,7 @@
 
 #include "handlers/handlers.h"
 #include "registry.h"
+#include "targets.h"
 #ifndef JAX_LNBWD_WITH_CUDA
 #define JAX_LNBWD_WITH_CUDA 0
 #endif
@@ -77,6 +77,8 @@ nb::dict KernelDict(const KernelFacts& k) {
   out["precise"] = k.precise;
   out["segments"] = k.segments;
   out["device_limited"] = k.device_limited;
+  out["rmsnorm"] = k.rmsnorm;
+  out["v2_operands"] = k.v2_operands;
   out["constraints"] = std::string(k.constraints);
   return out;
 }
@@ -108,15 +110,13 @@ nb::object VisibleDeviceLimits() {
 // --- The CUDA build's device limits and launch plans -----------------------------------------
 
 #if JAX_LNBWD_WITH_CUDA
-void ThrowIfCudaError(cudaError_t err, const std::string& what) {
-  if (err == cudaSuccess) return;
-  (void)cudaGetLastError();
-  throw std::runtime_error("layernorm_bwd: " + what + " failed: " + cudaGetErrorString(err));
-}
-
 nb::dict DeviceLimitsDict(int device) {
   DeviceLimits l;
-  ThrowIfCudaError(device_limits(device, &l), "reading the limits of CUDA device " + std::to_string(device));
+  if (const cudaError_t err = device_limits(device, &l); err != cudaSuccess) {
+    (void)cudaGetLastError();
+    throw std::runtime_error("device_limits: reading the limits of CUDA device " + std::to_string(device) +
+                             " failed: " + cudaGetErrorString(err));
+  }
   nb::dict d;
   d["device"] = l.device;
   d["compute_capability"] = nb::make_tuple(l.cc_major, l.cc_minor);
@@ -128,9 +128,12 @@ nb::dict DeviceLimitsDict(int device) {
   return d;
 }
 
-nb::dict PlanDict(int kernel, const std::string& dtype, int64_t rows, int64_t C, int64_t segments, int device) {
+// `op` names the function the user called, for the error: the op whose workspace is planned
+// (e.g. "rmsnorm_bwd"), or launch_plan itself.
+nb::dict PlanDict(int kernel, const std::string& dtype, int64_t rows, int64_t C, int64_t segments, int device,
+                  const std::string& op) {
   LaunchPlan plan;
-  const cudaError_t err = layernorm_bwd_workspace_bytes(kernel, ParseDtype(dtype), rows, C, segments, device, &plan);
+  const cudaError_t err = norm_bwd_workspace_bytes(kernel, ParseDtype(dtype), rows, C, segments, device, &plan);
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
     DeviceLimits lim;
@@ -138,7 +141,7 @@ nb::dict PlanDict(int kernel, const std::string& dtype, int64_t rows, int64_t C,
       (void)cudaGetLastError();
       lim = DeviceLimits{};
     }
-    throw std::runtime_error(LaunchFailure(kernel, rows, C, dtype, segments, plan, lim, err));
+    throw std::runtime_error(LaunchFailure(op, kernel, rows, C, dtype, segments, plan, lim, err));
   }
   nb::dict d;
   d["kernel"] = plan.kernel;
@@ -159,28 +162,27 @@ nb::dict PlanDict(int kernel, const std::string& dtype, int64_t rows, int64_t C,
 
 NB_MODULE(_jax_lnbwd, m) {
   using lnbwd::Capsule;
+  // One line of targets.h, one registration per platform and one entry of targets().
+#define LNBWD_REGISTER_CPU(Handler, key, name) out.append(nb::make_tuple(name, Capsule(JaxLnbwd##Handler##Cpu), "cpu"));
+#define LNBWD_REGISTER_CUDA(Handler, key, name) \
+  out.append(nb::make_tuple(name, Capsule(JaxLnbwd##Handler##Cuda), "CUDA"));
+#define LNBWD_TARGET_ENTRY(Handler, key, name) out[key] = name;
   m.def("registrations", []() {
     nb::list out;
-    out.append(nb::make_tuple("jax_lnbwd_layernorm_bwd_v1", Capsule(JaxLnbwdLayernormBwdCpu), "cpu"));
-    out.append(nb::make_tuple("jax_lnbwd_layernorm_bwd_v2", Capsule(JaxLnbwdLayernormBwdV2Cpu), "cpu"));
-    out.append(nb::make_tuple("jax_lnbwd_layernorm_fwd_v1", Capsule(JaxLnbwdLayernormFwdCpu), "cpu"));
-    out.append(nb::make_tuple("jax_lnbwd_add_layernorm_fwd_v1", Capsule(JaxLnbwdAddLayernormFwdCpu), "cpu"));
-    out.append(nb::make_tuple("jax_lnbwd_add_layernorm_fwd_v2", Capsule(JaxLnbwdAddBiasLayernormFwdCpu), "cpu"));
-    out.append(nb::make_tuple("jax_lnbwd_rmsnorm_fwd_v1", Capsule(JaxLnbwdRmsnormFwdCpu), "cpu"));
-    out.append(nb::make_tuple("jax_lnbwd_add_rmsnorm_fwd_v1", Capsule(JaxLnbwdAddRmsnormFwdCpu), "cpu"));
-    out.append(nb::make_tuple("jax_lnbwd_rmsnorm_bwd_v1", Capsule(JaxLnbwdRmsnormBwdCpu), "cpu"));
+    LNBWD_TARGETS(LNBWD_REGISTER_CPU)
 #if JAX_LNBWD_WITH_CUDA
-    out.append(nb::make_tuple("jax_lnbwd_layernorm_bwd_v1", Capsule(JaxLnbwdLayernormBwdCuda), "CUDA"));
-    out.append(nb::make_tuple("jax_lnbwd_layernorm_bwd_v2", Capsule(JaxLnbwdLayernormBwdV2Cuda), "CUDA"));
-    out.append(nb::make_tuple("jax_lnbwd_layernorm_fwd_v1", Capsule(JaxLnbwdLayernormFwdCuda), "CUDA"));
-    out.append(nb::make_tuple("jax_lnbwd_add_layernorm_fwd_v1", Capsule(JaxLnbwdAddLayernormFwdCuda), "CUDA"));
-    out.append(nb::make_tuple("jax_lnbwd_add_layernorm_fwd_v2", Capsule(JaxLnbwdAddBiasLayernormFwdCuda), "CUDA"));
-    out.append(nb::make_tuple("jax_lnbwd_rmsnorm_fwd_v1", Capsule(JaxLnbwdRmsnormFwdCuda), "CUDA"));
-    out.append(nb::make_tuple("jax_lnbwd_add_rmsnorm_fwd_v1", Capsule(JaxLnbwdAddRmsnormFwdCuda), "CUDA"));
-    out.append(nb::make_tuple("jax_lnbwd_rmsnorm_bwd_v1", Capsule(JaxLnbwdRmsnormBwdCuda), "CUDA"));
+    LNBWD_TARGETS(LNBWD_REGISTER_CUDA)
 #endif
     return out;
-  });
+  }, "(target name, handler capsule, platform) of every FFI target.");
+  m.def("targets", []() {
+    nb::dict out;
+    LNBWD_TARGETS(LNBWD_TARGET_ENTRY)
+    return out;
+  }, "{key: versioned target name} of every FFI target.");
+#undef LNBWD_REGISTER_CPU
+#undef LNBWD_REGISTER_CUDA
+#undef LNBWD_TARGET_ENTRY
   m.attr("with_cuda") = bool(JAX_LNBWD_WITH_CUDA);
 
   // The kernel registry.
@@ -209,9 +211,9 @@ NB_MODULE(_jax_lnbwd, m) {
   // The limits kernel choice follows on CUDA device `device` (DeviceLimits,
   // kernels/common/device_limits.h).
   m.def("device_limits", &lnbwd::DeviceLimitsDict, nb::arg("device"));
-  // The launch kernel 11 or 12 would make, and the workspace it uses (layernorm_bwd_workspace_bytes):
-  // rmsnorm_bwd runs the same launch, so its workspace is sized by this too.
+  // The launch kernel 11 or 12 would make, and the workspace it uses (norm_bwd_workspace_bytes):
+  // rmsnorm_bwd runs the same launch, so its workspace is sized by this too. A failure names `op`.
   m.def("launch_plan", &lnbwd::PlanDict, nb::arg("kernel"), nb::arg("dtype"), nb::arg("rows"), nb::arg("C"),
-        nb::arg("segments"), nb::arg("device"));
+        nb::arg("segments"), nb::arg("device"), nb::arg("op") = "launch_plan");
 #endif
 }

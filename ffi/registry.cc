@@ -42,7 +42,8 @@ KernelFacts Llmc(int id, const char* name, const char* description, bool determi
                  const char* constraints) {
   const LlmcKernelFacts& f = kLlmcFacts[id];
   return KernelFacts{id, name, description, f.dtypes, 32, f.max_block_size, f.default_block_size,
-                     deterministic, precise, /*segments=*/false, /*device_limited=*/true, constraints, LlmcLimitsOf};
+                     deterministic, precise, /*segments=*/false, /*device_limited=*/true,
+                     /*rmsnorm=*/kLlmcRunsRmsnorm, /*v2_operands=*/kLlmcTakesV2Operands, constraints, LlmcLimitsOf};
 }
 
 std::vector<KernelFacts> MakeTable() {
@@ -89,17 +90,18 @@ std::vector<KernelFacts> MakeTable() {
            true, true, "2*C fp32 sums in shared memory: C up to about 25000 (bf16) / 27000 (fp32) on Hopper"),
       KernelFacts{11, "rows_in_registers",
                   "kernel 12's fallback: each row read once and kept in registers for both passes, 16-byte "
-                  "streaming loads, persistent grid, per-block fp32 partials summed by the grid itself after "
-                  "a grid-wide barrier",
-                  kAll, 0, 0, 0, true, true, true, false,
+                  "streaming loads, persistent grid; each block writes its fp32 partial sums to a slot and a "
+                  "second kernel adds the slots in order (with JAX_LNBWD_COOPERATIVE_FINISH=1, a grid that "
+                  "fits on the GPU at once adds them itself after a grid-wide barrier)",
+                  kAll, 0, 0, 0, true, true, true, false, /*rmsnorm=*/true, /*v2_operands=*/true,
                   "any C >= 1; block shape chosen from C (block_size 0 = auto); rows up to about 25000 "
                   "columns stay in registers, wider rows take two streaming passes",
                   AnyC},
       KernelFacts{12, "bulk_copy_ring",
                   "default on Hopper: rows streamed into a shared-memory ring by the bulk copy engine "
-                  "(cp.async.bulk), several rows ahead; sums in registers; per-block fp32 partials summed by "
-                  "the grid itself after a grid-wide barrier",
-                  kAll, 0, 0, 0, true, true, true, false,
+                  "(cp.async.bulk), several rows ahead; sums in registers; per-block fp32 partial sums in slots "
+                  "added in order by a second kernel, as kernel 11's (the same opt-in grid-wide barrier)",
+                  kAll, 0, 0, 0, true, true, true, false, /*rmsnorm=*/true, /*v2_operands=*/true,
                   "any C >= 1; the ring needs sm_90 and C*itemsize % 16 == 0 with two rows of dy and x per "
                   "buffer in 227 KB of shared memory; fp32/bf16/fp16 rows are split over a cluster of two "
                   "blocks (half a row each) from C = 4096 in 16-bit and where a whole row does not fit, up to "
@@ -137,6 +139,18 @@ std::vector<int> BlockSizes(const KernelFacts& k) {
 
 int ResolvedBlockSize(const KernelFacts& k, int block_size) {
   return block_size == 0 ? k.default_block_size : block_size;
+}
+
+std::string KernelIdsWith(bool KernelFacts::*fact) {
+  std::vector<int> ids;
+  for (const KernelFacts& k : AllKernels()) {
+    if (k.*fact) ids.push_back(k.id);
+  }
+  std::string out;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    out += (i == 0 ? "" : i + 1 == ids.size() ? " and " : ", ") + std::to_string(ids[i]);
+  }
+  return out;
 }
 
 std::string DtypeList(unsigned dtypes) {

@@ -45,6 +45,9 @@ struct KernelFacts {
   bool precise;             // sums in fp32 (fp64); false: rounded in the output dtype
   bool segments;            // keeps one dweight/dbias sum per segment
   bool device_limited;      // its limits depend on RefusalLimits (shared memory)
+  bool rmsnorm;             // runs RMSNorm's backward too (target rmsnorm_bwd), not layernorm's only
+  bool v2_operands;         // takes what layernorm's v2 target adds: a float32 weight beside 16-bit
+                            // x (mixed precision) and a residual gradient added to dx
   const char* constraints;  // what limits C, in words
   // "" if the kernel accepts the request on such a device, else why not: a sentence that names
   // the kernel, the setting and the limit.
@@ -67,6 +70,9 @@ int ResolvedBlockSize(const KernelFacts& k, int block_size);
 // "" if `k` accepts the request on such a device, else why not (see KernelFacts::limits). The
 // dtype, block size and segments are checked here for every kernel, then k.limits.
 std::string KernelRefusal(const KernelFacts& k, const KernelRequest& r, const RefusalLimits& device);
+
+// The ids of the kernels with a fact, e.g. KernelIdsWith(&KernelFacts::rmsnorm): "11 and 12".
+std::string KernelIdsWith(bool KernelFacts::*fact);
 
 // Names the dtypes of a set, "float32, bfloat16, float16".
 std::string DtypeList(unsigned dtypes);

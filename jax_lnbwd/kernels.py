@@ -18,6 +18,7 @@ from typing import Callable, Mapping
 import jax.numpy as jnp
 
 from . import _jax_lnbwd
+from .norms import Norm
 
 # Bytes at the start of the workspace before the partial sums (ffi/kernels/backward/api.h).
 WORKSPACE_HEADER_BYTES = 256
@@ -42,6 +43,10 @@ class KernelInfo:
     # Whether the kernel keeps one dweight/dbias sum per segment of rows (needed under vmap);
     # the others sum over all rows and the C++ refuses segments > 1 for them.
     segments: bool
+    # Whether it runs RMSNorm's backward, and what layernorm's target v2 adds (a float32 weight
+    # beside 16-bit x, a residual gradient added to dx); the C++ refuses the others.
+    rmsnorm: bool
+    v2_operands: bool
     constraints: str
     # (C, dtype name, block size) -> None if accepted, else why not (on this machine's GPU, or
     # with DEFAULT_MAX_SMEM_BYTES where there is none).
@@ -125,7 +130,8 @@ def _kernel_info(entry: dict) -> KernelInfo:
         block_sizes=tuple(int(b) for b in entry["block_sizes"]),
         default_block_size=int(entry["default_block_size"]),
         deterministic=bool(entry["deterministic"]), precise=bool(entry["precise"]),
-        segments=bool(entry["segments"]), constraints=str(entry["constraints"]),
+        segments=bool(entry["segments"]), rmsnorm=bool(entry["rmsnorm"]),
+        v2_operands=bool(entry["v2_operands"]), constraints=str(entry["constraints"]),
         refuse=_refuse(kid), partial_slots=_PARTIAL_SLOTS[kid])
 
 
@@ -171,38 +177,49 @@ def sm_count() -> int:
         return 132
 
 
-def workspace_bytes(kernel: int, rows: int, C: int, dtype: str, block_size: int, segments: int = 1) -> int:
+def workspace_bytes(kernel: int, rows: int, C: int, dtype: str, block_size: int, segments: int = 1, *,
+                    op: str = "workspace_bytes") -> int:
     """Scratch the kernel needs: a flag header, then 2*C accumulators per partial slot.
 
     Kernels 11 and 12 on a GPU: exactly what their launcher uses, asked of the C++ that plans the
-    launch (layernorm_bwd_workspace_bytes, ffi/kernels/backward/api.h) for JAX's first GPU. Without one (a
+    launch (norm_bwd_workspace_bytes, ffi/kernels/backward/api.h) for JAX's first GPU. Without one (a
     CPU-only build or machine, where the workspace goes unused), and for llm.c's kernels, by the
     rules of KernelInfo.partial_slots. With segments (per-example sums under vmap) every segment
-    gets its own slots; a launcher never uses more slots than it finds.
+    gets its own slots; a launcher never uses more slots than it finds. A launch that cannot be
+    planned raises, naming `op` (the op whose workspace this is, e.g. "rmsnorm_bwd").
     """
     dev = _cuda_device() if kernel in (11, 12) else None
     if dev is not None:
         from . import _jax_lnbwd
 
-        return int(_jax_lnbwd.launch_plan(kernel, dtype, rows, C, segments, dev)["workspace_bytes"])
+        return int(_jax_lnbwd.launch_plan(kernel, dtype, rows, C, segments, dev, op=op)["workspace_bytes"])
     info = KERNELS[kernel]
     per_segment = info.partial_slots(max(rows // segments, 1), block_size, max(sm_count() // segments, 1))
     return WORKSPACE_HEADER_BYTES + segments * per_segment * 2 * C * _acc_bytes(dtype)
 
 
 # Kernels that run target v2's additions (a float32 weight beside 16-bit data, a residual gradient
-# added to dx): the C++ refuses the others (ffi/checks/backward.h, CheckV2Kernel); Python refuses them at
-# trace time with the same words.
-V2_KERNELS = frozenset({11, 12})
+# added to dx) and RMSNorm, from the registry: the C++ refuses the others (ffi/checks/backward.h,
+# CheckKernelRuns); Python refuses them at trace time with the same words.
+V2_KERNELS = frozenset(k for k, info in KERNELS.items() if info.v2_operands)
+RMSNORM_KERNELS = frozenset(k for k, info in KERNELS.items() if info.rmsnorm)
 
 
-def v2_refusal(kernel: int, *, mixed: bool, residual: bool, norm: str = "layernorm") -> str | None:
-    """None if `kernel` can run what target v2 adds that this call needs (and rmsnorm, whose
-    backward is v2's form), else why not."""
-    if kernel in V2_KERNELS or not (mixed or residual or norm != "layernorm"):
+def _ids(kernels: frozenset) -> str:
+    ids = [str(k) for k in sorted(kernels)]
+    return ", ".join(ids[:-1]) + " and " + ids[-1] if len(ids) > 1 else "".join(ids)
+
+
+def v2_refusal(kernel: int, *, mixed: bool, residual: bool, norm: Norm) -> str | None:
+    """None if `kernel` runs `norm`'s backward and what target v2 adds that this call needs,
+    else why not. The registry's rmsnorm fact is about the norm that is not centered."""
+    if not norm.centered and kernel not in RMSNORM_KERNELS:
+        what, able = f"{norm.name} (its backward)", RMSNORM_KERNELS
+    elif (mixed or residual) and kernel not in V2_KERNELS:
+        what = ("a float32 weight/bias beside 16-bit x (mixed precision)" if mixed
+                else f"an added residual gradient (add_{norm.name})")
+        able = V2_KERNELS
+    else:
         return None
-    what = (f"{norm} (its backward)" if norm != "layernorm"
-            else "a float32 weight/bias beside 16-bit x (mixed precision)" if mixed
-            else "an added residual gradient (add_layernorm)")
-    return (f"kernel {kernel} does not support {what}; kernels "
-            f"{' and '.join(map(str, sorted(V2_KERNELS)))} do (kernel=None picks the default, {DEFAULT_KERNEL})")
+    return (f"kernel {kernel} does not support {what}; kernels {_ids(able)} do "
+            f"(kernel=None picks the default, {DEFAULT_KERNEL})")

@@ -11,11 +11,17 @@ partitioning rules, the tangent-map primitive in tangent.py) take the row as a s
 parameter, so a new norm is a new row plus its reference math and kernels, not a copy of them.
 
 Target names carry a version: they are baked into exported programs, so a new signature gets
-a new name and the old names stay registered (ffi/module.cc).
+a new name and the old names stay registered. They are written once, in ffi/targets.h; the rows
+below take them from the extension by a version-free key.
 """
 from __future__ import annotations
 
 import dataclasses
+
+from . import _jax_lnbwd
+
+# {key: versioned target name} of every FFI target (ffi/targets.h).
+_TARGET = _jax_lnbwd.targets()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,11 +48,11 @@ class Norm:
 LAYERNORM = Norm(
     name="layernorm",
     centered=True,
-    fwd_target="jax_lnbwd_layernorm_fwd_v1",
-    add_fwd_target="jax_lnbwd_add_layernorm_fwd_v1",
-    add_bias_fwd_target="jax_lnbwd_add_layernorm_fwd_v2",
-    bwd_target="jax_lnbwd_layernorm_bwd_v1",
-    bwd_target_v2="jax_lnbwd_layernorm_bwd_v2",
+    fwd_target=_TARGET["layernorm_fwd"],
+    add_fwd_target=_TARGET["add_layernorm_fwd"],
+    add_bias_fwd_target=_TARGET["add_bias_layernorm_fwd"],
+    bwd_target=_TARGET["layernorm_bwd"],
+    bwd_target_v2=_TARGET["layernorm_bwd_v2"],
     stats=("mean", "rstd"),
     params=("weight", "bias"),
 )
@@ -54,17 +60,18 @@ LAYERNORM = Norm(
 RMSNORM = Norm(
     name="rmsnorm",
     centered=False,
-    fwd_target="jax_lnbwd_rmsnorm_fwd_v1",
-    add_fwd_target="jax_lnbwd_add_rmsnorm_fwd_v1",
+    fwd_target=_TARGET["rmsnorm_fwd"],
+    add_fwd_target=_TARGET["add_rmsnorm_fwd"],
     add_bias_fwd_target=None,
     bwd_target=None,
-    bwd_target_v2="jax_lnbwd_rmsnorm_bwd_v1",
+    bwd_target_v2=_TARGET["rmsnorm_bwd"],
     stats=("rstd",),
     params=("weight",),
     offset=True,
 )
 
 NORMS = (LAYERNORM, RMSNORM)
+NORMS_BY_NAME = {norm.name: norm for norm in NORMS}
 
 # Every FFI target a program traced with jax_lnbwd may call: what jax.export must be told to
 # allow, e.g. disabled_checks=[export.DisabledSafetyCheck.custom_call(t) for t in TARGETS].

@@ -9,7 +9,7 @@ pyproject.toml) and are skipped, not failed, on a machine without a GPU; `pytest
 only them and `pytest -m "not gpu"` none of them.
 
 The tests live in folders by area (api/, transforms/, ops/, kernels/, flax/, bench/, install/;
-cuda/ is the standalone CUDA harness, not pytest). This file, at the top, is every folder's
+cuda/ holds the standalone CUDA checks, not pytest). This file, at the top, is every folder's
 conftest. Helpers are imported by the test modules with `from conftest import ...`: pytest puts
 this folder on sys.path when it loads this conftest, and a test module's own folder when it
 imports the module (there is no __init__.py anywhere under tests/, so module names are unique

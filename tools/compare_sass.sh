@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Whether two checkouts compile every kernel to the same machine code: for a change that only
 # moves files or edits comments and include paths (a layout change), the SASS of every kernel
-# must be identical. (tools/compare_plain_ptx.py answers a different question: whether the
-# plain variants of newly templated kernels are the code they were before the template grew.)
+# must be identical; RENAMES (below) lets a rename of kernels or their parameter types pass too.
 #
 #   tools/compare_sass.sh BASE NEW [WORKDIR]
 #
@@ -21,10 +20,14 @@
 # NEW_OBJS, a folder, takes that side's objects from a build made with these flags instead of
 # compiling them, e.g. CMake's BUILD/CMakeFiles/lnbwd_kernels.dir of a CUDAARCHS=90-real Release
 # build (one object per .cu file, which is checked).
+# RENAMES, a file of "OLD NEW" lines (C++ identifiers; blank lines and #-comments skipped), names
+# what a change renamed: NEW is read as OLD on the new side before the diff, both as a whole word
+# and as an Itanium-mangled name with its length prefix (13NormBwdParams as 18LayernormBwdParams),
+# so that a rename of a kernel, or of a type in a kernel's signature, compares as no change.
 set -euo pipefail
 
 if [ $# -lt 2 ]; then
-  sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 base=$(cd "$1" && pwd)
@@ -59,9 +62,21 @@ dump() {
     echo "compare_sass: $n_obj objects in $objs for $(wc -l < "$work/$tag.files") .cu files in $root" >&2
     exit 2
   fi
+  local renames=""
+  if [ "$tag" = new ]; then renames=${RENAMES:-}; fi
   find "$objs" -name '*.o' | sort | while read -r o; do "$CUOBJDUMP" -sass "$o"; done | python3 -c '
 import re, sys
 text = sys.stdin.read()
+# The new side read with the old names (RENAMES): a mangled name first (its length prefix
+# changes with it, and says where it ends), then the word.
+if sys.argv[1]:
+    for line in open(sys.argv[1]):
+        line = line.split("#")[0].split()
+        if not line:
+            continue
+        old, new = line
+        text = re.sub(rf"(?<![0-9]){len(new)}{new}", f"{len(old)}{old}", text)
+        text = re.sub(rf"(?<![0-9A-Za-z_]){new}(?![0-9A-Za-z_])", old, text)
 # One entry per "Function : <name>" section (up to the next one, or the end of its ELF).
 parts = re.split(r"^\s*Function : ", text, flags=re.M)[1:]
 entries = []
@@ -75,7 +90,7 @@ for part in parts:
 entries.sort()
 sys.stdout.write("".join(entries))
 print(f"{len(entries)} kernels", file=sys.stderr)
-'
+' "$renames"
 }
 
 echo "base: $base" >&2

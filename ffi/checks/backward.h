@@ -1,8 +1,8 @@
-// Argument checks of the backward targets (jax_lnbwd_layernorm_bwd_v1 and _v2, and
-// jax_lnbwd_rmsnorm_bwd_v1, which has neither mean nor dbias), shared by their CPU and CUDA
-// handlers. Python checks the same things at trace time; these exist for direct
-// jax.ffi.ffi_call users and exported programs, so that a kernel never runs on buffers whose
-// shapes or dtypes it does not expect. Errors name the function, e.g.
+// Argument checks of the backward targets (targets.h: layernorm's v1 and v2, and rmsnorm's, which
+// has neither mean nor dbias), shared by their CPU and CUDA handlers. Python checks the same
+// things at trace time; these exist for direct jax.ffi.ffi_call users and exported programs, so
+// that a kernel never runs on buffers whose shapes or dtypes it does not expect. Errors name the
+// op, layernorm_bwd or rmsnorm_bwd (BwdOpName), e.g.
 //   layernorm_bwd: 'dy' has shape (4, 9) but x has shape (4, 8)
 //   rmsnorm_bwd: 'rstd' has shape (3,) but expected (4,) for x of shape (4, 8)
 #pragma once
@@ -12,32 +12,27 @@
 #include <cstdint>
 #include <string>
 
+#include "checks/common.h"
 #include "errors/ffi_errors.h"
-#include "kernels/norm_kind.h"
+#include "norm_kind.h"
 #include "registry.h"
 
 namespace lnbwd {
 
-// The message, prefixed with the backward's name, layernorm_bwd or rmsnorm_bwd (checks/forward.h's
-// FwdArgError: the forward's).
-inline ffi::Error ArgError(const std::string& message, NormKind norm = NormKind::kLayerNorm) {
-  return ffi::Error::InvalidArgument(std::string(norm_name(norm)) + "_bwd: " + message);
-}
-
-struct LayernormBwdShape {
+struct NormBwdShape {
   int64_t rows;
   int64_t C;
   int64_t segments;       // rows split into this many equal segments, each with its own sums
   int64_t weight_rows;    // 1 (weight shared) or segments (one weight row per segment)
-  bool weight_f32 = false;  // mixed precision: weight, dweight, dbias float32 beside bf16/f16 x
-  NormKind norm = NormKind::kLayerNorm;   // kRmsNorm: no mean, no dbias
+  bool weight_f32;        // mixed precision: weight, dweight, dbias float32 beside bf16/f16 x
+  NormKind norm;          // the target's, which its handler passes in; kRmsNorm: no mean, no dbias
 };
 
 inline ffi::Error CheckRank(const char* name, const ffi::AnyBuffer& b, size_t rank, const char* expected,
-                            NormKind norm = NormKind::kLayerNorm) {
+                            const char* op) {
   if (b.dimensions().size() != rank) {
     return ArgError(std::string("'") + name + "' has shape " + ShapeStr(b.dimensions()) + " but expected " + expected,
-                    norm);
+                    op);
   }
   return ffi::Error::Success();
 }
@@ -61,14 +56,16 @@ inline std::string DimsStr(const Dims& d) {
 // is built only for the error message, so the common path allocates nothing.
 // allow_f32_weight (targets layernorm v2, rmsnorm): weight may be float32 beside bfloat16/float16
 // x (mixed precision); dweight and dbias then are float32 too. Otherwise all have x's dtype.
-// mean and dbias are null for RMSNorm (norm = kRmsNorm), and present for layernorm.
+// The handler passes its target's kind: mean and dbias are null for RMSNorm (kRmsNorm), and
+// present for layernorm.
 inline ffi::Error CheckNormBwdArgs(NormKind norm, const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x,
                                    const ffi::AnyBuffer& weight, const ffi::AnyBuffer* mean,
                                    const ffi::AnyBuffer& rstd, const ffi::AnyBuffer& dx,
                                    const ffi::AnyBuffer& dweight, const ffi::AnyBuffer* dbias,
-                                   LayernormBwdShape* shape, bool allow_f32_weight) {
-  auto error = [norm](const std::string& message) { return ArgError(message, norm); };
-  if (auto e = CheckRank("x", x, 2, "(rows, C)", norm); e.failure()) return e;
+                                   NormBwdShape* shape, bool allow_f32_weight) {
+  const char* op = BwdOpName(norm);
+  auto error = [op](const std::string& message) { return ArgError(message, op); };
+  if (auto e = CheckRank("x", x, 2, "(rows, C)", op); e.failure()) return e;
   const int64_t rows = x.dimensions()[0];
   const int64_t C = x.dimensions()[1];
   if (C < 1) return error("'x' has shape " + ShapeStr(x.dimensions()) + " but C (the last axis) must be at least 1");
@@ -79,8 +76,8 @@ inline ffi::Error CheckNormBwdArgs(NormKind norm, const ffi::AnyBuffer& dy, cons
     return error(std::string("'x' has dtype ") + DtypeName(t) + " but expected float32, bfloat16, float16 or float64");
   }
   // Segments: dweight/dbias are (S, C); weight is (1, C) or (S, C); S divides rows.
-  if (auto e = CheckRank("dweight", dweight, 2, "(segments, C)", norm); e.failure()) return e;
-  if (auto e = CheckRank("weight", weight, 2, "(1, C) or (segments, C)", norm); e.failure()) return e;
+  if (auto e = CheckRank("dweight", dweight, 2, "(segments, C)", op); e.failure()) return e;
+  if (auto e = CheckRank("weight", weight, 2, "(1, C) or (segments, C)", op); e.failure()) return e;
   const int64_t S = dweight.dimensions()[0];
   if (S < 1 || rows % S != 0) {
     return error("'dweight' has shape " + ShapeStr(dweight.dimensions()) +
@@ -132,47 +129,25 @@ inline ffi::Error CheckNormBwdArgs(NormKind norm, const ffi::AnyBuffer& dy, cons
   return ffi::Error::Success();
 }
 
-// Targets layernorm_bwd v1 and v2: every buffer present.
-inline ffi::Error CheckLayernormBwdArgs(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x,
-                                        const ffi::AnyBuffer& weight, const ffi::AnyBuffer& mean,
-                                        const ffi::AnyBuffer& rstd, const ffi::AnyBuffer& dx,
-                                        const ffi::AnyBuffer& dweight, const ffi::AnyBuffer& dbias,
-                                        LayernormBwdShape* shape, bool allow_f32_weight = false) {
-  return CheckNormBwdArgs(NormKind::kLayerNorm, dy, x, weight, &mean, rstd, dx, dweight, &dbias, shape,
-                          allow_f32_weight);
-}
-
-// x's dtype as the kernels and the registry name it (CheckLayernormBwdArgs admits only these).
-inline ffi::Error ToKernelDtype(ffi::DataType t, Dtype* out, NormKind norm = NormKind::kLayerNorm) {
-  switch (t) {
-    case ffi::DataType::F32: *out = Dtype::kF32; return ffi::Error::Success();
-    case ffi::DataType::BF16: *out = Dtype::kBF16; return ffi::Error::Success();
-    case ffi::DataType::F16: *out = Dtype::kF16; return ffi::Error::Success();
-    case ffi::DataType::F64: *out = Dtype::kF64; return ffi::Error::Success();
-    default: return ArgError(std::string("'x' has dtype ") + DtypeName(t) + ", which no kernel takes", norm);
-  }
-}
-
 // The kernel that the 'kernel' attribute names, in the registry (registry.h).
-inline ffi::Error CheckKernelAttrs(int32_t kernel, int32_t block_size, const KernelFacts** out,
-                                   NormKind norm = NormKind::kLayerNorm) {
+inline ffi::Error CheckKernelAttrs(int32_t kernel, int32_t block_size, const KernelFacts** out, const char* op) {
   *out = FindKernel(kernel);
   if (*out == nullptr) {
     return ArgError("'kernel' is " + std::to_string(kernel) + " but expected a kernel id from " +
                         std::to_string(MinKernelId()) + " to " + std::to_string(MaxKernelId()) +
                         " (see jax_lnbwd.KERNELS)",
-                    norm);
+                    op);
   }
-  if (block_size < 0) return ArgError("'block_size' is " + std::to_string(block_size) + " but expected >= 0", norm);
+  if (block_size < 0) return ArgError("'block_size' is " + std::to_string(block_size) + " but expected >= 0", op);
   return ffi::Error::Success();
 }
 
 // Whether the kernel takes this call (dtype, block size, segments, C, the device's shared
 // memory): the one check of its limits, through the registry. Python asks the same at trace time.
-inline ffi::Error CheckKernelLimits(const KernelFacts& k, int32_t block_size, const LayernormBwdShape& shape,
+inline ffi::Error CheckKernelLimits(const KernelFacts& k, int32_t block_size, const NormBwdShape& shape,
                                     Dtype dtype, const RefusalLimits& device) {
   const std::string why = KernelRefusal(k, {dtype, shape.C, block_size, shape.segments, shape.weight_rows}, device);
-  if (!why.empty()) return ArgError(why, shape.norm);
+  if (!why.empty()) return ArgError(why, BwdOpName(shape.norm));
   return ffi::Error::Success();
 }
 
@@ -180,12 +155,12 @@ inline ffi::Error CheckKernelLimits(const KernelFacts& k, int32_t block_size, co
 // caller aliases it to dx); without, a placeholder with no elements (its shape and dtype are not
 // looked at).
 inline ffi::Error CheckResidual(const ffi::AnyBuffer& dresidual, bool has_residual, const ffi::AnyBuffer& x,
-                                NormKind norm = NormKind::kLayerNorm) {
+                                const char* op) {
   if (!has_residual) {
     if (dresidual.element_count() != 0) {
       return ArgError("'dresidual' has shape " + ShapeStr(dresidual.dimensions()) +
                           " but has_residual is false: expected a placeholder with no elements, e.g. (0,)",
-                      norm);
+                      op);
     }
     return ffi::Error::Success();
   }
@@ -193,43 +168,52 @@ inline ffi::Error CheckResidual(const ffi::AnyBuffer& dresidual, bool has_residu
   if (!HasDims(dresidual, {2, xd[0], xd[1]})) {
     return ArgError("'dresidual' has shape " + ShapeStr(dresidual.dimensions()) + " but expected " + ShapeStr(xd) +
                         " (x's shape) with has_residual",
-                    norm);
+                    op);
   }
   if (dresidual.element_type() != x.element_type()) {
     return ArgError(std::string("'dresidual' has dtype ") + DtypeName(dresidual.element_type()) + " but expected " +
                         DtypeName(x.element_type()) + " (x's dtype)",
-                    norm);
+                    op);
   }
   return ffi::Error::Success();
 }
 
-// Target v2's additions run in kernels 11 and 12 (and the CPU reference for every id); llm.c's
-// kernels 1-10 compute in the data's dtype only and write dx without adding anything.
-inline ffi::Error CheckV2Kernel(int32_t kernel, const LayernormBwdShape& shape, bool has_residual) {
-  if (kernel < 1 || kernel > 10 || !(shape.weight_f32 || has_residual)) return ffi::Error::Success();
-  return ArgError("kernel " + std::to_string(kernel) + " does not support " +
-                  (shape.weight_f32 ? std::string("a float32 weight beside 16-bit x (mixed precision)")
-                                    : std::string("an added residual gradient ('dresidual')")) +
-                  "; kernels 11 and 12 do");
-}
-
-// Target rmsnorm_bwd runs in kernels 11 and 12 only (and the CPU reference for every id):
-// llm.c's kernels 1-10 compute layernorm's dx and read a mean that RMSNorm does not have.
-inline ffi::Error CheckRmsnormKernel(int32_t kernel) {
-  if (kernel < 1 || kernel > 10) return ffi::Error::Success();
-  return ArgError("kernel " + std::to_string(kernel) +
-                      " (llm.c's) does not support rmsnorm: it computes layernorm only; kernels 11 and 12 do",
-                  NormKind::kRmsNorm);
-}
-
-// RMSNorm's weight offset (the 1 of Gemma's 1 + w): any finite number.
-inline ffi::Error CheckOffset(double offset, NormKind norm) {
-  if (std::isfinite(offset)) return ffi::Error::Success();
-  return ArgError("'offset' is " + std::to_string(offset) + " but expected a finite number", norm);
+// Whether the kernel runs what this call needs beyond layernorm's v1 (registry.h's rmsnorm and
+// v2_operands: a float32 weight beside 16-bit x, an added residual gradient): the registry says
+// which kernels do; the CPU reference runs them for every id, and refuses what the GPU would.
+// An unknown id passes here: CheckKernelAttrs names it.
+inline ffi::Error CheckKernelRuns(int32_t kernel, const NormBwdShape& shape, bool has_residual) {
+  const KernelFacts* k = FindKernel(kernel);
+  if (k == nullptr) return ffi::Error::Success();
+  std::string what;
+  bool KernelFacts::*fact = nullptr;
+  if (shape.norm == NormKind::kRmsNorm && !k->rmsnorm) {
+    what = "rmsnorm";
+    fact = &KernelFacts::rmsnorm;
+  } else if ((shape.weight_f32 || has_residual) && !k->v2_operands) {
+    what = shape.weight_f32 ? "a float32 weight beside 16-bit x (mixed precision)"
+                            : "an added residual gradient ('dresidual')";
+    fact = &KernelFacts::v2_operands;
+  } else {
+    return ffi::Error::Success();
+  }
+  return ArgError("kernel " + std::to_string(kernel) + " does not support " + what + "; kernels " +
+                      KernelIdsWith(fact) + " do",
+                  BwdOpName(shape.norm));
 }
 
 // Each target's checks, in the order both of its handlers run them (after them the CPU handler
 // checks the kernel against the default device limits, the CUDA handler against this GPU's).
+// Target layernorm_bwd v1: every buffer of x's dtype.
+inline ffi::Error CheckLayernormBwdTarget(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x,
+                                          const ffi::AnyBuffer& weight, const ffi::AnyBuffer& mean,
+                                          const ffi::AnyBuffer& rstd, const ffi::AnyBuffer& dx,
+                                          const ffi::AnyBuffer& dweight, const ffi::AnyBuffer& dbias,
+                                          NormBwdShape* shape) {
+  return CheckNormBwdArgs(NormKind::kLayerNorm, dy, x, weight, &mean, rstd, dx, dweight, &dbias, shape,
+                          /*allow_f32_weight=*/false);
+}
+
 // Target layernorm_bwd v2: v1's buffers with a float32 weight allowed, the residual gradient,
 // and the kernel's support for those two.
 inline ffi::Error CheckLayernormBwdV2Target(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x,
@@ -237,30 +221,33 @@ inline ffi::Error CheckLayernormBwdV2Target(const ffi::AnyBuffer& dy, const ffi:
                                             const ffi::AnyBuffer& rstd, const ffi::AnyBuffer& dresidual,
                                             const ffi::AnyBuffer& dx, const ffi::AnyBuffer& dweight,
                                             const ffi::AnyBuffer& dbias, int32_t kernel, bool has_residual,
-                                            LayernormBwdShape* shape) {
-  if (auto e = CheckLayernormBwdArgs(dy, x, weight, mean, rstd, dx, dweight, dbias, shape, /*allow_f32_weight=*/true);
+                                            NormBwdShape* shape) {
+  constexpr NormKind kLn = NormKind::kLayerNorm;
+  if (auto e = CheckNormBwdArgs(kLn, dy, x, weight, &mean, rstd, dx, dweight, &dbias, shape,
+                                /*allow_f32_weight=*/true);
       e.failure()) {
     return e;
   }
-  if (auto e = CheckResidual(dresidual, has_residual, x); e.failure()) return e;
-  return CheckV2Kernel(kernel, *shape, has_residual);
+  if (auto e = CheckResidual(dresidual, has_residual, x, BwdOpName(kLn)); e.failure()) return e;
+  return CheckKernelRuns(kernel, *shape, has_residual);
 }
 
-// Target rmsnorm_bwd: v2's buffers without mean and dbias, kernels 11 and 12, a finite offset.
+// Target rmsnorm_bwd: v2's buffers without mean and dbias, a kernel that runs rmsnorm, a finite
+// offset.
 inline ffi::Error CheckRmsnormBwdTarget(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x,
                                         const ffi::AnyBuffer& weight, const ffi::AnyBuffer& rstd,
                                         const ffi::AnyBuffer& dresidual, const ffi::AnyBuffer& dx,
                                         const ffi::AnyBuffer& dweight, int32_t kernel, bool has_residual,
-                                        double offset, LayernormBwdShape* shape) {
+                                        double offset, NormBwdShape* shape) {
   constexpr NormKind kRms = NormKind::kRmsNorm;
   if (auto e = CheckNormBwdArgs(kRms, dy, x, weight, nullptr, rstd, dx, dweight, nullptr, shape,
                                 /*allow_f32_weight=*/true);
       e.failure()) {
     return e;
   }
-  if (auto e = CheckResidual(dresidual, has_residual, x, kRms); e.failure()) return e;
-  if (auto e = CheckRmsnormKernel(kernel); e.failure()) return e;
-  return CheckOffset(offset, kRms);
+  if (auto e = CheckResidual(dresidual, has_residual, x, BwdOpName(kRms)); e.failure()) return e;
+  if (auto e = CheckKernelRuns(kernel, *shape, has_residual); e.failure()) return e;
+  return CheckOffset(offset, BwdOpName(kRms));
 }
 
 }  // namespace lnbwd

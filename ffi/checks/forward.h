@@ -1,9 +1,8 @@
-// Argument checks of the fused forward targets (jax_lnbwd_layernorm_fwd_v1, its residual variant
-// jax_lnbwd_add_layernorm_fwd_v1, and that with x's own bias, jax_lnbwd_add_layernorm_fwd_v2; and
-// RMSNorm's jax_lnbwd_rmsnorm_fwd_v1 and jax_lnbwd_add_rmsnorm_fwd_v1, which have no bias and no
-// mean), shared by their CPU and CUDA handlers. Python checks
-// the same at trace time; these exist for direct jax.ffi.ffi_call users and exported programs,
-// so no kernel runs on buffers it does not expect. Errors name the target's function, e.g.
+// Argument checks of the fused forward targets (targets.h: layernorm's, its residual variant
+// without and with x's own bias, and RMSNorm's two, which have no bias and no mean), shared by
+// their CPU and CUDA handlers. Python checks the same at trace time; these exist for direct
+// jax.ffi.ffi_call users and exported programs, so no kernel runs on buffers it does not expect.
+// Errors name the op (each handler passes its own), e.g.
 //   layernorm_fwd: 'y' has shape (4, 9) but expected (4, 8) for x of shape (4, 8)
 //   add_layernorm_fwd: 'residual' has dtype float32 but expected bfloat16 (x's dtype)
 //   rmsnorm_fwd: 'rstd' has shape (3,) but expected (4,) for x of shape (4, 8)
@@ -14,17 +13,13 @@
 #include <cstdint>
 #include <string>
 
+#include "checks/common.h"
 #include "errors/ffi_errors.h"
+#include "targets.h"
 
 namespace lnbwd {
 
-// fn: the function the message names ("layernorm_fwd", "add_layernorm_fwd", "rmsnorm_fwd" or
-// "add_rmsnorm_fwd").
-inline ffi::Error FwdArgError(const std::string& message, const char* fn = "layernorm_fwd") {
-  return ffi::Error::InvalidArgument(std::string(fn) + ": " + message);
-}
-
-struct LayernormFwdShape {
+struct NormFwdShape {
   int64_t rows;
   int64_t C;
   int64_t weight_rows;   // 0: no weight; 1: one row for all rows; S: one per segment of rows/S rows
@@ -33,26 +28,24 @@ struct LayernormFwdShape {
   ffi::DataType param_dtype;   // the present parameters' dtype (x's when none is present)
 };
 
-inline bool Is16Bit(ffi::DataType t) { return t == ffi::DataType::BF16 || t == ffi::DataType::F16; }
-
 // weight or bias: (0, C) absent, (1, C) shared, or (S, C) with S dividing rows.
 inline ffi::Error CheckParam(const char* fn, const char* name, const ffi::AnyBuffer& p, const ffi::AnyBuffer& x,
                              int64_t* prows) {
   const auto dims = p.dimensions();
   const int64_t rows = x.dimensions()[0], C = x.dimensions()[1];
   if (dims.size() != 2 || dims[1] != C) {
-    return FwdArgError(std::string("'") + name + "' has shape " + ShapeStr(dims) + " but expected (0, " +
+    return ArgError(std::string("'") + name + "' has shape " + ShapeStr(dims) + " but expected (0, " +
                        std::to_string(C) + ") (absent), (1, " + std::to_string(C) + ") or (segments, " +
                        std::to_string(C) + ") for x of shape " + ShapeStr(x.dimensions()), fn);
   }
   if (dims[0] > 1 && rows % dims[0] != 0) {
-    return FwdArgError(std::string("'") + name + "' has shape " + ShapeStr(dims) + " but its " +
+    return ArgError(std::string("'") + name + "' has shape " + ShapeStr(dims) + " but its " +
                        std::to_string(dims[0]) + " rows must divide the " + std::to_string(rows) +
                        " rows of x (one parameter row per equal segment of rows)", fn);
   }
   const ffi::DataType t = x.element_type(), pt = p.element_type();
   if (pt != t && !(pt == ffi::DataType::F32 && Is16Bit(t))) {
-    return FwdArgError(std::string("'") + name + "' has dtype " + DtypeName(pt) + " but expected " + DtypeName(t) +
+    return ArgError(std::string("'") + name + "' has dtype " + DtypeName(pt) + " but expected " + DtypeName(t) +
                        (Is16Bit(t) ? " or float32" : "") + " for x of dtype " + DtypeName(t), fn);
   }
   *prows = dims[0];
@@ -62,26 +55,26 @@ inline ffi::Error CheckParam(const char* fn, const char* name, const ffi::AnyBuf
 // x, eps, the parameters and the outputs. bias and mean are null for RMSNorm (no such buffers).
 inline ffi::Error CheckNormFwdArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& weight, const ffi::AnyBuffer* bias,
                                    const ffi::AnyBuffer& y, const ffi::AnyBuffer* mean, const ffi::AnyBuffer& rstd,
-                                   double eps, LayernormFwdShape* shape, const char* fn) {
+                                   double eps, NormFwdShape* shape, const char* fn) {
   const auto xd = x.dimensions();
-  if (xd.size() != 2) return FwdArgError("'x' has shape " + ShapeStr(xd) + " but expected (rows, C)", fn);
+  if (xd.size() != 2) return ArgError("'x' has shape " + ShapeStr(xd) + " but expected (rows, C)", fn);
   const int64_t rows = xd[0], C = xd[1];
-  if (C < 1) return FwdArgError("'x' has shape " + ShapeStr(xd) + " but C (the last axis) must be at least 1", fn);
-  if (C > INT32_MAX) return FwdArgError("'x' has shape " + ShapeStr(xd) + " but C must be below 2^31", fn);
+  if (C < 1) return ArgError("'x' has shape " + ShapeStr(xd) + " but C (the last axis) must be at least 1", fn);
+  if (C > INT32_MAX) return ArgError("'x' has shape " + ShapeStr(xd) + " but C must be below 2^31", fn);
   const ffi::DataType t = x.element_type();
   if (t != ffi::DataType::F32 && t != ffi::DataType::BF16 && t != ffi::DataType::F16 && t != ffi::DataType::F64) {
-    return FwdArgError(std::string("'x' has dtype ") + DtypeName(t) + " but expected float32, bfloat16, float16 or float64",
+    return ArgError(std::string("'x' has dtype ") + DtypeName(t) + " but expected float32, bfloat16, float16 or float64",
                        fn);
   }
   if (!std::isfinite(eps) || eps <= 0.0) {
-    return FwdArgError("'eps' is " + std::to_string(eps) + " but expected a positive finite number", fn);
+    return ArgError("'eps' is " + std::to_string(eps) + " but expected a positive finite number", fn);
   }
   if (auto e = CheckParam(fn, "weight", weight, x, &shape->weight_rows); e.failure()) return e;
   shape->bias_rows = 0;
   if (bias != nullptr) {
     if (auto e = CheckParam(fn, "bias", *bias, x, &shape->bias_rows); e.failure()) return e;
     if (shape->weight_rows > 0 && shape->bias_rows > 0 && weight.element_type() != bias->element_type()) {
-      return FwdArgError(std::string("'weight' has dtype ") + DtypeName(weight.element_type()) + " but 'bias' has " +
+      return ArgError(std::string("'weight' has dtype ") + DtypeName(weight.element_type()) + " but 'bias' has " +
                          DtypeName(bias->element_type()) + "; pass both in one dtype", fn);
     }
   }
@@ -102,11 +95,11 @@ inline ffi::Error CheckNormFwdArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer
     if (!ok) {
       const std::string want = e.rank == 1 ? "(" + std::to_string(rows) + ",)"
                                            : "(" + std::to_string(rows) + ", " + std::to_string(C) + ")";
-      return FwdArgError(std::string("'") + e.name + "' has shape " + ShapeStr(d) + " but expected " + want +
+      return ArgError(std::string("'") + e.name + "' has shape " + ShapeStr(d) + " but expected " + want +
                          " for x of shape " + ShapeStr(xd), fn);
     }
     if (e.buf->element_type() != e.dtype) {
-      return FwdArgError(std::string("'") + e.name + "' has dtype " + DtypeName(e.buf->element_type()) +
+      return ArgError(std::string("'") + e.name + "' has dtype " + DtypeName(e.buf->element_type()) +
                          " but expected " + DtypeName(e.dtype) + " for x of dtype " + DtypeName(t), fn);
     }
   }
@@ -118,14 +111,14 @@ inline ffi::Error CheckNormFwdArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer
 inline ffi::Error CheckLayernormFwdArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& weight,
                                         const ffi::AnyBuffer& bias, const ffi::AnyBuffer& y,
                                         const ffi::AnyBuffer& mean, const ffi::AnyBuffer& rstd, double eps,
-                                        LayernormFwdShape* shape, const char* fn = "layernorm_fwd") {
+                                        NormFwdShape* shape, const char* fn) {
   return CheckNormFwdArgs(x, weight, &bias, y, &mean, rstd, eps, shape, fn);
 }
 
 // The residual variants' residual and s, which have x's shape and dtype exactly (s = x +
 // residual is rounded to that dtype).
 inline ffi::Error CheckResidualAndSum(const ffi::AnyBuffer& x, const ffi::AnyBuffer& residual, const ffi::AnyBuffer& s,
-                                      const LayernormFwdShape& shape, const char* fn) {
+                                      const NormFwdShape& shape, const char* fn) {
   const struct {
     const char* name;
     const ffi::AnyBuffer& buf;
@@ -133,24 +126,24 @@ inline ffi::Error CheckResidualAndSum(const ffi::AnyBuffer& x, const ffi::AnyBuf
   for (const auto& a : same_as_x) {
     const auto d = a.buf.dimensions();
     if (d.size() != 2 || d[0] != shape.rows || d[1] != shape.C) {
-      return FwdArgError(std::string("'") + a.name + "' has shape " + ShapeStr(d) + " but expected " +
+      return ArgError(std::string("'") + a.name + "' has shape " + ShapeStr(d) + " but expected " +
                          ShapeStr(x.dimensions()) + " (x's shape)", fn);
     }
     if (a.buf.element_type() != x.element_type()) {
-      return FwdArgError(std::string("'") + a.name + "' has dtype " + DtypeName(a.buf.element_type()) +
+      return ArgError(std::string("'") + a.name + "' has dtype " + DtypeName(a.buf.element_type()) +
                          " but expected " + DtypeName(x.element_type()) + " (x's dtype)", fn);
     }
   }
   return ffi::Error::Success();
 }
 
-// The residual variant (jax_lnbwd_add_layernorm_fwd_v1): the forward's checks, then residual
+// The residual variant (add_layernorm_fwd): the forward's checks, then residual
 // and s.
 inline ffi::Error CheckAddLayernormFwdArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& residual,
                                            const ffi::AnyBuffer& weight, const ffi::AnyBuffer& bias,
                                            const ffi::AnyBuffer& y, const ffi::AnyBuffer& s,
                                            const ffi::AnyBuffer& mean, const ffi::AnyBuffer& rstd, double eps,
-                                           LayernormFwdShape* shape) {
+                                           NormFwdShape* shape) {
   const char* fn = "add_layernorm_fwd";
   if (auto e = CheckLayernormFwdArgs(x, weight, bias, y, mean, rstd, eps, shape, fn); e.failure()) return e;
   return CheckResidualAndSum(x, residual, s, *shape, fn);
@@ -161,24 +154,24 @@ inline ffi::Error CheckAddLayernormFwdArgs(const ffi::AnyBuffer& x, const ffi::A
 // dtype of the target's other parameters when they are present; `params_have` names them for
 // the message: "weight and bias have", or RMSNorm's "weight has").
 inline ffi::Error CheckXBias(const ffi::AnyBuffer& x, const ffi::AnyBuffer& x_bias, bool required, const char* params_have,
-                             LayernormFwdShape* shape, const char* fn) {
+                             NormFwdShape* shape, const char* fn) {
   if (auto e = CheckParam(fn, "x_bias", x_bias, x, &shape->x_bias_rows); e.failure()) return e;
   if (shape->x_bias_rows == 0) {
     if (!required) return ffi::Error::Success();
-    return FwdArgError("'x_bias' has shape " + ShapeStr(x_bias.dimensions()) + " but expected (1, " +
+    return ArgError("'x_bias' has shape " + ShapeStr(x_bias.dimensions()) + " but expected (1, " +
                        std::to_string(shape->C) + ") or (segments, " + std::to_string(shape->C) +
-                       "): this target adds it (jax_lnbwd_add_layernorm_fwd_v1 has none)", fn);
+                       "): this target adds it (" + kAddLayernormFwdTarget + " has none)", fn);
   }
   const bool params = shape->weight_rows > 0 || shape->bias_rows > 0;
   if (params && x_bias.element_type() != shape->param_dtype) {
-    return FwdArgError(std::string("'x_bias' has dtype ") + DtypeName(x_bias.element_type()) + " but " + params_have + " " +
+    return ArgError(std::string("'x_bias' has dtype ") + DtypeName(x_bias.element_type()) + " but " + params_have + " " +
                        DtypeName(shape->param_dtype) + "; pass the parameters in one dtype", fn);
   }
   shape->param_dtype = x_bias.element_type();
   return ffi::Error::Success();
 }
 
-// The residual variant with x's own bias (jax_lnbwd_add_layernorm_fwd_v2: s = x + x_bias +
+// The residual variant with x's own bias (add_bias_layernorm_fwd: s = x + x_bias +
 // residual): v1's checks, then x_bias, a parameter that must be present ((1, C) or (S, C)) and
 // of the parameters' dtype (x's, or float32 beside 16-bit x; the one dtype of weight and bias
 // when they are present).
@@ -186,33 +179,27 @@ inline ffi::Error CheckAddBiasLayernormFwdArgs(const ffi::AnyBuffer& x, const ff
                                                const ffi::AnyBuffer& residual, const ffi::AnyBuffer& weight,
                                                const ffi::AnyBuffer& bias, const ffi::AnyBuffer& y,
                                                const ffi::AnyBuffer& s, const ffi::AnyBuffer& mean,
-                                               const ffi::AnyBuffer& rstd, double eps, LayernormFwdShape* shape) {
+                                               const ffi::AnyBuffer& rstd, double eps, NormFwdShape* shape) {
   if (auto e = CheckAddLayernormFwdArgs(x, residual, weight, bias, y, s, mean, rstd, eps, shape); e.failure()) {
     return e;
   }
   return CheckXBias(x, x_bias, /*required=*/true, "weight and bias have", shape, "add_layernorm_fwd");
 }
 
-// RMSNorm's weight offset (the 1 of Gemma's 1 + w): any finite number.
-inline ffi::Error CheckFwdOffset(double offset, const char* fn) {
-  if (std::isfinite(offset)) return ffi::Error::Success();
-  return FwdArgError("'offset' is " + std::to_string(offset) + " but expected a finite number", fn);
-}
-
-// jax_lnbwd_rmsnorm_fwd_v1: x, weight ((0, C) absent, (1, C) or (S, C)), y, rstd, eps, offset.
+// rmsnorm_fwd: x, weight ((0, C) absent, (1, C) or (S, C)), y, rstd, eps, offset.
 inline ffi::Error CheckRmsnormFwdArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& weight, const ffi::AnyBuffer& y,
-                                      const ffi::AnyBuffer& rstd, double eps, double offset, LayernormFwdShape* shape,
-                                      const char* fn = "rmsnorm_fwd") {
+                                      const ffi::AnyBuffer& rstd, double eps, double offset, NormFwdShape* shape,
+                                      const char* fn) {
   if (auto e = CheckNormFwdArgs(x, weight, nullptr, y, nullptr, rstd, eps, shape, fn); e.failure()) return e;
-  return CheckFwdOffset(offset, fn);
+  return CheckOffset(offset, fn);
 }
 
-// jax_lnbwd_add_rmsnorm_fwd_v1: s = (x [+ x_bias]) + residual, then the rmsnorm of s. x_bias is
+// add_rmsnorm_fwd: s = (x [+ x_bias]) + residual, then the rmsnorm of s. x_bias is
 // optional ((0, C): absent).
 inline ffi::Error CheckAddRmsnormFwdArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& x_bias,
                                          const ffi::AnyBuffer& residual, const ffi::AnyBuffer& weight,
                                          const ffi::AnyBuffer& y, const ffi::AnyBuffer& s, const ffi::AnyBuffer& rstd,
-                                         double eps, double offset, LayernormFwdShape* shape) {
+                                         double eps, double offset, NormFwdShape* shape) {
   const char* fn = "add_rmsnorm_fwd";
   if (auto e = CheckRmsnormFwdArgs(x, weight, y, rstd, eps, offset, shape, fn); e.failure()) return e;
   if (auto e = CheckResidualAndSum(x, residual, s, *shape, fn); e.failure()) return e;

@@ -1,13 +1,14 @@
 // Turning bad arguments and CUDA failures into ffi::Error values with messages that name the
 // argument, its shape and what was expected, e.g.
 //   layernorm_bwd: 'dy' has shape (4, 9) but x has shape (4, 8)
-// These are the pieces both directions' checks use; each adds its function's name to the
-// message (ArgError in checks/backward.h, FwdArgError in checks/forward.h).
+// These are the pieces both directions' checks use: ArgError puts the name of the op the user
+// called in front of every message.
 #pragma once
 
 #include <cstdint>
 #include <string>
 
+#include "norm_kind.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace lnbwd {
@@ -35,6 +36,21 @@ inline const char* DtypeName(ffi::DataType t) {
     case ffi::DataType::S64: return "int64";
     default: return "an unsupported dtype";
   }
+}
+
+// An argument the target cannot take: "op: message". `op` is the op the user called, e.g.
+// "layernorm_fwd", "add_rmsnorm_fwd" or "rmsnorm_bwd" (BwdOpName).
+inline ffi::Error ArgError(const std::string& message, const char* op) {
+  return ffi::Error::InvalidArgument(std::string(op) + ": " + message);
+}
+
+// The backward op of a norm kind, as errors name it.
+constexpr const char* BwdOpName(NormKind k) {
+  switch (k) {
+    case NormKind::kLayerNorm: return "layernorm_bwd";
+    case NormKind::kRmsNorm: return "rmsnorm_bwd";
+  }
+  return "norm_bwd";   // not reached: every kind is listed above
 }
 
 }  // namespace lnbwd

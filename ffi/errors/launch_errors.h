@@ -29,14 +29,14 @@ inline std::string ProblemStr(int64_t rows, int64_t C, const std::string& dtype,
          std::to_string(segments) + (segments == 1 ? " segment" : " segments");
 }
 
-// `lim` may be unknown (device < 0) when reading it was what failed.
-inline std::string LaunchFailure(int kernel, int64_t rows, int64_t C, const std::string& dtype, int64_t segments,
-                                 const LaunchPlan& plan, const DeviceLimits& lim, cudaError_t err,
-                                 NormKind norm = NormKind::kLayerNorm) {
+// `op` names the function the user called (BwdOpName, or the module's launch_plan). `lim` may be
+// unknown (device < 0) when reading it was what failed.
+inline std::string LaunchFailure(const std::string& op, int kernel, int64_t rows, int64_t C, const std::string& dtype,
+                                 int64_t segments, const LaunchPlan& plan, const DeviceLimits& lim, cudaError_t err) {
   std::string what = "kernel " + std::to_string(kernel);
   if (plan.kernel != 0 && plan.kernel != kernel) what += " (running as kernel " + std::to_string(plan.kernel) + ")";
   if (*plan.path) what += std::string(", path '") + plan.path + "'";
-  std::string msg = std::string(norm_name(norm)) + "_bwd: " + what + " failed for " + ProblemStr(rows, C, dtype, segments) + " on " +
+  std::string msg = op + ": " + what + " failed for " + ProblemStr(rows, C, dtype, segments) + " on " +
                     (lim.device >= 0 ? DeviceStr(lim) : std::string("the GPU")) + ": " + cudaGetErrorName(err) +
                     ": " + cudaGetErrorString(err);
   if (plan.threads > 0) {

@@ -1,5 +1,5 @@
-// CPU handlers of the backward FFI targets (layernorm v1 and v2, rmsnorm v1): a clear two-pass
-// reference in C++.
+// CPU handlers of the backward FFI targets (targets.h: layernorm's v1 and v2, rmsnorm's): a clear
+// two-pass reference in C++.
 // It runs for every kernel id (the CUDA kernels exist only on the GPU), so the whole API works
 // and is tested on machines without a GPU. Accumulation is fp32 (fp64 for float64 data). It
 // refuses what the CUDA handler refuses, through the same registry (registry.h), with the
@@ -13,6 +13,7 @@
 #include "checks/backward.h"
 #include "handlers/cpu_floats.h"
 #include "handlers/handlers.h"
+#include "handlers/operands.h"
 
 namespace lnbwd {
 namespace {
@@ -31,10 +32,11 @@ struct F16 { using S = uint16_t; using A = float;
 // D is the data's type (dy, x, dx, dresidual), P the parameters' (weight, dweight, dbias): D, or
 // F32 beside BF16/F16 data (mixed precision; both accumulate in float). dres, if not null, is
 // added to dx before it is rounded; it may be dx itself (aliased): each element is read before
-// the same element of dx is written. RMSNorm: mean and db_out null, and `offset` is added to the
-// weight (in A, only where it is not 0: layernorm's weight is used exactly as stored).
+// the same element of dx is written. RMSNorm (not centered): mean and db_out null, and `offset`
+// is added to the weight (in A, only where it is not 0: layernorm's weight is used exactly as
+// stored).
 template <typename D, typename P>
-void Segment(const typename D::S* dy, const typename D::S* x, const typename P::S* w, const typename D::A* mean,
+void Segment(bool centered, const typename D::S* dy, const typename D::S* x, const typename P::S* w, const typename D::A* mean,
              const typename D::A* rstd, const typename D::S* dres, typename D::S* dx, typename P::S* dw_out,
              typename P::S* db_out, int64_t r0, int64_t r1, int64_t C, typename D::A offset) {
   using A = typename D::A;
@@ -45,7 +47,7 @@ void Segment(const typename D::S* dy, const typename D::S* x, const typename P::
     const auto* dy_r = dy + r * C;
     const auto* x_r = x + r * C;
     auto* dx_r = dx + r * C;
-    const A m = mean ? mean[r] : A(0), s = rstd[r];
+    const A m = centered ? mean[r] : A(0), s = rstd[r];
     // Pass 1: a = mean(g), b = mean(g * xhat), with g = weight * dy and xhat = (x - mean) * rstd.
     A sum_g = 0, sum_g_xhat = 0;
     for (int64_t i = 0; i < C; ++i) {
@@ -54,7 +56,7 @@ void Segment(const typename D::S* dy, const typename D::S* x, const typename P::
       sum_g_xhat += g * ((D::Load(x_r[i]) - m) * s);
     }
     // RMSNorm subtracted no mean, so dx has no term for its gradient: a = 0.
-    const A a = mean ? sum_g / A(C) : A(0), b = sum_g_xhat / A(C);
+    const A a = centered ? sum_g / A(C) : A(0), b = sum_g_xhat / A(C);
     // Pass 2: dx = (g - a - xhat * b) * rstd (+ dresidual); dweight += dy * xhat; dbias += dy.
     for (int64_t i = 0; i < C; ++i) {
       const A d = D::Load(dy_r[i]);
@@ -75,7 +77,7 @@ void Segment(const typename D::S* dy, const typename D::S* x, const typename P::
 template <typename D, typename P = D>
 void Impl(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x, const ffi::AnyBuffer& w, const ffi::AnyBuffer* mean,
           const ffi::AnyBuffer& rstd, const void* dres, ffi::AnyBuffer dx, ffi::AnyBuffer dw, ffi::AnyBuffer* db,
-          const LayernormBwdShape& shape, double offset) {
+          const NormBwdShape& shape, double offset) {
   using S = typename D::S;
   using PS = typename P::S;
   using A = typename D::A;   // mean/rstd are fp32, or fp64 for fp64 data: the accumulator type
@@ -83,7 +85,7 @@ void Impl(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x, const ffi::AnyBuffe
   const int64_t per_segment = shape.rows / shape.segments;
   for (int64_t seg = 0; seg < shape.segments; ++seg) {
     const int64_t w_row = shape.weight_rows == 1 ? 0 : seg;
-    Segment<D, P>(static_cast<const S*>(dy.untyped_data()), static_cast<const S*>(x.untyped_data()),
+    Segment<D, P>(shape.norm == NormKind::kLayerNorm, static_cast<const S*>(dy.untyped_data()), static_cast<const S*>(x.untyped_data()),
                   static_cast<const PS*>(w.untyped_data()) + w_row * C,
                   mean ? static_cast<const A*>(mean->untyped_data()) : nullptr,
                   static_cast<const A*>(rstd.untyped_data()), static_cast<const S*>(dres),
@@ -94,10 +96,10 @@ void Impl(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x, const ffi::AnyBuffe
 }
 
 // Every target: layernorm v1 (dres null, weight of x's dtype) and v2 (mixed precision,
-// residual), and rmsnorm (mean and dbias null, offset; shape.norm).
+// residual), and rmsnorm (shape.norm: mean and dbias null, and its offset).
 ffi::Error Run(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x, const ffi::AnyBuffer& weight,
                const ffi::AnyBuffer* mean, const ffi::AnyBuffer& rstd, const void* dres, ffi::AnyBuffer dx,
-               ffi::AnyBuffer dweight, ffi::AnyBuffer* dbias, const LayernormBwdShape& shape, double offset = 0.0) {
+               ffi::AnyBuffer dweight, ffi::AnyBuffer* dbias, const NormBwdShape& shape, double offset) {
   if (shape.weight_f32) {
     switch (x.element_type()) {
       case ffi::DataType::BF16: Impl<BF16, F32>(dy, x, weight, mean, rstd, dres, dx, dweight, dbias, shape, offset); break;
@@ -105,7 +107,7 @@ ffi::Error Run(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x, const ffi::Any
       default:
         return ArgError(std::string("float32 weight beside x of dtype ") + DtypeName(x.element_type()) +
                             " has no CPU implementation",
-                        shape.norm);
+                        BwdOpName(shape.norm));
     }
     return ffi::Error::Success();
   }
@@ -116,18 +118,19 @@ ffi::Error Run(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x, const ffi::Any
     case ffi::DataType::F16: Impl<F16>(dy, x, weight, mean, rstd, dres, dx, dweight, dbias, shape, offset); break;
     default:
       return ArgError(std::string("'x' has dtype ") + DtypeName(x.element_type()) + ", which has no CPU implementation",
-                      shape.norm);
+                      BwdOpName(shape.norm));
   }
   return ffi::Error::Success();
 }
 
 // The kernel attributes, through the registry with the default device limits. As on the GPU,
 // zero rows run nothing, so no kernel limit applies (the sums are zeros).
-ffi::Error CheckKernel(int32_t kernel, int32_t block_size, const LayernormBwdShape& shape, const ffi::AnyBuffer& x) {
+ffi::Error CheckKernel(int32_t kernel, int32_t block_size, const NormBwdShape& shape, const ffi::AnyBuffer& x) {
+  const char* op = BwdOpName(shape.norm);
   const KernelFacts* k = nullptr;
-  if (auto e = CheckKernelAttrs(kernel, block_size, &k, shape.norm); e.failure()) return e;
+  if (auto e = CheckKernelAttrs(kernel, block_size, &k, op); e.failure()) return e;
   Dtype dtype;
-  if (auto e = ToKernelDtype(x.element_type(), &dtype, shape.norm); e.failure()) return e;
+  if (auto e = ToKernelDtype("x", x.element_type(), &dtype, op); e.failure()) return e;
   if (shape.rows > 0) {
     if (auto e = CheckKernelLimits(*k, block_size, shape, dtype, kDefaultRefusalLimits); e.failure()) return e;
   }
@@ -139,24 +142,24 @@ ffi::Error LayernormBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer w
                            ffi::Result<ffi::AnyBuffer> dweight, ffi::Result<ffi::AnyBuffer> dbias,
                            ffi::Result<ffi::AnyBuffer> workspace, int32_t kernel, int32_t block_size) {
   (void)workspace;   // only the CUDA kernels need scratch
-  LayernormBwdShape shape;
-  if (auto e = CheckLayernormBwdArgs(dy, x, weight, mean, rstd, *dx, *dweight, *dbias, &shape); e.failure()) {
+  NormBwdShape shape;
+  if (auto e = CheckLayernormBwdTarget(dy, x, weight, mean, rstd, *dx, *dweight, *dbias, &shape); e.failure()) {
     return e;
   }
   if (auto e = CheckKernel(kernel, block_size, shape, x); e.failure()) return e;
-  return Run(dy, x, weight, &mean, rstd, nullptr, *dx, *dweight, &*dbias, shape);
+  return Run(dy, x, weight, &mean, rstd, nullptr, *dx, *dweight, &*dbias, shape, 0.0);
 }
 
 // Target v2: v1 plus mixed precision (float32 weight beside 16-bit x) and an added residual
-// gradient. Refused for llm.c's kernel ids 1-10 as the CUDA handler does, so that a call that
-// fails on the GPU fails here too.
+// gradient. Refused for the kernel ids whose registry entry lacks v2_operands, as the CUDA
+// handler does, so that a call that fails on the GPU fails here too.
 ffi::Error LayernormBwdV2Cpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer weight, ffi::AnyBuffer mean,
                              ffi::AnyBuffer rstd, ffi::AnyBuffer dresidual, ffi::Result<ffi::AnyBuffer> dx,
                              ffi::Result<ffi::AnyBuffer> dweight, ffi::Result<ffi::AnyBuffer> dbias,
                              ffi::Result<ffi::AnyBuffer> workspace, int32_t kernel, int32_t block_size,
                              bool has_residual) {
   (void)workspace;
-  LayernormBwdShape shape;
+  NormBwdShape shape;
   if (auto e = CheckLayernormBwdV2Target(dy, x, weight, mean, rstd, dresidual, *dx, *dweight, *dbias, kernel,
                                          has_residual, &shape);
       e.failure()) {
@@ -164,17 +167,17 @@ ffi::Error LayernormBwdV2Cpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer
   }
   if (auto e = CheckKernel(kernel, block_size, shape, x); e.failure()) return e;
   return Run(dy, x, weight, &mean, rstd, has_residual ? dresidual.untyped_data() : nullptr, *dx, *dweight, &*dbias,
-             shape);
+             shape, 0.0);
 }
 
 // RMSNorm (target rmsnorm_bwd): v2's buffers without mean and dbias, and the weight's offset.
-// Refused for kernel ids 1-10 as the CUDA handler does.
+// Refused for the kernel ids whose registry entry lacks rmsnorm, as the CUDA handler does.
 ffi::Error RmsnormBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer weight, ffi::AnyBuffer rstd,
                          ffi::AnyBuffer dresidual, ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dweight,
                          ffi::Result<ffi::AnyBuffer> workspace, int32_t kernel, int32_t block_size, bool has_residual,
                          double offset) {
   (void)workspace;
-  LayernormBwdShape shape;
+  NormBwdShape shape;
   if (auto e = CheckRmsnormBwdTarget(dy, x, weight, rstd, dresidual, *dx, *dweight, kernel, has_residual, offset,
                                      &shape);
       e.failure()) {
@@ -188,55 +191,9 @@ ffi::Error RmsnormBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer wei
 }  // namespace
 }  // namespace lnbwd
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxLnbwdLayernormBwdCpu, lnbwd::LayernormBwdCpu,
-    xla::ffi::Ffi::Bind()
-        .Arg<xla::ffi::AnyBuffer>()   // dy [rows, C] dtype
-        .Arg<xla::ffi::AnyBuffer>()   // x [rows, C] dtype
-        .Arg<xla::ffi::AnyBuffer>()   // weight [1 or segments, C] dtype
-        .Arg<xla::ffi::AnyBuffer>()   // mean [rows] float32 (float64 for float64 x)
-        .Arg<xla::ffi::AnyBuffer>()   // rstd [rows] float32 (float64 for float64 x)
-        .Ret<xla::ffi::AnyBuffer>()   // dx [rows, C] dtype
-        .Ret<xla::ffi::AnyBuffer>()   // dweight [segments, C] dtype: sums over each segment's rows
-        .Ret<xla::ffi::AnyBuffer>()   // dbias [segments, C] dtype
-        .Ret<xla::ffi::AnyBuffer>()   // workspace [bytes] uint8 (unused on CPU)
-        .Attr<int32_t>("kernel")      // CUDA kernel id, checked (the CPU runs this reference for all)
-        .Attr<int32_t>("block_size")  // CUDA threads per block, 0 = kernel default; checked
-);
-
-// Target jax_lnbwd_layernorm_bwd_v2 (see the CUDA handler's binding for the contract).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxLnbwdLayernormBwdV2Cpu, lnbwd::LayernormBwdV2Cpu,
-    xla::ffi::Ffi::Bind()
-        .Arg<xla::ffi::AnyBuffer>()   // dy [rows, C] dtype
-        .Arg<xla::ffi::AnyBuffer>()   // x [rows, C] dtype
-        .Arg<xla::ffi::AnyBuffer>()   // weight [1 or segments, C] pdtype: dtype, or float32 beside bf16/f16
-        .Arg<xla::ffi::AnyBuffer>()   // mean [rows] float32 (float64 for float64 x)
-        .Arg<xla::ffi::AnyBuffer>()   // rstd [rows] float32 (float64 for float64 x)
-        .Arg<xla::ffi::AnyBuffer>()   // dresidual [rows, C] dtype, added to dx (may be aliased to it); (0,) when !has_residual
-        .Ret<xla::ffi::AnyBuffer>()   // dx [rows, C] dtype: layernorm's dx + dresidual
-        .Ret<xla::ffi::AnyBuffer>()   // dweight [segments, C] pdtype: sums over each segment's rows
-        .Ret<xla::ffi::AnyBuffer>()   // dbias [segments, C] pdtype
-        .Ret<xla::ffi::AnyBuffer>()   // workspace [bytes] uint8 (unused on CPU)
-        .Attr<int32_t>("kernel")      // CUDA kernel id (the CPU runs this reference for all)
-        .Attr<int32_t>("block_size")  // CUDA threads per block, 0 = kernel default
-        .Attr<bool>("has_residual")   // whether dresidual is added (else it is a placeholder)
-);
-
-// Target jax_lnbwd_rmsnorm_bwd_v1 (see the CUDA handler's binding for the contract).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxLnbwdRmsnormBwdCpu, lnbwd::RmsnormBwdCpu,
-    xla::ffi::Ffi::Bind()
-        .Arg<xla::ffi::AnyBuffer>()   // dy [rows, C] dtype
-        .Arg<xla::ffi::AnyBuffer>()   // x [rows, C] dtype
-        .Arg<xla::ffi::AnyBuffer>()   // weight [1 or segments, C] pdtype: dtype, or float32 beside bf16/f16
-        .Arg<xla::ffi::AnyBuffer>()   // rstd [rows] float32 (float64 for float64 x)
-        .Arg<xla::ffi::AnyBuffer>()   // dresidual [rows, C] dtype, added to dx (may be aliased to it); (0,) when !has_residual
-        .Ret<xla::ffi::AnyBuffer>()   // dx [rows, C] dtype: rmsnorm's dx (+ dresidual)
-        .Ret<xla::ffi::AnyBuffer>()   // dweight [segments, C] pdtype: sums over each segment's rows
-        .Ret<xla::ffi::AnyBuffer>()   // workspace [bytes] uint8 (unused on CPU)
-        .Attr<int32_t>("kernel")      // CUDA kernel id: 11 or 12 (1-10 refuse rmsnorm; the CPU runs this reference)
-        .Attr<int32_t>("block_size")  // CUDA threads per block, 0 = kernel default
-        .Attr<bool>("has_residual")   // whether dresidual is added (else it is a placeholder)
-        .Attr<double>("offset")       // g = (offset + weight) * dy, in the accumulator type (Gemma: 1)
-);
+// The backward targets' CPU handler symbols: each target's operands (handlers/operands.h) bound
+// to its implementation above.
+#define LNBWD_CPU_HANDLER(Handler, key, name) \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxLnbwd##Handler##Cpu, lnbwd::Handler##Cpu, lnbwd::Handler##Operands());
+LNBWD_BACKWARD_TARGETS(LNBWD_CPU_HANDLER)
+#undef LNBWD_CPU_HANDLER

@@ -1,4 +1,4 @@
-// CUDA handlers of the backward FFI targets (layernorm v1 and v2, rmsnorm v1): check the buffers, map the dtype,
+// CUDA handlers of the backward FFI targets (targets.h: layernorm's v1 and v2, rmsnorm's): check the buffers, map the dtype,
 // check the kernel's limits once through the registry (registry.h, with this GPU's limits),
 // handle zero rows, and hand plain pointers to the launcher that `kernel` selects. No math here.
 // A failure comes back as an ffi::Error that names the kernel, the shape and the device's limits,
@@ -12,6 +12,7 @@
 #include "checks/backward.h"
 #include "errors/launch_errors.h"
 #include "handlers/handlers.h"
+#include "handlers/operands.h"
 #include "kernels/backward/api.h"
 
 namespace lnbwd {
@@ -23,25 +24,27 @@ namespace {
 void ClearCudaError() { (void)cudaGetLastError(); }
 
 // The error of a failed launcher (errors/launch_errors.h), with the CUDA error cleared.
-ffi::Error LaunchError(int32_t kernel, const LayernormBwdParams& p, ffi::DataType dtype, const LaunchPlan& plan,
+ffi::Error LaunchError(int32_t kernel, const NormBwdParams& p, ffi::DataType dtype, const LaunchPlan& plan,
                        const DeviceLimits& lim, cudaError_t err) {
   ClearCudaError();
-  return ffi::Error::Internal(LaunchFailure(kernel, p.rows, p.C, DtypeName(dtype), p.segments, plan, lim, err, p.norm));
+  return ffi::Error::Internal(
+      LaunchFailure(BwdOpName(p.norm), kernel, p.rows, p.C, DtypeName(dtype), p.segments, plan, lim, err));
 }
 
 // Every target. Layernorm v1 passes dresidual null and a shape whose weight_f32 is false; v2 and
-// rmsnorm have checked their additions (CheckResidual, CheckV2Kernel, CheckRmsnormKernel) before
-// they come here. RMSNorm (shape.norm) passes mean and dbias null, and its offset.
+// rmsnorm have checked their additions (CheckResidual, CheckKernelRuns) before they come here.
+// RMSNorm (shape.norm) passes mean and dbias null, and its offset.
 ffi::Error Run(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x,
                const ffi::AnyBuffer& weight, const ffi::AnyBuffer* mean, const ffi::AnyBuffer& rstd,
                const void* dresidual, ffi::AnyBuffer* dx, ffi::AnyBuffer* dweight, ffi::AnyBuffer* dbias,
-               ffi::AnyBuffer* workspace, int32_t kernel, int32_t block_size, const LayernormBwdShape& shape,
-               double offset = 0.0) {
-  const std::string fn = std::string(norm_name(shape.norm)) + "_bwd: ";
+               ffi::AnyBuffer* workspace, int32_t kernel, int32_t block_size, const NormBwdShape& shape,
+               double offset) {
+  const char* op = BwdOpName(shape.norm);
+  const std::string fn = std::string(op) + ": ";
   const KernelFacts* k = nullptr;
-  if (auto e = CheckKernelAttrs(kernel, block_size, &k, shape.norm); e.failure()) return e;
+  if (auto e = CheckKernelAttrs(kernel, block_size, &k, op); e.failure()) return e;
   Dtype dtype;
-  if (auto e = ToKernelDtype(x.element_type(), &dtype, shape.norm); e.failure()) return e;
+  if (auto e = ToKernelDtype("x", x.element_type(), &dtype, op); e.failure()) return e;
 
   // Zero rows: the sums over rows are exactly zero and there is no dx to write. No launch.
   if (shape.rows == 0) {
@@ -69,7 +72,7 @@ ffi::Error Run(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& dy, co
   const RefusalLimits refusal = {static_cast<int64_t>(lim.smem_optin), "this GPU"};
   if (auto e = CheckKernelLimits(*k, block_size, shape, dtype, refusal); e.failure()) return e;
 
-  LayernormBwdParams p;
+  NormBwdParams p;
   p.dx = dx->untyped_data();
   p.dweight = dweight->untyped_data();
   p.dbias = dbias ? dbias->untyped_data() : nullptr;
@@ -99,7 +102,7 @@ ffi::Error Run(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& dy, co
                         std::to_string(least) + " bytes (a " + std::to_string(kWorkspaceHeaderBytes) +
                         "-byte header and a partial slot of 2*C accumulators per segment) for x of shape " +
                         ShapeStr(x.dimensions()) + " in " + std::to_string(p.segments) + " segment(s)",
-                    shape.norm);
+                    op);
   }
   switch (kernel) {
     case 1: case 2: case 3: case 4: case 5: case 6: case 7: case 8: case 9: case 10:
@@ -111,53 +114,51 @@ ffi::Error Run(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& dy, co
     case 12: {
       LaunchPlan plan;
       p.plan = &plan;
-      const cudaError_t err = kernel == 11 ? layernorm_bwd_kernel11(p, stream) : layernorm_bwd_kernel12(p, stream);
+      const cudaError_t err = kernel == 11 ? norm_bwd_kernel11(p, stream) : norm_bwd_kernel12(p, stream);
       if (err != cudaSuccess) return LaunchError(kernel, p, x.element_type(), plan, lim, err);
       break;
     }
     default:
-      return ArgError("'kernel' is " + std::to_string(kernel) + " but this build has no launcher for it", shape.norm);
+      return ArgError("'kernel' is " + std::to_string(kernel) + " but this build has no launcher for it", op);
   }
   return ffi::Error::Success();
 }
 
-ffi::Error LayernormBwdCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer dy, ffi::AnyBuffer x,
-                            ffi::AnyBuffer weight, ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
-                            ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dweight,
+ffi::Error LayernormBwdCuda(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer weight, ffi::AnyBuffer mean,
+                            ffi::AnyBuffer rstd, ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dweight,
                             ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> workspace, int32_t kernel,
-                            int32_t block_size) {
-  LayernormBwdShape shape;
-  if (auto e = CheckLayernormBwdArgs(dy, x, weight, mean, rstd, *dx, *dweight, *dbias, &shape); e.failure()) {
+                            int32_t block_size, cudaStream_t stream, int32_t device) {
+  NormBwdShape shape;
+  if (auto e = CheckLayernormBwdTarget(dy, x, weight, mean, rstd, *dx, *dweight, *dbias, &shape); e.failure()) {
     return e;
   }
   return Run(stream, device, dy, x, weight, &mean, rstd, nullptr, &*dx, &*dweight, &*dbias,
-             &*workspace, kernel, block_size, shape);
+             &*workspace, kernel, block_size, shape, 0.0);
 }
 
-ffi::Error LayernormBwdV2Cuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer dy, ffi::AnyBuffer x,
-                              ffi::AnyBuffer weight, ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
-                              ffi::AnyBuffer dresidual, ffi::Result<ffi::AnyBuffer> dx,
+ffi::Error LayernormBwdV2Cuda(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer weight, ffi::AnyBuffer mean,
+                              ffi::AnyBuffer rstd, ffi::AnyBuffer dresidual, ffi::Result<ffi::AnyBuffer> dx,
                               ffi::Result<ffi::AnyBuffer> dweight, ffi::Result<ffi::AnyBuffer> dbias,
                               ffi::Result<ffi::AnyBuffer> workspace, int32_t kernel, int32_t block_size,
-                              bool has_residual) {
-  LayernormBwdShape shape;
+                              bool has_residual, cudaStream_t stream, int32_t device) {
+  NormBwdShape shape;
   if (auto e = CheckLayernormBwdV2Target(dy, x, weight, mean, rstd, dresidual, *dx, *dweight, *dbias, kernel,
                                          has_residual, &shape);
       e.failure()) {
     return e;
   }
   return Run(stream, device, dy, x, weight, &mean, rstd, has_residual ? dresidual.untyped_data() : nullptr, &*dx,
-             &*dweight, &*dbias, &*workspace, kernel, block_size, shape);
+             &*dweight, &*dbias, &*workspace, kernel, block_size, shape, 0.0);
 }
 
-// RMSNorm: layernorm v2's buffers without mean and dbias, and the weight's offset. Kernels 11 and
-// 12 run it (checked before anything is launched); the workspace has layernorm's layout and size.
-ffi::Error RmsnormBwdCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer dy, ffi::AnyBuffer x,
-                          ffi::AnyBuffer weight, ffi::AnyBuffer rstd, ffi::AnyBuffer dresidual,
-                          ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dweight,
+// RMSNorm: layernorm v2's buffers without mean and dbias, and the weight's offset. The kernels
+// whose registry entry says rmsnorm run it (checked before anything is launched); the workspace
+// has layernorm's layout and size.
+ffi::Error RmsnormBwdCuda(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer weight, ffi::AnyBuffer rstd,
+                          ffi::AnyBuffer dresidual, ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dweight,
                           ffi::Result<ffi::AnyBuffer> workspace, int32_t kernel, int32_t block_size, bool has_residual,
-                          double offset) {
-  LayernormBwdShape shape;
+                          double offset, cudaStream_t stream, int32_t device) {
+  NormBwdShape shape;
   if (auto e = CheckRmsnormBwdTarget(dy, x, weight, rstd, dresidual, *dx, *dweight, kernel, has_residual, offset,
                                      &shape);
       e.failure()) {
@@ -170,80 +171,15 @@ ffi::Error RmsnormBwdCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer dy
 }  // namespace
 }  // namespace lnbwd
 
-// Command-buffer compatible: the handler only enqueues work on XLA's stream (memsets and
-// kernels, all capturable into a CUDA graph), never synchronizes, never allocates, and keeps no
-// state between calls; its only scratch is the workspace buffer that XLA owns.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxLnbwdLayernormBwdCuda, lnbwd::LayernormBwdCuda,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()   // XLA's stream
-        .Ctx<xla::ffi::DeviceOrdinal>()                  // the CUDA device of that stream
-        .Arg<xla::ffi::AnyBuffer>()   // dy [rows, C] dtype
-        .Arg<xla::ffi::AnyBuffer>()   // x [rows, C] dtype
-        .Arg<xla::ffi::AnyBuffer>()   // weight [1 or segments, C] dtype
-        .Arg<xla::ffi::AnyBuffer>()   // mean [rows] float32 (float64 for float64 x)
-        .Arg<xla::ffi::AnyBuffer>()   // rstd [rows] float32 (float64 for float64 x)
-        .Ret<xla::ffi::AnyBuffer>()   // dx [rows, C] dtype
-        .Ret<xla::ffi::AnyBuffer>()   // dweight [segments, C] dtype: sums over each segment's rows
-        .Ret<xla::ffi::AnyBuffer>()   // dbias [segments, C] dtype
-        .Ret<xla::ffi::AnyBuffer>()   // workspace [bytes] uint8: flags, then per-block partial sums
-        .Attr<int32_t>("kernel")      // which CUDA kernel (ids as in jax_lnbwd.KERNELS)
-        .Attr<int32_t>("block_size"), // threads per block, 0 = the kernel's best
-    {xla::ffi::Traits::kCmdBufferCompatible});
-
-// Target jax_lnbwd_layernorm_bwd_v2: v1 plus two things (kernels 11 and 12; 1-10 refuse them).
-//  * Mixed precision: weight may be float32 beside bfloat16/float16 x ("pdtype" below: x's dtype,
-//    or float32). g = weight * dy is formed in fp32 from the float32 weight, never rounded, and
-//    dweight/dbias, summed in fp32 as always, are stored as pdtype.
-//  * A residual gradient: with has_residual, dx = layernorm's dx + dresidual, added in fp32 and
-//    rounded once (the backward of add_layernorm: the residual stream's gradient passes through).
-//    The caller aliases dresidual to dx (input_output_aliases {5: 0}): XLA then writes dx in
-//    dresidual's buffer where that is dead after the call, and copies it first where it is not.
-//    Each element is read once and written once, by the same thread. Absent (has_residual
-//    false), dresidual is a placeholder with no elements, e.g. a (0,) array, and nothing aliases.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxLnbwdLayernormBwdV2Cuda, lnbwd::LayernormBwdV2Cuda,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()   // XLA's stream
-        .Ctx<xla::ffi::DeviceOrdinal>()                  // the CUDA device of that stream
-        .Arg<xla::ffi::AnyBuffer>()   // dy [rows, C] dtype
-        .Arg<xla::ffi::AnyBuffer>()   // x [rows, C] dtype
-        .Arg<xla::ffi::AnyBuffer>()   // weight [1 or segments, C] pdtype: dtype, or float32 beside bf16/f16
-        .Arg<xla::ffi::AnyBuffer>()   // mean [rows] float32 (float64 for float64 x)
-        .Arg<xla::ffi::AnyBuffer>()   // rstd [rows] float32 (float64 for float64 x)
-        .Arg<xla::ffi::AnyBuffer>()   // dresidual [rows, C] dtype, added to dx (may be aliased to it); (0,) when !has_residual
-        .Ret<xla::ffi::AnyBuffer>()   // dx [rows, C] dtype: layernorm's dx (+ dresidual)
-        .Ret<xla::ffi::AnyBuffer>()   // dweight [segments, C] pdtype: sums over each segment's rows
-        .Ret<xla::ffi::AnyBuffer>()   // dbias [segments, C] pdtype
-        .Ret<xla::ffi::AnyBuffer>()   // workspace [bytes] uint8: flags, then per-block partial sums
-        .Attr<int32_t>("kernel")      // which CUDA kernel (ids as in jax_lnbwd.KERNELS)
-        .Attr<int32_t>("block_size")  // threads per block, 0 = the kernel's best
-        .Attr<bool>("has_residual"),  // whether dresidual is added (else it is a placeholder)
-    {xla::ffi::Traits::kCmdBufferCompatible});
-
-// Target jax_lnbwd_rmsnorm_bwd_v1: RMSNorm's backward, with g_i = (offset + weight_i) * dy_i and
-// xhat_i = x_i * rstd:
-//   dx_i = (g_i - xhat_i * mean_j(g_j xhat_j)) * rstd  [+ dresidual_i, added in fp32, rounded once]
-//   dweight_i = sum over each segment's rows of dy_i * xhat_i   (offset does not enter it)
-// Mixed precision and the residual gradient as in layernorm v2 (dresidual may be aliased to dx:
-// input_output_aliases {4: 0}). Kernels 11 and 12 only; 1-10 refuse it. The workspace has the
-// layout and the size of layernorm's for the same kernel, dtype, rows, C and segments
-// (launch_plan in ffi/module.cc sizes both).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxLnbwdRmsnormBwdCuda, lnbwd::RmsnormBwdCuda,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()   // XLA's stream
-        .Ctx<xla::ffi::DeviceOrdinal>()                  // the CUDA device of that stream
-        .Arg<xla::ffi::AnyBuffer>()   // dy [rows, C] dtype
-        .Arg<xla::ffi::AnyBuffer>()   // x [rows, C] dtype
-        .Arg<xla::ffi::AnyBuffer>()   // weight [1 or segments, C] pdtype: dtype, or float32 beside bf16/f16
-        .Arg<xla::ffi::AnyBuffer>()   // rstd [rows] float32 (float64 for float64 x)
-        .Arg<xla::ffi::AnyBuffer>()   // dresidual [rows, C] dtype, added to dx (may be aliased to it); (0,) when !has_residual
-        .Ret<xla::ffi::AnyBuffer>()   // dx [rows, C] dtype: rmsnorm's dx (+ dresidual)
-        .Ret<xla::ffi::AnyBuffer>()   // dweight [segments, C] pdtype: sums over each segment's rows
-        .Ret<xla::ffi::AnyBuffer>()   // workspace [bytes] uint8: flags, then per-block partial sums (layernorm's size)
-        .Attr<int32_t>("kernel")      // which CUDA kernel: 11 or 12 (1-10 refuse rmsnorm)
-        .Attr<int32_t>("block_size")  // threads per block, 0 = the kernel's best
-        .Attr<bool>("has_residual")   // whether dresidual is added (else it is a placeholder)
-        .Attr<double>("offset"),      // g = (offset + weight) * dy, in the accumulator type (Gemma: 1)
-    {xla::ffi::Traits::kCmdBufferCompatible});
+// The backward targets' CUDA handler symbols: each target's operands (handlers/operands.h), then
+// XLA's stream and the CUDA device of that stream, bound to its implementation above.
+// Command-buffer compatible: the handler only enqueues work on XLA's stream (memsets and kernels,
+// all capturable into a CUDA graph), never synchronizes, never allocates, and keeps no state
+// between calls; its only scratch is the workspace buffer that XLA owns.
+#define LNBWD_CUDA_HANDLER(Handler, key, name)                                                              \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                                            \
+      JaxLnbwd##Handler##Cuda, lnbwd::Handler##Cuda,                                                        \
+      lnbwd::Handler##Operands().Ctx<xla::ffi::PlatformStream<cudaStream_t>>().Ctx<xla::ffi::DeviceOrdinal>(), \
+      {xla::ffi::Traits::kCmdBufferCompatible});
+LNBWD_BACKWARD_TARGETS(LNBWD_CUDA_HANDLER)
+#undef LNBWD_CUDA_HANDLER

@@ -26,7 +26,4 @@ constexpr double kernel_offset(NormKind k, double offset) {
   return k == NormKind::kRmsNorm && offset != 0.0 ? offset : -0.0;
 }
 
-// The names the error messages use ("layernorm_bwd: ...", "rmsnorm_bwd: ...").
-constexpr const char* norm_name(NormKind k) { return k == NormKind::kRmsNorm ? "rmsnorm" : "layernorm"; }
-
 }  // namespace lnbwd

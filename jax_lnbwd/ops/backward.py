@@ -104,7 +104,7 @@ def _local(norm: Norm, v2: bool, offset: float, dy, x, weight, *rest):
     stats, dresidual = arrays[:len(norm.stats)], arrays[len(norm.stats):]
     segs, C = x.shape[:seg_dims], x.shape[-1]
     segments, rows = math.prod(segs), math.prod(x.shape[:-1])
-    ws = workspace_bytes(kernel, rows, C, str(jnp.dtype(x.dtype)), block_size, segments)
+    ws = workspace_bytes(kernel, rows, C, str(jnp.dtype(x.dtype)), block_size, segments, op=f"{norm.name}_bwd")
     args = (dy.reshape(rows, C), x.reshape(rows, C), weight.reshape(math.prod(weight.shape[:-1]), C),
             *(s.reshape(rows) for s in stats))
     res = dresidual[0].reshape(rows, C) if dresidual else None

@@ -28,7 +28,7 @@ def _default_platform() -> str:
     return device if isinstance(device, str) else device.platform
 
 
-def check_handler_for_default_platform(op: str = "layernorm_bwd"):
+def check_handler_for_default_platform(op: str):
     """Raises at trace time if the FFI call of `op` is headed for a GPU with no handler of ours.
 
     A build without nvcc has only the CPU handlers (WITH_CUDA False). On a GPU XLA would fail

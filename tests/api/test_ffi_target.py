@@ -76,3 +76,15 @@ def test_segments_of_zero_rows_are_zero(platform, kernel):
     assert dx.shape == (0, 8)
     np.testing.assert_array_equal(dweight, np.zeros((2, 8), np.float32))
     np.testing.assert_array_equal(dbias, np.zeros((2, 8), np.float32))
+
+
+def test_target_names_come_from_the_extension():
+    # ffi/targets.h is the one place a target's name is written: the registrations, targets()
+    # and the norms' rows (jax_lnbwd.TARGETS) all show the same names, each registered once per
+    # platform the build has.
+    from jax_lnbwd import TARGETS, _jax_lnbwd
+    names = set(_jax_lnbwd.targets().values())
+    assert names == set(TARGETS)
+    regs = _jax_lnbwd.registrations()
+    platforms = {"cpu", "CUDA"} if _jax_lnbwd.with_cuda else {"cpu"}
+    assert sorted((n, p) for n, _, p in regs) == sorted((n, p) for n in names for p in platforms)

@@ -52,8 +52,9 @@ int check_refusals(const std::vector<int>& kernels, int* checked) {
     const size_t it = dtype_item_bytes(d);
     DeviceBuf dy(rows * C * it), x(rows * C * it), dx(rows * C * it), w(C * it), dw(segments * C * it),
         db(segments * C * it), mean(rows * 4), rstd(rows * 4), ws(kWorkspaceHeaderBytes + rows * 2 * C * 4);
-    LayernormBwdParams p{dx.ptr, dw.ptr, db.ptr, dy.ptr, x.ptr, w.ptr, mean.ptr, rstd.ptr, rows, C, segments, 0, d,
+    NormBwdParams p{dx.ptr, dw.ptr, db.ptr, dy.ptr, x.ptr, w.ptr, mean.ptr, rstd.ptr, rows, C, segments, 0, d,
                          block_size, ws.ptr, ws.bytes};
+    p.norm = NormKind::kLayerNorm;
     const cudaError_t got = launch_kernel(kernel, p, 0);
     CHECK_CUDA(cudaDeviceSynchronize());
     ++*checked;

@@ -70,7 +70,8 @@ static double rel_err(const std::vector<double>& a, const std::vector<double>& b
 // Runs one case; returns 0 on success, 1 on a wrong value (printed), -1 when the forced
 // configuration does not apply to this shape (not counted).
 static int run_case(const Case& c, std::mt19937_64& rng) {
-  LayernormFwdParams p = {};
+  NormFwdParams p = {};
+  p.norm = NormKind::kLayerNorm;
   p.rows = c.rows;
   p.C = c.C;
   p.dtype = c.dtype;
@@ -97,8 +98,8 @@ static int run_case(const Case& c, std::mt19937_64& rng) {
   p.rstd = rstd.ptr;
   p.weight = c.weight_rows > 0 ? w.ptr : nullptr;
   p.bias = c.bias_rows > 0 ? b.ptr : nullptr;
-  LayernormFwdConfig cfg;
-  if (c.rows > 0 && layernorm_fwd_pick(p, &cfg) != cudaSuccess) return -1;
+  NormFwdConfig cfg;
+  if (c.rows > 0 && norm_fwd_pick(p, &cfg) != cudaSuccess) return -1;
 
   // Inputs: rows with an offset (|mean| a few times std) so a non-centered variance would show.
   std::normal_distribution<double> normal;
@@ -125,7 +126,7 @@ static int run_case(const Case& c, std::mt19937_64& rng) {
   CHECK_CUDA(cudaMemcpy(x.ptr, hx.data(), hx.size(), cudaMemcpyHostToDevice));
   if (!hw.empty()) CHECK_CUDA(cudaMemcpy(w.ptr, hw.data(), hw.size(), cudaMemcpyHostToDevice));
   if (!hb.empty()) CHECK_CUDA(cudaMemcpy(b.ptr, hb.data(), hb.size(), cudaMemcpyHostToDevice));
-  cudaError_t err = layernorm_fwd(p, 0);
+  cudaError_t err = norm_fwd(p, 0);
   if (err == cudaSuccess) err = cudaDeviceSynchronize();
   char label[256];
   std::snprintf(label, sizeof(label), "%lldx%lld %s params %s w%lld b%lld %s%s%s xb%lld tpr %d", (long long)c.rows,

@@ -6,7 +6,7 @@
 // forward_check.cu: exact-size cudaMalloc buffers and poisoned outputs, so that compute-sanitizer
 // sees every stray access and unwritten output (run_rms_sanitizers.sh runs the four tools).
 //
-// Also checked: the backward runs in exactly the workspace layernorm_bwd_workspace_bytes gives
+// Also checked: the backward runs in exactly the workspace norm_bwd_workspace_bytes gives
 // layernorm for the same problem, runs twice to the same bits, and mean and dbias are never
 // touched (they are null).
 //
@@ -118,7 +118,7 @@ int run_fwd(const FwdCase& c, std::mt19937& gen) {
   CHECK_CUDA(cudaMemset(y.ptr, 0xFF, y.bytes));
   CHECK_CUDA(cudaMemset(rstd.ptr, 0xFF, rstd.bytes));
   if (c.residual) CHECK_CUDA(cudaMemset(sum.ptr, 0xFF, sum.bytes));
-  LayernormFwdParams p = {};
+  NormFwdParams p = {};
   p.y = y.ptr;
   p.rstd = rstd.ptr;
   p.x = dx_.ptr;
@@ -137,14 +137,14 @@ int run_fwd(const FwdCase& c, std::mt19937& gen) {
   p.norm = NormKind::kRmsNorm;
   p.offset = c.offset;
   p.max_blocks = c.max_blocks;
-  LayernormFwdConfig cfg;
-  if (layernorm_fwd_pick(p, &cfg) != cudaSuccess) return -1;   // a forced path that cannot hold the row
+  NormFwdConfig cfg;
+  if (norm_fwd_pick(p, &cfg) != cudaSuccess) return -1;   // a forced path that cannot hold the row
   char label[200];
   std::snprintf(label, sizeof(label), "fwd %lldx%lld %s/%s w%lld xb%lld%s offset %g path %d", (long long)c.rows,
                 (long long)c.C, dtype_name(c.dtype), dtype_name(c.pdtype), (long long)c.weight_rows,
                 (long long)c.x_bias_rows, c.residual ? " residual" : "", c.offset, int(cfg.path));
   if (c.max_blocks > 0) std::snprintf(label + std::strlen(label), sizeof(label) - std::strlen(label), " blocks %u", cfg.blocks);
-  cudaError_t err = layernorm_fwd(p, 0);
+  cudaError_t err = norm_fwd(p, 0);
   if (err == cudaSuccess) err = cudaDeviceSynchronize();
   if (err != cudaSuccess) {
     std::printf("FAIL %s: %s\n", label, cudaGetErrorString(err));
@@ -214,7 +214,7 @@ int run_bwd(const BwdCase& c, std::mt19937& gen) {
     }
   }
   LaunchPlan plan;
-  CHECK_CUDA(layernorm_bwd_workspace_bytes(c.kernel, c.dtype, c.rows, c.C, c.segments, 0, &plan));
+  CHECK_CUDA(norm_bwd_workspace_bytes(c.kernel, c.dtype, c.rows, c.C, c.segments, 0, &plan));
   DeviceBuf ddy = upload(hdy), dxin = upload(hx), dw = upload(hw), drs = upload(hrs), dres = upload(hres);
   DeviceBuf dx(N * it), dwt(c.segments * c.C * dtype_item_bytes(pd)), ws(plan.workspace_bytes);
   char label[200];
@@ -229,14 +229,14 @@ int run_bwd(const BwdCase& c, std::mt19937& gen) {
     CHECK_CUDA(cudaMemset(ws.ptr, 0xFF, ws.bytes));
     if (c.alias) CHECK_CUDA(cudaMemcpy(dx.ptr, hres.data(), hres.size(), cudaMemcpyHostToDevice));
     else CHECK_CUDA(cudaMemset(dx.ptr, 0xFF, dx.bytes));
-    LayernormBwdParams p{dx.ptr, dwt.ptr, nullptr, ddy.ptr, dxin.ptr, dw.ptr, nullptr, drs.ptr, c.rows, c.C,
+    NormBwdParams p{dx.ptr, dwt.ptr, nullptr, ddy.ptr, dxin.ptr, dw.ptr, nullptr, drs.ptr, c.rows, c.C,
                          c.segments, c.per_segment_weight ? c.C : 0, c.dtype, 0, ws.ptr, ws.bytes};
     p.device = 0;
     p.dresidual = c.residual ? (c.alias ? dx.ptr : dres.ptr) : nullptr;
     p.weight_f32 = c.weight_f32;
     p.norm = NormKind::kRmsNorm;
     p.offset = c.offset;
-    cudaError_t err = c.kernel == 11 ? layernorm_bwd_kernel11(p, 0) : layernorm_bwd_kernel12(p, 0);
+    cudaError_t err = c.kernel == 11 ? norm_bwd_kernel11(p, 0) : norm_bwd_kernel12(p, 0);
     if (err == cudaSuccess) err = cudaDeviceSynchronize();
     if (err != cudaSuccess) {
       std::printf("FAIL %s: %s (in layernorm's workspace of %zu bytes)\n", label, cudaGetErrorString(err), ws.bytes);

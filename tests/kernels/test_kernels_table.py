@@ -85,6 +85,13 @@ def test_segments_field():
     assert {k for k, info in KERNELS.items() if info.segments} == {11, 12}
 
 
+def test_rmsnorm_and_v2_fields():
+    # Only kernels 11 and 12 run RMSNorm and what target v2 adds; the Python refusals read the
+    # same facts.
+    assert {k for k, info in KERNELS.items() if info.rmsnorm} == kernels_mod.RMSNORM_KERNELS == {11, 12}
+    assert {k for k, info in KERNELS.items() if info.v2_operands} == kernels_mod.V2_KERNELS == {11, 12}
+
+
 @pytest.mark.parametrize("kernel", KERNEL_IDS, ids=lambda k: f"k{k}")
 def test_unsupported_dtypes_raise(kernel):
     # A dtype a kernel is not built for is a ValueError at trace time (kernel 1 takes only
@@ -129,7 +136,7 @@ def test_table_is_read_from_the_registry():
     for e in entries:
         info = KERNELS[e["id"]]
         for field in ("name", "description", "dtypes", "block_sizes", "default_block_size", "deterministic",
-                      "precise", "segments", "constraints"):
+                      "precise", "segments", "rmsnorm", "v2_operands", "constraints"):
             assert getattr(info, field) == e[field], (e["id"], field)
 
 

@@ -3,7 +3,7 @@
 GPU only. The launcher plans its persistent grid from the device (blocks that fit per SM, SM
 count, rows, segments) and uses one partial slot of 2*C accumulators per block (per cluster for
 split rows). jax_lnbwd/kernels.py sizes the workspace at trace time by asking that same plan
-(layernorm_bwd_workspace_bytes, through the nanobind module), so the custom call's workspace in
+(norm_bwd_workspace_bytes, through the nanobind module), so the custom call's workspace in
 the lowered program must be at most 1.25x (here: exactly) the bytes the launch uses.
 """
 from __future__ import annotations

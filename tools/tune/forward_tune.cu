@@ -81,15 +81,15 @@ static int sweep(int64_t rows, int64_t C, const std::string& dtype, bool f32para
     if (only_tpr == 0 || tpr == only_tpr) paths.push_back({FwdPath::kRegisters, tpr});
   }
   for (auto [path, tpr] : paths) {
-    LayernormFwdParams p = {y.ptr, rms ? nullptr : mean.ptr, rstd.ptr, x.ptr, w.ptr, rms ? nullptr : b.ptr, rows, C, 1,
+    NormFwdParams p = {y.ptr, rms ? nullptr : mean.ptr, rstd.ptr, x.ptr, w.ptr, rms ? nullptr : b.ptr, rows, C, 1,
                             rms ? 0 : 1, d, pd, 1e-5, path, tpr, residual ? res.ptr : nullptr,
                             residual ? sum.ptr : nullptr, x_bias ? xb.ptr : nullptr, x_bias ? 1 : 0};
     p.norm = rms ? NormKind::kRmsNorm : NormKind::kLayerNorm;
-    LayernormFwdConfig cfg;
-    if (layernorm_fwd_pick(p, &cfg) != cudaSuccess) continue;
+    NormFwdConfig cfg;
+    if (norm_fwd_pick(p, &cfg) != cudaSuccess) continue;
     const double us = time_us([&] {
       swap_xy(p.x, p.y);
-      CHECK_CUDA(layernorm_fwd(p, 0));
+      CHECK_CUDA(norm_fwd(p, 0));
     });
     std::printf("  %-9s tpr %3d nv %d vec %d rows/block %d threads %4d smem %7zu: %9.2f us %6.0f GB/s\n",
                 path_name(path), cfg.tpr, cfg.nv, cfg.vec, cfg.rows_per_block, cfg.threads, cfg.smem_bytes, us,

@@ -39,8 +39,9 @@ int blocks(int64_t rows, int64_t C, Dtype d, const std::vector<int>& kernels) {
     if (!TakesDtype(k, d)) continue;
     for (int bs : BlockSizes(k)) {
       if (refuses(kernel, d, C, bs, device)) continue;
-      LayernormBwdParams p{dx.ptr, dw.ptr, db.ptr, dy.ptr, x.ptr, w.ptr, mean.ptr, rstd.ptr, rows, C, 1, 0, d, bs,
+      NormBwdParams p{dx.ptr, dw.ptr, db.ptr, dy.ptr, x.ptr, w.ptr, mean.ptr, rstd.ptr, rows, C, 1, 0, d, bs,
                            ws.ptr, ws.bytes};
+      p.norm = NormKind::kLayerNorm;
       auto launch = [&] { return launch_kernel(kernel, p, 0); };
       cudaError_t err = launch();
       std::vector<float> ms;
@@ -69,12 +70,13 @@ int blocks(int64_t rows, int64_t C, Dtype d, const std::vector<int>& kernels) {
 // inputs with random values.
 struct FilledProblem {
   DeviceBuf dy, x, dx, w, dw, db, mean, rstd, ws;
-  LayernormBwdParams p;
+  NormBwdParams p;
   FilledProblem(int64_t rows, int64_t C, Dtype d, int sms)
       : dy(rows * C * dtype_item_bytes(d)), x(rows * C * dtype_item_bytes(d)), dx(rows * C * dtype_item_bytes(d)), w(C * dtype_item_bytes(d)),
         dw(C * dtype_item_bytes(d)), db(C * dtype_item_bytes(d)), mean(rows * dtype_acc_bytes(d)), rstd(rows * dtype_acc_bytes(d)),
         ws(kWorkspaceHeaderBytes + std::min<int64_t>(rows, 4 * sms) * 2 * C * dtype_acc_bytes(d)),
         p{dx.ptr, dw.ptr, db.ptr, dy.ptr, x.ptr, w.ptr, mean.ptr, rstd.ptr, rows, C, 1, 0, d, 0, ws.ptr, ws.bytes} {
+    p.norm = NormKind::kLayerNorm;
     for (DeviceBuf* b : {&dy, &x, &w, &mean, &rstd}) CHECK_CUDA(cudaMemset(b->ptr, 0x3c, b->bytes));
   }
 };
@@ -139,7 +141,7 @@ int sweep(int64_t rows, int64_t C, Dtype d, bool default_only) {
   upload(f.w, d, [&] { return 1 + 0.1 * n(gen); }, C);
   upload(f.mean, stat, [] { return 0.0; }, rows);
   upload(f.rstd, stat, [] { return 1.0; }, rows);
-  const LayernormBwdParams& p = f.p;
+  const NormBwdParams& p = f.p;
   Kernel11Config picked;
   const bool has_pick = kernel11_pick(d, C, C % (16 / it) == 0, device0_limits(), &picked);
   std::vector<Kernel11Config> cfgs;
@@ -148,18 +150,18 @@ int sweep(int64_t rows, int64_t C, Dtype d, bool default_only) {
     Outputs o;
     const cudaError_t err = run(pb, 11, 0, &c, &o, sms);
     const double e = err ? INFINITY : rel_err(d, o.dx, pb.ref_dx);
-    const double us = time_it([&](cudaStream_t st) { CHECK_CUDA(layernorm_bwd_kernel11_config(p, c, st)); });
+    const double us = time_it([&](cudaStream_t st) { CHECK_CUDA(norm_bwd_kernel11_config(p, c, st)); });
     const bool is_pick = has_pick && c.nv == picked.nv && c.prefetch == picked.prefetch && c.tpr == picked.tpr;
     std::printf("  vec=%d nv=%d prefetch=%d tpr=%4d groups=%2d: %8.1f us %6.0f GB/s  dx err %.1e%s\n",
                 c.vec, c.nv, int(c.prefetch), c.tpr, c.groups, us, bytes / us / 1e3, e,
                 is_pick ? "  <- default" : "");
   }
   if (!has_pick && !default_only) {
-    const double us = time_it([&](cudaStream_t st) { CHECK_CUDA(layernorm_bwd_kernel11_wide(p, st)); });
+    const double us = time_it([&](cudaStream_t st) { CHECK_CUDA(norm_bwd_kernel11_wide(p, st)); });
     std::printf("  k11 wide path: %8.1f us %6.0f GB/s\n", us, bytes / us / 1e3);
   }
   if (kernel12_wide_fits(d, C, device0_limits()) && !default_only) {
-    const double us = time_it([&](cudaStream_t st) { CHECK_CUDA(layernorm_bwd_kernel12_wide(p, st)); });
+    const double us = time_it([&](cudaStream_t st) { CHECK_CUDA(norm_bwd_kernel12_wide(p, st)); });
     std::printf("  k12 wide path: %8.1f us %6.0f GB/s\n", us, bytes / us / 1e3);
   }
   Kernel12Config pick12;
@@ -171,7 +173,7 @@ int sweep(int64_t rows, int64_t C, Dtype d, bool default_only) {
     Outputs o;
     const cudaError_t err = run(pb, 12, 0, nullptr, &o, sms, 1, &c);
     const double e = err ? INFINITY : rel_err(d, o.dx, pb.ref_dx);
-    const double us = time_it([&](cudaStream_t st) { CHECK_CUDA(layernorm_bwd_kernel12_config(p, c, st)); });
+    const double us = time_it([&](cudaStream_t st) { CHECK_CUDA(norm_bwd_kernel12_config(p, c, st)); });
     std::printf("  k12 split=%d regs=%d raw_w=%d nv=%d nb=%d tpr=%4d groups=%2d: %8.1f us %6.0f GB/s  dx err %.1e%s\n",
                 c.split, int(c.regs), int(c.raw_weight), c.nv, c.nb, c.tpr, c.groups, us, bytes / us / 1e3, e,
                 is_pick ? "  <- default" : "");

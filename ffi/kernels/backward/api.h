@@ -1,4 +1,5 @@
-// The launcher API of the layernorm backward kernels: plain pointers, sizes and a stream.
+// The launcher API of the norm backward kernels (layernorm and RMSNorm, NormKind): plain
+// pointers, sizes and a stream.
 // This header is shared by the kernels (compiled by nvcc) and the XLA FFI glue (compiled by the
 // host compiler). It never includes an XLA header and every launcher returns a cudaError_t.
 //
@@ -42,7 +43,7 @@
 
 namespace lnbwd {
 
-// What the launcher of kernel 11 or 12 chose for a problem: filled when LayernormBwdParams::plan
+// What the launcher of kernel 11 or 12 chose for a problem: filled when NormBwdParams::plan
 // is set, whether it then launches or not (plan_only), and on failure as far as it got, so that
 // an error can say what was asked of the GPU.
 struct LaunchPlan {
@@ -58,7 +59,7 @@ struct LaunchPlan {
 };
 
 // Every kernel writes its outputs (never accumulates into them: XLA's buffers are uninitialized).
-struct LayernormBwdParams {
+struct NormBwdParams {
   void* dx;             // [rows, C] dtype
   void* dweight;        // [segments, C] dtype (float32 when weight_f32)
   void* dbias;          // [segments, C] dtype (float32 when weight_f32); null for kRmsNorm
@@ -81,16 +82,17 @@ struct LayernormBwdParams {
   // Kernels 11 and 12 only: llm.c's kernels 1-10 ignore these two, so the FFI glue refuses them there.
   const void* dresidual = nullptr;  // [rows, C] dtype, added to dx; null: nothing added
   bool weight_f32 = false;  // weight, dweight, dbias are float32 while dtype is kBF16 or kF16
-  // Kernels 11 and 12 only, as the two above: RMSNorm (mean and dbias null) and its weight
-  // offset, g_i = (offset + weight_i) * dy_i in the accumulator type (ignored for kLayerNorm).
-  NormKind norm = NormKind::kLayerNorm;
+  // The norm kind, which every caller sets: kRmsNorm (kernels 11 and 12 only, as the two above)
+  // has mean and dbias null and its weight offset, g_i = (offset + weight_i) * dy_i in the
+  // accumulator type (offset is ignored for kLayerNorm).
+  NormKind norm;
   double offset = 0.0;
 };
 
 // The workspace starts with a header of this many bytes (completion flags, zeroed by the
 // launcher with cudaMemsetAsync on the caller's stream); per-block fp32 (fp64 for kF64)
 // partial sums of dbias and dweight follow, 2 * C accumulators per partial slot. Kernels 11
-// and 12 size it with layernorm_bwd_workspace_bytes; jax_lnbwd/kernels.py sizes llm.c's
+// and 12 size it with norm_bwd_workspace_bytes; jax_lnbwd/kernels.py sizes llm.c's
 // kernels' by the same layout.
 constexpr size_t kWorkspaceHeaderBytes = 256;
 
@@ -102,42 +104,42 @@ constexpr size_t kWorkspaceHeaderBytes = 256;
 // A launcher still refuses what it cannot run, without launching: cudaErrorInvalidValue for a
 // dtype it is not built for, segments it cannot do or more shared memory than the GPU has (the
 // driver's answer to the opt-in), cudaErrorInvalidConfiguration for a block size or C it cannot run.
-cudaError_t layernorm_bwd_kernel1(const LayernormBwdParams& p, cudaStream_t stream);   // naive
-cudaError_t layernorm_bwd_kernel2(const LayernormBwdParams& p, cudaStream_t stream);   // smem reduce
-cudaError_t layernorm_bwd_kernel3(const LayernormBwdParams& p, cudaStream_t stream);   // persistent + atomics
-cudaError_t layernorm_bwd_kernel4(const LayernormBwdParams& p, cudaStream_t stream);   // atomicCAS bf16
-cudaError_t layernorm_bwd_kernel5(const LayernormBwdParams& p, cudaStream_t stream);   // per-block scratch
-cudaError_t layernorm_bwd_kernel6(const LayernormBwdParams& p, cudaStream_t stream);   // one shared scratch
-cudaError_t layernorm_bwd_kernel7(const LayernormBwdParams& p, cudaStream_t stream);   // no cooperative groups
-cudaError_t layernorm_bwd_kernel8(const LayernormBwdParams& p, cudaStream_t stream);   // x128 vectors
-cudaError_t layernorm_bwd_kernel9(const LayernormBwdParams& p, cudaStream_t stream);   // block reduce
-cudaError_t layernorm_bwd_kernel10(const LayernormBwdParams& p, cudaStream_t stream);  // vector smem
+cudaError_t norm_bwd_kernel1(const NormBwdParams& p, cudaStream_t stream);   // naive
+cudaError_t norm_bwd_kernel2(const NormBwdParams& p, cudaStream_t stream);   // smem reduce
+cudaError_t norm_bwd_kernel3(const NormBwdParams& p, cudaStream_t stream);   // persistent + atomics
+cudaError_t norm_bwd_kernel4(const NormBwdParams& p, cudaStream_t stream);   // atomicCAS bf16
+cudaError_t norm_bwd_kernel5(const NormBwdParams& p, cudaStream_t stream);   // per-block scratch
+cudaError_t norm_bwd_kernel6(const NormBwdParams& p, cudaStream_t stream);   // one shared scratch
+cudaError_t norm_bwd_kernel7(const NormBwdParams& p, cudaStream_t stream);   // no cooperative groups
+cudaError_t norm_bwd_kernel8(const NormBwdParams& p, cudaStream_t stream);   // x128 vectors
+cudaError_t norm_bwd_kernel9(const NormBwdParams& p, cudaStream_t stream);   // block reduce
+cudaError_t norm_bwd_kernel10(const NormBwdParams& p, cudaStream_t stream);  // vector smem
 
 // llm.c's kernels 1-10 by id - 1 (the FFI glue and the CUDA check and tuning tools dispatch
 // through this table).
-using LayernormBwdLauncher = cudaError_t (*)(const LayernormBwdParams&, cudaStream_t);
-inline constexpr LayernormBwdLauncher kLlmcLaunchers[] = {
-    layernorm_bwd_kernel1, layernorm_bwd_kernel2, layernorm_bwd_kernel3, layernorm_bwd_kernel4,
-    layernorm_bwd_kernel5, layernorm_bwd_kernel6, layernorm_bwd_kernel7, layernorm_bwd_kernel8,
-    layernorm_bwd_kernel9, layernorm_bwd_kernel10,
+using NormBwdLauncher = cudaError_t (*)(const NormBwdParams&, cudaStream_t);
+inline constexpr NormBwdLauncher kLlmcLaunchers[] = {
+    norm_bwd_kernel1, norm_bwd_kernel2, norm_bwd_kernel3, norm_bwd_kernel4,
+    norm_bwd_kernel5, norm_bwd_kernel6, norm_bwd_kernel7, norm_bwd_kernel8,
+    norm_bwd_kernel9, norm_bwd_kernel10,
 };
 
 // Workspace bytes kernel 11 or 12 uses for a problem on `device` (-1: the current one), with
 // 16-byte aligned buffers (XLA's are): the header and the partial slots of the launch it would
 // make. The launcher plans the same way; given fewer bytes, it uses fewer blocks, never more
 // slots than there are. jax_lnbwd/kernels.py asks this at trace time (ffi/module.cc).
-cudaError_t layernorm_bwd_workspace_bytes(int kernel, Dtype dtype, int64_t rows, int64_t C, int64_t segments,
+cudaError_t norm_bwd_workspace_bytes(int kernel, Dtype dtype, int64_t rows, int64_t C, int64_t segments,
                                           int device, LaunchPlan* plan);
 
 // Kernel 11: rows kept in registers between the two passes, per-block fp32 partial sums of
 // dweight/dbias added up in a fixed order (see kernel11_rows_in_registers.cu).
 // Any C >= 1, any number of segments; block shape is chosen from C (p.block_size is ignored).
-cudaError_t layernorm_bwd_kernel11(const LayernormBwdParams& p, cudaStream_t stream);
+cudaError_t norm_bwd_kernel11(const NormBwdParams& p, cudaStream_t stream);
 
 // Kernel 12: rows streamed into a shared-memory ring by the bulk copy engine (sm_90), sums in
 // registers, per-block partials as kernel 11 (see kernel12_bulk_copy_ring.cu). Falls back to
 // kernel 11 for misaligned rows, rows too wide for the ring in the device's shared memory, GPUs
 // before sm_90, and builds without sm_90 code (CUDA architectures without 90).
-cudaError_t layernorm_bwd_kernel12(const LayernormBwdParams& p, cudaStream_t stream);
+cudaError_t norm_bwd_kernel12(const NormBwdParams& p, cudaStream_t stream);
 
 }  // namespace lnbwd

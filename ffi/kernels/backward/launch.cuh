@@ -42,7 +42,7 @@ cudaError_t dispatch_dtype(Dtype dtype, F&& f) {
 // compile each combination as its own kernel, so the plain one (O = T, no residual) is the same
 // code as before these options existed. An impossible combination is an error.
 template <typename F>
-cudaError_t dispatch_types(const LayernormBwdParams& p, F&& f) {
+cudaError_t dispatch_types(const NormBwdParams& p, F&& f) {
   return dispatch_dtype(p.dtype, [&](auto t) -> cudaError_t {
     using T = decltype(t);
     auto with = [&](auto o) -> cudaError_t {
@@ -58,7 +58,7 @@ cudaError_t dispatch_types(const LayernormBwdParams& p, F&& f) {
 // 16-byte accesses need every row to start on a 16-byte boundary: C * sizeof(T) % 16 == 0 and
 // 16-byte aligned base pointers. Otherwise the kernels fall back to one element per access.
 template <typename T>
-bool can_vectorize(const LayernormBwdParams& p) {
+bool can_vectorize(const NormBwdParams& p) {
   constexpr int vec = 16 / sizeof(T);
   auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
   return p.C % vec == 0 && aligned(p.dx) && aligned(p.dy) && aligned(p.x) && aligned(p.weight) &&
@@ -67,7 +67,7 @@ bool can_vectorize(const LayernormBwdParams& p) {
 
 // The same for p.dtype's C++ type: whether a launcher that picks its kernel before dispatching
 // on the type may take the 16-byte path.
-inline bool can_vectorize(const LayernormBwdParams& p) {
+inline bool can_vectorize(const NormBwdParams& p) {
   bool vectorized = false;
   dispatch_dtype(p.dtype, [&](auto t) {
     vectorized = can_vectorize<decltype(t)>(p);
@@ -78,7 +78,7 @@ inline bool can_vectorize(const LayernormBwdParams& p) {
 
 // How many per-block partial slots (2 * C accumulators each) fit in the workspace XLA gave us.
 template <typename T>
-int64_t partial_slots(const LayernormBwdParams& p) {
+int64_t partial_slots(const NormBwdParams& p) {
   if (p.workspace_bytes < kWorkspaceHeaderBytes) return 0;
   return static_cast<int64_t>((p.workspace_bytes - kWorkspaceHeaderBytes) / (2 * p.C * sizeof(acc_t<T>)));
 }
@@ -87,7 +87,7 @@ int64_t partial_slots(const LayernormBwdParams& p) {
 // rows per step: the grid is split evenly over the segments (at least one block each), and
 // never uses more blocks than a segment has rows for, or than the workspace has slots.
 template <typename T>
-cudaError_t blocks_per_segment(const LayernormBwdParams& p, int64_t want, int rows_per_block, int64_t* out) {
+cudaError_t blocks_per_segment(const NormBwdParams& p, int64_t want, int rows_per_block, int64_t* out) {
   if (p.segments < 1 || p.rows % p.segments != 0) return cudaErrorInvalidValue;
   int64_t bps = std::max<int64_t>(1, want / p.segments);
   bps = std::min<int64_t>(bps, ceil_div<int64_t>(p.rows / p.segments, rows_per_block));
@@ -98,11 +98,11 @@ cudaError_t blocks_per_segment(const LayernormBwdParams& p, int64_t want, int ro
 }
 
 template <typename T>
-acc_t<T>* partials_of(const LayernormBwdParams& p) {
+acc_t<T>* partials_of(const NormBwdParams& p) {
   return reinterpret_cast<acc_t<T>*>(static_cast<char*>(p.workspace) + kWorkspaceHeaderBytes);
 }
 
-inline unsigned int* flag_of(const LayernormBwdParams& p) { return static_cast<unsigned int*>(p.workspace); }
+inline unsigned int* flag_of(const NormBwdParams& p) { return static_cast<unsigned int*>(p.workspace); }
 
 // The current device's SM count and shared-memory opt-in, as device_limits reports them (the
 // llm.c kernels' launchers; kernels 11 and 12 ask device_limits for p.device).
@@ -168,13 +168,14 @@ constexpr size_t grid_finish_smem(int threads) {
 // them per segment, one partial slot each; blocks_per_segment stays a count of blocks.
 //
 // Everything is decided before anything is launched; with p.plan_only nothing is (the launch is
-// planned for layernorm_bwd_workspace_bytes). p.plan, if set, receives the decisions.
+// planned for norm_bwd_workspace_bytes). p.plan, if set, receives the decisions.
 template <typename T, typename O, typename... Extra, typename... Args>
-cudaError_t launch_with_partials(const LayernormBwdParams& p, PartialsKernel<T, O, Extra...> kernel, int threads,
+cudaError_t launch_with_partials(const NormBwdParams& p, PartialsKernel<T, O, Extra...> kernel, int threads,
                                  size_t smem, BlocksPerSm per_sm_rule, int rows_per_block, int cluster,
                                  cudaStream_t stream, Args... extra) {
-  // RMSNorm comes with mean and dbias null, layernorm with both: the kernels read the kind from
-  // mean, the finalize from dbias.
+  // p.norm is the kind (the kernels get it as NormArgs::centered below); its buffers must agree
+  // with it: RMSNorm has no mean and no dbias (the finalize writes dbias where it is set),
+  // layernorm has both.
   const bool rms = p.norm == NormKind::kRmsNorm;
   if ((!rms && p.norm != NormKind::kLayerNorm) || rms != (p.mean == nullptr) || rms != (p.dbias == nullptr)) {
     return cudaErrorInvalidValue;

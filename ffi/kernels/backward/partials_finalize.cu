@@ -71,7 +71,7 @@ bool dependent_launch_ok(const DeviceLimits& lim, cudaStream_t stream) {
 }
 
 template <typename T, typename O, int V, int MAX_WARPS>
-cudaError_t launch(const LayernormBwdParams& p, const DeviceLimits& lim, int slots, cudaStream_t stream) {
+cudaError_t launch(const NormBwdParams& p, const DeviceLimits& lim, int slots, cudaStream_t stream) {
   const int64_t tiles = ceil_div<int64_t>(p.C, 32 * V);
   if (tiles * p.segments > INT32_MAX) return cudaErrorInvalidConfiguration;
   const int warps = static_cast<int>(std::clamp<int64_t>(ceil_div<int64_t>(slots, kBatch<V>), 1, MAX_WARPS));
@@ -91,7 +91,7 @@ cudaError_t launch(const LayernormBwdParams& p, const DeviceLimits& lim, int slo
 
 }  // namespace
 
-cudaError_t finalize_partials_launch(const LayernormBwdParams& p, const DeviceLimits& lim, int slots,
+cudaError_t finalize_partials_launch(const NormBwdParams& p, const DeviceLimits& lim, int slots,
                                      cudaStream_t stream) {
   if (slots < 1) return cudaErrorInvalidValue;
   return dispatch_types(p, [&](auto t, auto o, auto) -> cudaError_t {

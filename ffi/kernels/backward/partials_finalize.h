@@ -9,7 +9,7 @@ namespace lnbwd {
 // Launched on the stream right after the kernel that writes the slots (launch_with_partials,
 // launch.cuh); on sm_90 with programmatic dependent launch, so it may start before that kernel
 // ends and waits for it on the GPU.
-cudaError_t finalize_partials_launch(const LayernormBwdParams& p, const DeviceLimits& lim, int slots,
+cudaError_t finalize_partials_launch(const NormBwdParams& p, const DeviceLimits& lim, int slots,
                                      cudaStream_t stream);
 
 #ifdef __CUDACC__

@@ -1,4 +1,4 @@
-// layernorm_bwd_workspace_bytes (backward/api.h): the workspace kernels 11 and 12 use, from the
+// norm_bwd_workspace_bytes (backward/api.h): the workspace kernels 11 and 12 use, from the
 // launch they would make. It runs the launcher itself with plan_only set, so the size XLA allocates
 // (jax_lnbwd/kernels.py asks at trace time) and the slots the launcher uses come from one piece of
 // code and cannot drift apart.
@@ -8,7 +8,7 @@
 
 namespace lnbwd {
 
-cudaError_t layernorm_bwd_workspace_bytes(int kernel, Dtype dtype, int64_t rows, int64_t C, int64_t segments,
+cudaError_t norm_bwd_workspace_bytes(int kernel, Dtype dtype, int64_t rows, int64_t C, int64_t segments,
                                           int device, LaunchPlan* plan) {
   if ((kernel != 11 && kernel != 12) || plan == nullptr) return cudaErrorInvalidValue;
   if (rows < 0 || C < 1 || segments < 1 || rows % segments != 0) return cudaErrorInvalidValue;
@@ -21,7 +21,9 @@ cudaError_t layernorm_bwd_workspace_bytes(int kernel, Dtype dtype, int64_t rows,
   }
   // Stand-in buffers, never touched: 16-byte aligned addresses, as XLA's buffers are.
   void* const aligned = reinterpret_cast<void*>(uintptr_t{4096});
-  LayernormBwdParams p;
+  // Layernorm's launch: RMSNorm's (no mean, no dbias) is the same launch with the same workspace.
+  NormBwdParams p;
+  p.norm = NormKind::kLayerNorm;
   p.dx = p.dweight = p.dbias = aligned;
   p.dy = p.x = p.weight = p.mean = p.rstd = aligned;
   p.rows = rows;
@@ -35,7 +37,7 @@ cudaError_t layernorm_bwd_workspace_bytes(int kernel, Dtype dtype, int64_t rows,
   p.device = device;
   p.plan = plan;
   p.plan_only = true;
-  return kernel == 11 ? layernorm_bwd_kernel11(p, nullptr) : layernorm_bwd_kernel12(p, nullptr);
+  return kernel == 11 ? norm_bwd_kernel11(p, nullptr) : norm_bwd_kernel12(p, nullptr);
 }
 
 }  // namespace lnbwd

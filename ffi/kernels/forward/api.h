@@ -1,4 +1,4 @@
-// The launcher API of the fused layernorm forward: plain pointers, sizes and a stream. Shared by
+// The launcher API of the fused norm forward (layernorm and RMSNorm): plain pointers, sizes and a stream. Shared by
 // the kernels (nvcc) and the XLA FFI glue (host compiler); never includes an XLA header.
 //
 // The math, for one row of C elements x_0..x_{C-1}, in fp32 (fp64 for fp64 data):
@@ -51,7 +51,7 @@ enum class FwdPath {
 };
 
 // Outputs are written, never accumulated into.
-struct LayernormFwdParams {
+struct NormFwdParams {
   void* y;                // [rows, C] dtype
   void* mean;             // [rows] float32 (float64 when dtype is kF64); null for kRmsNorm
   void* rstd;             // [rows] float32 (float64 when dtype is kF64)
@@ -69,15 +69,16 @@ struct LayernormFwdParams {
   double eps;             // used in the statistics' dtype (rounded to fp32 for fp32 statistics)
   FwdPath path;           // kAuto, or a path to force (the standalone check exercises each)
   int tpr;                // 0: the launcher's choice; else the register path's threads per row
-                          // (a power of two, 32 to 512: the standalone check's sweep)
+                          // (a power of two, 32 to 512: tools/tune/forward_tune.cu's sweep)
   // The residual variant: both set, or both nullptr (the plain forward). Never aliased to x or y.
   const void* residual;   // [rows, C] dtype
   void* s;                // [rows, C] dtype: x + residual, rounded to dtype; the rows normalized
   // The residual variant only, optional: x's own bias, added to x before the residual.
   const void* x_bias;     // [x_bias_rows, C] param_dtype, or nullptr
   int64_t x_bias_rows;    // as weight_rows
-  // RMSNorm: mean and bias null; offset is added to the weight (ignored for kLayerNorm).
-  NormKind norm = NormKind::kLayerNorm;
+  // The norm kind, which every caller sets. RMSNorm: mean and bias null; offset is added to the
+  // weight (ignored for kLayerNorm).
+  NormKind norm;
   double offset = 0.0;
   // 0: as many blocks as row groups, up to the device's grid limit (what the FFI glue uses); else
   // at most max_blocks, so that blocks stride over rows (the standalone checks' grid-stride cases:
@@ -88,7 +89,7 @@ struct LayernormFwdParams {
 // What the launcher runs for a shape: the path, the vector width (elements per access: 16 bytes,
 // or 1 when rows are not 16-byte aligned), for kRegisters the row group: `tpr` threads per row,
 // each holding `nv` vectors, and `rows_per_block` row groups per block; and the grid.
-struct LayernormFwdConfig {
+struct NormFwdConfig {
   FwdPath path;
   int vec;
   int nv;
@@ -100,12 +101,12 @@ struct LayernormFwdConfig {
                           // max_blocks); the blocks then stride over the rest
 };
 
-// The configuration layernorm_fwd would launch for `p` on the current device (p.path forces a
+// The configuration norm_fwd would launch for `p` on the current device (p.path forces a
 // path; cudaErrorInvalidValue if that path cannot hold this row). Host-only; reads device limits.
-cudaError_t layernorm_fwd_pick(const LayernormFwdParams& p, LayernormFwdConfig* cfg);
+cudaError_t norm_fwd_pick(const NormFwdParams& p, NormFwdConfig* cfg);
 
 // Launches the forward on `stream`. cudaErrorInvalidValue for a dtype pair it has no kernel for
 // (the FFI glue refuses those first). rows == 0 launches nothing.
-cudaError_t layernorm_fwd(const LayernormFwdParams& p, cudaStream_t stream);
+cudaError_t norm_fwd(const NormFwdParams& p, cudaStream_t stream);
 
 }  // namespace lnbwd

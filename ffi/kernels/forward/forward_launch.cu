@@ -24,7 +24,7 @@ cudaError_t device_attribute(cudaDeviceAttr attr, int* out) {
 // 16-byte accesses need every row (of x, y, the parameters, and residual and s when present) to
 // start on a 16-byte boundary: C * sizeof(T) % 16 == 0 and 16-byte aligned base pointers. An
 // fp32 parameter row next to 16-bit x is then aligned too (C * 4 is a multiple of 32).
-bool can_vectorize(const LayernormFwdParams& p) {
+bool can_vectorize(const NormFwdParams& p) {
   const int vec = 16 / item_bytes(p.dtype);
   return p.C % vec == 0 && aligned16(p.x) && aligned16(p.y) && (p.weight == nullptr || aligned16(p.weight)) &&
          (p.bias == nullptr || aligned16(p.bias)) && (p.residual == nullptr || aligned16(p.residual)) &&
@@ -50,7 +50,7 @@ int max_vectors(NormKind norm, int tpr) {
 // kFwdMaxRowThreads) whose threads hold the row in at most max_vectors each; a forced row
 // group (only_tpr) may take up to kFwdMaxNv. Scalar access (vec == 1) compiles only
 // power-of-two NV.
-bool pick_registers(int64_t nvec, int vec, NormKind norm, int only_tpr, LayernormFwdConfig* cfg) {
+bool pick_registers(int64_t nvec, int vec, NormKind norm, int only_tpr, NormFwdConfig* cfg) {
   for (int tpr = 32; tpr <= kFwdMaxRowThreads; tpr *= 2) {
     if (only_tpr != 0 && tpr != only_tpr) continue;
     int nv = static_cast<int>(ceil_div<int64_t>(nvec, tpr));
@@ -73,8 +73,8 @@ bool pick_registers(int64_t nvec, int vec, NormKind norm, int only_tpr, Layernor
   return false;
 }
 
-// The path and its block shape (layernorm_fwd_pick adds the grid).
-cudaError_t pick_path(const LayernormFwdParams& p, LayernormFwdConfig* cfg) {
+// The path and its block shape (norm_fwd_pick adds the grid).
+cudaError_t pick_path(const NormFwdParams& p, NormFwdConfig* cfg) {
   cfg->vec = can_vectorize(p) ? 16 / item_bytes(p.dtype) : 1;
   const int64_t nvec = ceil_div<int64_t>(p.C, cfg->vec);
 
@@ -103,9 +103,9 @@ cudaError_t pick_path(const LayernormFwdParams& p, LayernormFwdConfig* cfg) {
 
 }  // namespace
 
-cudaError_t layernorm_fwd_pick(const LayernormFwdParams& p, LayernormFwdConfig* cfg) {
+cudaError_t norm_fwd_pick(const NormFwdParams& p, NormFwdConfig* cfg) {
   if (p.C < 1 || p.C > INT32_MAX || p.rows < 0 || p.max_blocks < 0) return cudaErrorInvalidValue;
-  *cfg = LayernormFwdConfig{};
+  *cfg = NormFwdConfig{};
   LNBWD_FWD_RETURN_IF_ERROR(pick_path(p, cfg));
   // A block per row group up to the grid's limit; beyond it the kernels' row loops stride.
   int max_grid = 0;
@@ -116,10 +116,11 @@ cudaError_t layernorm_fwd_pick(const LayernormFwdParams& p, LayernormFwdConfig* 
   return cudaSuccess;
 }
 
-cudaError_t layernorm_fwd(const LayernormFwdParams& p, cudaStream_t stream) {
+cudaError_t norm_fwd(const NormFwdParams& p, cudaStream_t stream) {
   if (p.rows == 0) return cudaSuccess;   // nothing to read or write
   if (p.x == nullptr || p.y == nullptr || p.rstd == nullptr) return cudaErrorInvalidValue;
-  // Layernorm writes mean; RMSNorm has neither mean nor bias (its kernels are told by mean null).
+  // p.norm is the kind (the kernels' template parameter K); the buffers must agree with it:
+  // layernorm writes mean, RMSNorm has neither mean nor bias.
   if (p.norm == NormKind::kLayerNorm && p.mean == nullptr) return cudaErrorInvalidValue;
   if (p.norm == NormKind::kRmsNorm && (p.mean != nullptr || p.bias != nullptr)) return cudaErrorInvalidValue;
   if (p.norm != NormKind::kLayerNorm && p.norm != NormKind::kRmsNorm) return cudaErrorInvalidValue;
@@ -129,9 +130,9 @@ cudaError_t layernorm_fwd(const LayernormFwdParams& p, cudaStream_t stream) {
   }
   if ((p.weight != nullptr && p.weight_rows < 1) || (p.bias != nullptr && p.bias_rows < 1)) return cudaErrorInvalidValue;
   if (p.x_bias != nullptr && (p.x_bias_rows < 1 || p.residual == nullptr)) return cudaErrorInvalidValue;
-  LayernormFwdConfig cfg;
-  LNBWD_FWD_RETURN_IF_ERROR(layernorm_fwd_pick(p, &cfg));
-  return cfg.path == FwdPath::kRegisters ? layernorm_fwd_rows(p, cfg, stream) : layernorm_fwd_wide(p, cfg, stream);
+  NormFwdConfig cfg;
+  LNBWD_FWD_RETURN_IF_ERROR(norm_fwd_pick(p, &cfg));
+  return cfg.path == FwdPath::kRegisters ? norm_fwd_rows(p, cfg, stream) : norm_fwd_wide(p, cfg, stream);
 }
 
 }  // namespace lnbwd

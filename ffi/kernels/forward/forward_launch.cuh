@@ -1,6 +1,6 @@
 // Host-side helpers shared by the forward's launchers (forward_rows.cu, forward_wide.cu): the
 // (x dtype, parameter dtype) dispatch, the typed kernel arguments, and the launch entry points
-// that forward_launch.cu's layernorm_fwd chooses between.
+// that forward_launch.cu's norm_fwd chooses between.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -23,7 +23,7 @@ namespace lnbwd {
 // (bf16, bf16), (bf16, float), (half, half), (half, float). Any other pair is an error, never a
 // default. Without parameters, P = T (param_dtype is not read).
 template <typename F>
-cudaError_t dispatch_fwd_types(const LayernormFwdParams& p, F&& f) {
+cudaError_t dispatch_fwd_types(const NormFwdParams& p, F&& f) {
   const bool params = p.weight != nullptr || p.bias != nullptr || p.x_bias != nullptr;
   const bool f32_params = params && p.param_dtype == Dtype::kF32;
   if (params && p.param_dtype != p.dtype && !f32_params) return cudaErrorInvalidValue;
@@ -42,7 +42,7 @@ cudaError_t dispatch_fwd_types(const LayernormFwdParams& p, F&& f) {
 // (residual and s set). Both launchers instantiate their kernels through it, so the variants a
 // launch can reach are listed once.
 template <typename F>
-cudaError_t dispatch_fwd_variant(const LayernormFwdParams& p, const LayernormFwdConfig& cfg, F&& f) {
+cudaError_t dispatch_fwd_variant(const NormFwdParams& p, const NormFwdConfig& cfg, F&& f) {
   return dispatch_fwd_types(p, [&](auto t, auto pt) -> cudaError_t {
     constexpr int kVec = 16 / sizeof(decltype(t));
     auto with_kind = [&](auto kind) -> cudaError_t {
@@ -63,7 +63,7 @@ cudaError_t dispatch_fwd_variant(const LayernormFwdParams& p, const LayernormFwd
 inline int64_t param_div(int64_t rows, int64_t param_rows) { return param_rows > 1 ? rows / param_rows : 0; }
 
 template <typename T, typename P>
-FwdArgs<T, P> fwd_args(const LayernormFwdParams& p) {
+FwdArgs<T, P> fwd_args(const NormFwdParams& p) {
   FwdArgs<T, P> a;
   a.y = static_cast<T*>(p.y);
   a.mean = static_cast<stat_t<T>*>(p.mean);
@@ -85,9 +85,9 @@ FwdArgs<T, P> fwd_args(const LayernormFwdParams& p) {
   return a;
 }
 
-// The two kernels' launchers, for a configuration from layernorm_fwd_pick.
-cudaError_t layernorm_fwd_rows(const LayernormFwdParams& p, const LayernormFwdConfig& cfg, cudaStream_t stream);
-cudaError_t layernorm_fwd_wide(const LayernormFwdParams& p, const LayernormFwdConfig& cfg, cudaStream_t stream);
+// The two kernels' launchers, for a configuration from norm_fwd_pick.
+cudaError_t norm_fwd_rows(const NormFwdParams& p, const NormFwdConfig& cfg, cudaStream_t stream);
+cudaError_t norm_fwd_wide(const NormFwdParams& p, const NormFwdConfig& cfg, cudaStream_t stream);
 
 // Limits of the register path, written once (forward_launch.cu's pick reads them, the kernels'
 // __launch_bounds__ and variant lists are built from them).

@@ -10,7 +10,7 @@
 // of a group holds NV vectors of VEC elements, at columns
 //   col(j) = (j * tpr + t) * VEC,  j = 0..NV-1,
 // so for every j the group's loads are one contiguous, coalesced span of the row. tpr and NV
-// are chosen by layernorm_fwd_pick (forward_launch.cu): the fewest threads per row that hold
+// are chosen by norm_fwd_pick (forward_launch.cu): the fewest threads per row that hold
 // it with at most max_vectors(norm kind, tpr) vectors each. Blocks are small (128 threads, or one larger group)
 // so that the SM's register file fills evenly: at 72 registers a thread (the lean kernel's cap)
 // 128-thread blocks use 28 warps of an SM; blocks of 512 threads are held to 64 registers so
@@ -51,7 +51,7 @@ template <NormKind K, typename T, typename P, int VEC, int NV, bool RES, bool ST
 __device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tpr, int groups) {
   using A = acc_t<T>;
   using V = Packed<T, VEC>;
-  // tpr is a power of two (layernorm_fwd_pick): a shift and a mask, not a division, stand before
+  // tpr is a power of two (norm_fwd_pick): a shift and a mask, not a division, stand before
   // the row's first load.
   const int g = threadIdx.x >> (__ffs(tpr) - 1);
   const int t = threadIdx.x & (tpr - 1);
@@ -72,7 +72,7 @@ __device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tp
   A* ex_mean = exchange[0] + g * warps;
   A* ex_var = exchange[1] + g * warps;
   // The group's barrier, needed only when several warps share a row: the group is then the
-  // whole block (groups == 1, layernorm_fwd_pick), so it is __syncthreads.
+  // whole block (groups == 1, norm_fwd_pick), so it is __syncthreads.
   auto sync = [] { __syncthreads(); };
 
   // Thread t's vector slots: slot j is vector j * tpr + t of the row, VEC elements at column
@@ -196,9 +196,9 @@ __global__ void __launch_bounds__(kFwdMaxRowThreads, 2) forward_rows_pair(FwdArg
 }
 
 template <NormKind K, typename T, typename P, int VEC, int NV, bool RES>
-cudaError_t launch(const FwdArgs<T, P>& a, const LayernormFwdConfig& cfg, cudaStream_t stream) {
+cudaError_t launch(const FwdArgs<T, P>& a, const NormFwdConfig& cfg, cudaStream_t stream) {
   // The kernel tests only its last slot against the row's end for 16-byte vectors (see
-  // forward_rows_body): that needs NV = ceil(C / VEC / tpr) exactly, as layernorm_fwd_pick makes it.
+  // forward_rows_body): that needs NV = ceil(C / VEC / tpr) exactly, as norm_fwd_pick makes it.
   if (VEC > 1 && NV != ceil_div<int64_t>(a.C / VEC, cfg.tpr)) return cudaErrorInvalidValue;
   const unsigned int blocks = cfg.blocks;
   if constexpr (fwd_row_pair(NV, RES)) {
@@ -219,7 +219,7 @@ cudaError_t launch(const FwdArgs<T, P>& a, const LayernormFwdConfig& cfg, cudaSt
 // smallest NV that holds the row, so no thread holds dead registers), and powers of two for
 // one element per access (unaligned rows, kept to fewer variants).
 template <NormKind K, typename T, typename P, int VEC, bool RES>
-cudaError_t launch_nv(const FwdArgs<T, P>& a, const LayernormFwdConfig& cfg, cudaStream_t stream) {
+cudaError_t launch_nv(const FwdArgs<T, P>& a, const NormFwdConfig& cfg, cudaStream_t stream) {
   static_assert(kFwdMaxNv == 8, "the variant list below covers NV = 1..8");
   switch (cfg.nv) {
     case 1: return launch<K, T, P, VEC, 1, RES>(a, cfg, stream);
@@ -240,7 +240,7 @@ cudaError_t launch_nv(const FwdArgs<T, P>& a, const LayernormFwdConfig& cfg, cud
 
 }  // namespace
 
-cudaError_t layernorm_fwd_rows(const LayernormFwdParams& p, const LayernormFwdConfig& cfg, cudaStream_t stream) {
+cudaError_t norm_fwd_rows(const NormFwdParams& p, const NormFwdConfig& cfg, cudaStream_t stream) {
   if (cfg.path != FwdPath::kRegisters) return cudaErrorInvalidValue;
   return dispatch_fwd_variant(p, cfg, [&](auto kind, auto t, auto pt, auto vec, auto res) -> cudaError_t {
     using T = decltype(t);

@@ -100,7 +100,7 @@ forward_wide(FwdArgs<T, P> a) {
 }
 
 template <NormKind K, typename T, typename P, int VEC, bool RES>
-cudaError_t launch(const FwdArgs<T, P>& a, const LayernormFwdConfig& cfg, cudaStream_t stream) {
+cudaError_t launch(const FwdArgs<T, P>& a, const NormFwdConfig& cfg, cudaStream_t stream) {
   const unsigned int blocks = cfg.blocks;
   if (cfg.path == FwdPath::kGlobal) {
     forward_wide<K, T, P, VEC, false, RES><<<blocks, cfg.threads, 0, stream>>>(a);
@@ -118,7 +118,7 @@ cudaError_t launch(const FwdArgs<T, P>& a, const LayernormFwdConfig& cfg, cudaSt
 
 }  // namespace
 
-cudaError_t layernorm_fwd_wide(const LayernormFwdParams& p, const LayernormFwdConfig& cfg, cudaStream_t stream) {
+cudaError_t norm_fwd_wide(const NormFwdParams& p, const NormFwdConfig& cfg, cudaStream_t stream) {
   if (cfg.path != FwdPath::kSharedMemory && cfg.path != FwdPath::kGlobal) return cudaErrorInvalidValue;
   return dispatch_fwd_variant(p, cfg, [&](auto kind, auto t, auto pt, auto vec, auto res) -> cudaError_t {
     using T = decltype(t);

@@ -59,7 +59,7 @@ kernel1(float* __restrict__ dx, float* __restrict__ dweight, float* __restrict__
 
 }  // namespace
 
-cudaError_t layernorm_bwd_kernel1(const LayernormBwdParams& p, cudaStream_t stream) {
+cudaError_t norm_bwd_kernel1(const NormBwdParams& p, cudaStream_t stream) {
   LlmcLimits l;
   LNBWD_RETURN_IF_CUDA_ERROR(check_llmc_limits(1, p, &l));
   const int64_t grid = ceil_div<int64_t>(p.rows, l.block_size);   // one thread per row

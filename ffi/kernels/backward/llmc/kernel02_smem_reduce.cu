@@ -77,7 +77,7 @@ __global__ void copy_to_dweight_dbias(T* __restrict__ dweight, T* __restrict__ d
 }
 
 template <typename T>
-cudaError_t launch(const LayernormBwdParams& p, const LlmcLimits& l, cudaStream_t stream) {
+cudaError_t launch(const NormBwdParams& p, const LlmcLimits& l, cudaStream_t stream) {
   if (partial_slots<T>(p) < 1) return cudaErrorInvalidValue;   // the scratch row is slot 0
   const int64_t grid = ceil_div<int64_t>(p.rows, l.block_size / 32);   // one warp per row
   if (grid > INT32_MAX) return cudaErrorInvalidConfiguration;
@@ -98,7 +98,7 @@ cudaError_t launch(const LayernormBwdParams& p, const LlmcLimits& l, cudaStream_
 
 }  // namespace
 
-cudaError_t layernorm_bwd_kernel2(const LayernormBwdParams& p, cudaStream_t stream) {
+cudaError_t norm_bwd_kernel2(const NormBwdParams& p, cudaStream_t stream) {
   LlmcLimits l;
   LNBWD_RETURN_IF_CUDA_ERROR(check_llmc_limits(2, p, &l));
   return dispatch_llmc_dtypes<2, float, __nv_bfloat16, __half>(p.dtype, [&](auto t) { return launch<decltype(t)>(p, l, stream); });

@@ -79,7 +79,7 @@ kernel3(T* __restrict__ dx, T* __restrict__ dweight, T* __restrict__ dbias, cons
 }
 
 template <typename T>
-cudaError_t launch(const LayernormBwdParams& p, const LlmcLimits& l, cudaStream_t stream) {
+cudaError_t launch(const NormBwdParams& p, const LlmcLimits& l, cudaStream_t stream) {
   int64_t grid = 0;
   LNBWD_RETURN_IF_CUDA_ERROR(persistent_grid(p, 1024 / l.block_size, l.block_size, &grid));
   auto kernel = kernel3<T>;
@@ -96,7 +96,7 @@ cudaError_t launch(const LayernormBwdParams& p, const LlmcLimits& l, cudaStream_
 
 }  // namespace
 
-cudaError_t layernorm_bwd_kernel3(const LayernormBwdParams& p, cudaStream_t stream) {
+cudaError_t norm_bwd_kernel3(const NormBwdParams& p, cudaStream_t stream) {
   LlmcLimits l;
   LNBWD_RETURN_IF_CUDA_ERROR(check_llmc_limits(3, p, &l));
   return dispatch_llmc_dtypes<3, float, __nv_bfloat16, __half>(p.dtype, [&](auto t) { return launch<decltype(t)>(p, l, stream); });

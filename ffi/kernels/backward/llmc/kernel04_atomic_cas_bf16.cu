@@ -91,7 +91,7 @@ kernel4(__nv_bfloat16* __restrict__ dx, __nv_bfloat16* __restrict__ dweight, __n
 
 }  // namespace
 
-cudaError_t layernorm_bwd_kernel4(const LayernormBwdParams& p, cudaStream_t stream) {
+cudaError_t norm_bwd_kernel4(const NormBwdParams& p, cudaStream_t stream) {
   using T = __nv_bfloat16;
   LlmcLimits l;
   LNBWD_RETURN_IF_CUDA_ERROR(check_llmc_limits(4, p, &l));

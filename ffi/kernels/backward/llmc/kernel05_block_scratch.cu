@@ -52,14 +52,14 @@ kernel5(T* __restrict__ dx, T* __restrict__ dweight, T* __restrict__ dbias, floa
 }
 
 template <typename T>
-cudaError_t launch(const LayernormBwdParams& p, const LlmcLimits& l, cudaStream_t stream) {
+cudaError_t launch(const NormBwdParams& p, const LlmcLimits& l, cudaStream_t stream) {
   // One block per SM, as in llm.c ("1024 threads is best anyway").
   return launch_last_block_kernel<T>(kernel5<T>, LlmcSums::kSlotPerBlock, p, 1, l.block_size, l.smem_bytes, stream);
 }
 
 }  // namespace
 
-cudaError_t layernorm_bwd_kernel5(const LayernormBwdParams& p, cudaStream_t stream) {
+cudaError_t norm_bwd_kernel5(const NormBwdParams& p, cudaStream_t stream) {
   LlmcLimits l;
   LNBWD_RETURN_IF_CUDA_ERROR(check_llmc_limits(5, p, &l));
   return dispatch_llmc_dtypes<5, float, __nv_bfloat16, __half>(p.dtype, [&](auto t) { return launch<decltype(t)>(p, l, stream); });

@@ -66,14 +66,14 @@ kernel7(T* __restrict__ dx, T* __restrict__ dweight, T* __restrict__ dbias, floa
 }
 
 template <typename T>
-cudaError_t launch(const LayernormBwdParams& p, const LlmcLimits& l, cudaStream_t stream) {
+cudaError_t launch(const NormBwdParams& p, const LlmcLimits& l, cudaStream_t stream) {
   return launch_last_block_kernel<T>(kernel7<T>, LlmcSums::kSharedRow, p,
                                      1024 / l.block_size, l.block_size, l.smem_bytes, stream);
 }
 
 }  // namespace
 
-cudaError_t layernorm_bwd_kernel7(const LayernormBwdParams& p, cudaStream_t stream) {
+cudaError_t norm_bwd_kernel7(const NormBwdParams& p, cudaStream_t stream) {
   LlmcLimits l;
   LNBWD_RETURN_IF_CUDA_ERROR(check_llmc_limits(7, p, &l));
   return dispatch_llmc_dtypes<7, float, __nv_bfloat16, __half>(p.dtype, [&](auto t) { return launch<decltype(t)>(p, l, stream); });

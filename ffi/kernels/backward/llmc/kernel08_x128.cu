@@ -124,7 +124,7 @@ kernel8(T* __restrict__ dx, T* __restrict__ dweight, T* __restrict__ dbias, floa
 }
 
 template <typename T>
-cudaError_t launch(const LayernormBwdParams& p, const LlmcLimits& l, cudaStream_t stream) {
+cudaError_t launch(const NormBwdParams& p, const LlmcLimits& l, cudaStream_t stream) {
   if (!can_vectorize<T>(p)) return cudaErrorMisalignedAddress;
   return launch_last_block_kernel<T>(kernel8<T>, LlmcSums::kSharedRow, p,
                                      1024 / l.block_size, l.block_size, l.smem_bytes, stream);
@@ -132,7 +132,7 @@ cudaError_t launch(const LayernormBwdParams& p, const LlmcLimits& l, cudaStream_
 
 }  // namespace
 
-cudaError_t layernorm_bwd_kernel8(const LayernormBwdParams& p, cudaStream_t stream) {
+cudaError_t norm_bwd_kernel8(const NormBwdParams& p, cudaStream_t stream) {
   LlmcLimits l;
   LNBWD_RETURN_IF_CUDA_ERROR(check_llmc_limits(8, p, &l));
   return dispatch_llmc_dtypes<8, float, __nv_bfloat16, __half>(p.dtype, [&](auto t) { return launch<decltype(t)>(p, l, stream); });

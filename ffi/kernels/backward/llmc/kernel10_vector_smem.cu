@@ -156,7 +156,7 @@ size_t smem_bytes(int64_t C, int block_size) {
 }
 
 template <typename T, int VEC>
-cudaError_t launch(const LayernormBwdParams& p, int block_size, cudaStream_t stream) {
+cudaError_t launch(const NormBwdParams& p, int block_size, cudaStream_t stream) {
   // llm.c's grid: 1024 / block_size blocks per SM, never more blocks than the rows have warps,
   // nor than the workspace has partial slots.
   return launch_last_block_kernel<T>(kernel10<T, VEC>, LlmcSums::kSlotPerBlock, p, 1024 / block_size, block_size,
@@ -165,7 +165,7 @@ cudaError_t launch(const LayernormBwdParams& p, int block_size, cudaStream_t str
 
 }  // namespace
 
-cudaError_t layernorm_bwd_kernel10(const LayernormBwdParams& p, cudaStream_t stream) {
+cudaError_t norm_bwd_kernel10(const NormBwdParams& p, cudaStream_t stream) {
   LlmcLimits l;
   LNBWD_RETURN_IF_CUDA_ERROR(check_llmc_limits(10, p, &l));
   return dispatch_llmc_dtypes<10, float, __nv_bfloat16, __half, double>(p.dtype, [&](auto t) {

@@ -32,22 +32,24 @@ cudaError_t dispatch_llmc_dtypes(Dtype dtype, F&& f) {
 }
 
 // What every llm.c launcher checks before it launches, so that a kernel never runs on a problem
-// it would get wrong: the dtype, the segments and RMSNorm (they compute layernorm only; the
-// FFI glue refuses it first) (cudaErrorInvalidValue), the block size and C
+// it would get wrong: the dtype, the segments, and RMSNorm, a float32 weight or a residual
+// gradient where llmc_limits.h says the kernels take none (the FFI glue refuses them first)
+// (cudaErrorInvalidValue), the block size and C
 // (cudaErrorInvalidConfiguration). Arithmetic only: the callers asked the registry first, and
 // a shared-memory need beyond the device's is refused by the driver at the opt-in (opt_in_smem)
 // before anything is launched. Sets *l to the kernel's limits for p.
-inline cudaError_t check_llmc_limits(int kernel, const LayernormBwdParams& p, LlmcLimits* l) {
+inline cudaError_t check_llmc_limits(int kernel, const NormBwdParams& p, LlmcLimits* l) {
   *l = llmc_limits(kernel, p.dtype, p.C, p.block_size);
   if (!l->dtype_ok || p.segments != 1 || p.weight_stride != 0 || p.rows < 1 || p.C < 1) return cudaErrorInvalidValue;
-  if (p.norm != NormKind::kLayerNorm) return cudaErrorInvalidValue;
+  if (p.norm == NormKind::kRmsNorm && !kLlmcRunsRmsnorm) return cudaErrorInvalidValue;
+  if ((p.weight_f32 || p.dresidual != nullptr) && !kLlmcTakesV2Operands) return cudaErrorInvalidValue;
   if (!l->block_size_ok || p.C % l->c_multiple != 0) return cudaErrorInvalidConfiguration;
   return cudaSuccess;
 }
 
 // llm.c's persistent grid: blocks_per_sm blocks on every SM, but never more blocks than the
 // rows have warps for (one warp per row: an extra block would only add zeros).
-inline cudaError_t persistent_grid(const LayernormBwdParams& p, int blocks_per_sm, int block_size, int64_t* grid) {
+inline cudaError_t persistent_grid(const NormBwdParams& p, int blocks_per_sm, int block_size, int64_t* grid) {
   int sms = 0;
   LNBWD_RETURN_IF_CUDA_ERROR(sm_count(&sms));
   *grid = std::min<int64_t>(static_cast<int64_t>(blocks_per_sm) * sms, ceil_div<int64_t>(p.rows, block_size / 32));
@@ -78,7 +80,7 @@ enum class LlmcSums { kSlotPerBlock, kSharedRow };
 // warps; with a slot per block, no more than the workspace has slots), after zeroing what the
 // kernel counts on being zero.
 template <typename T, typename Kernel>
-cudaError_t launch_last_block_kernel(Kernel kernel, LlmcSums sums, const LayernormBwdParams& p, int blocks_per_sm,
+cudaError_t launch_last_block_kernel(Kernel kernel, LlmcSums sums, const NormBwdParams& p, int blocks_per_sm,
                                      int block_size, size_t smem, cudaStream_t stream) {
   if (sums == LlmcSums::kSharedRow && partial_slots<T>(p) < 1) return cudaErrorInvalidValue;   // the row is slot 0
   int64_t grid = 0;

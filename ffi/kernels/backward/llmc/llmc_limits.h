@@ -44,6 +44,13 @@ inline constexpr LlmcKernelFacts kLlmcFacts[11] = {
 
 constexpr bool llmc_is_kernel(int kernel) { return kernel >= 1 && kernel <= 10; }
 
+// What every llm.c kernel computes: layernorm's backward in the data's dtype. None runs RMSNorm
+// (it reads a mean and writes dbias), and none takes what NormBwdParams adds beside it: a
+// float32 weight beside 16-bit data (weight_f32) or a residual gradient added to dx (dresidual).
+// The registry's rmsnorm and v2_operands facts of kernels 1-10 are these.
+inline constexpr bool kLlmcRunsRmsnorm = false;
+inline constexpr bool kLlmcTakesV2Operands = false;
+
 // Kernels 8 and 9 step over a row in whole warps of 16-byte vectors: C must be a multiple of
 // 32 * (16 / itemsize), 128 for fp32 and 256 for bf16/fp16. The others take any C >= 1.
 constexpr int64_t llmc_c_multiple(int kernel, Dtype dtype) {

@@ -21,8 +21,8 @@ struct Kernel11Config {
 std::vector<Kernel11Config> kernel11_candidates(Dtype dtype, int64_t C, bool vectorized, const DeviceLimits& lim);
 // The configuration the default launcher uses; false if no register path fits.
 bool kernel11_pick(Dtype dtype, int64_t C, bool vectorized, const DeviceLimits& lim, Kernel11Config* cfg);
-cudaError_t layernorm_bwd_kernel11_config(const LayernormBwdParams& p, const Kernel11Config& cfg, cudaStream_t stream);
+cudaError_t norm_bwd_kernel11_config(const NormBwdParams& p, const Kernel11Config& cfg, cudaStream_t stream);
 // Rows too wide for registers: two streaming passes per row (kernel11_wide_rows.cu).
-cudaError_t layernorm_bwd_kernel11_wide(const LayernormBwdParams& p, cudaStream_t stream);
+cudaError_t norm_bwd_kernel11_wide(const NormBwdParams& p, cudaStream_t stream);
 
 }  // namespace lnbwd

@@ -237,7 +237,7 @@ size_t smem_bytes(const Kernel11Config& cfg, int64_t C, size_t acc_bytes) {
 }
 
 template <typename T, typename O, bool RESID, int VEC, int NV, bool PREFETCH>
-cudaError_t launch(const LayernormBwdParams& p, const Kernel11Config& cfg, cudaStream_t stream) {
+cudaError_t launch(const NormBwdParams& p, const Kernel11Config& cfg, cudaStream_t stream) {
   if (p.plan) {
     p.plan->kernel = 11;
     p.plan->path = "rows in registers";
@@ -253,7 +253,7 @@ cudaError_t launch(const LayernormBwdParams& p, const Kernel11Config& cfg, cudaS
 // data are 2 tensors * NV * 16 bytes (twice that with PREFETCH); the lists keep that at or
 // below 32 registers, so a 1024-thread block fits (64 registers per thread at most).
 template <typename T, typename O, bool RESID, int VEC>
-cudaError_t launch_variant(const LayernormBwdParams& p, const Kernel11Config& cfg, cudaStream_t stream) {
+cudaError_t launch_variant(const NormBwdParams& p, const Kernel11Config& cfg, cudaStream_t stream) {
   if constexpr (VEC == 1) {
     switch (cfg.nv) {
       case 2: return launch<T, O, RESID, VEC, 2, false>(p, cfg, stream);
@@ -329,7 +329,7 @@ bool kernel11_pick(Dtype dtype, int64_t C, bool vectorized, const DeviceLimits& 
   return true;
 }
 
-cudaError_t layernorm_bwd_kernel11_config(const LayernormBwdParams& p, const Kernel11Config& cfg, cudaStream_t stream) {
+cudaError_t norm_bwd_kernel11_config(const NormBwdParams& p, const Kernel11Config& cfg, cudaStream_t stream) {
   return dispatch_types(p, [&](auto t, auto o, auto resid) -> cudaError_t {
     using T = decltype(t);
     using O = decltype(o);
@@ -341,13 +341,13 @@ cudaError_t layernorm_bwd_kernel11_config(const LayernormBwdParams& p, const Ker
   });
 }
 
-cudaError_t layernorm_bwd_kernel11(const LayernormBwdParams& p, cudaStream_t stream) {
+cudaError_t norm_bwd_kernel11(const NormBwdParams& p, cudaStream_t stream) {
   DeviceLimits lim;
   LNBWD_RETURN_IF_CUDA_ERROR(device_limits(p.device, &lim));
   const bool vectorized = can_vectorize(p);
   Kernel11Config cfg;
-  if (kernel11_pick(p.dtype, p.C, vectorized, lim, &cfg)) return layernorm_bwd_kernel11_config(p, cfg, stream);
-  return layernorm_bwd_kernel11_wide(p, stream);
+  if (kernel11_pick(p.dtype, p.C, vectorized, lim, &cfg)) return norm_bwd_kernel11_config(p, cfg, stream);
+  return norm_bwd_kernel11_wide(p, stream);
 }
 
 }  // namespace lnbwd

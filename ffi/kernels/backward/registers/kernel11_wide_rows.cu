@@ -111,7 +111,7 @@ kernel11_wide(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
 }
 
 template <typename T, typename O, bool RESID, int VEC>
-cudaError_t launch(const LayernormBwdParams& p, cudaStream_t stream) {
+cudaError_t launch(const NormBwdParams& p, cudaStream_t stream) {
   if (p.plan) {
     p.plan->kernel = 11;
     p.plan->path = "wide rows";
@@ -122,7 +122,7 @@ cudaError_t launch(const LayernormBwdParams& p, cudaStream_t stream) {
 
 }  // namespace
 
-cudaError_t layernorm_bwd_kernel11_wide(const LayernormBwdParams& p, cudaStream_t stream) {
+cudaError_t norm_bwd_kernel11_wide(const NormBwdParams& p, cudaStream_t stream) {
   return dispatch_types(p, [&](auto t, auto o, auto resid) -> cudaError_t {
     using T = decltype(t);
     using O = decltype(o);

@@ -41,13 +41,13 @@ bool kernel12_pick(Dtype dtype, int64_t C, const DeviceLimits& lim, Kernel12Conf
 // Dynamic shared memory of one block of this configuration, C being the columns of a row that
 // one block takes (C / split); item and acc the bytes of T and acc_t<T>.
 size_t kernel12_smem_bytes(const Kernel12Config& cfg, int64_t C, size_t item, size_t acc);
-cudaError_t layernorm_bwd_kernel12_config(const LayernormBwdParams& p, const Kernel12Config& cfg, cudaStream_t stream);
+cudaError_t norm_bwd_kernel12_config(const NormBwdParams& p, const Kernel12Config& cfg, cudaStream_t stream);
 
 // Rows too wide for the per-group ring: one row per block, streamed in chunks, once per pass
 // (kernel12_wide_rows.cu). fp32, bf16 and fp16 with C up to 16384.
 bool kernel12_wide_fits(Dtype dtype, int64_t C, const DeviceLimits& lim);
 // Whether this build has sm_90 code for kernel 12 that `device` runs (kernel_code_arch).
 bool kernel12_has_code(int device);
-cudaError_t layernorm_bwd_kernel12_wide(const LayernormBwdParams& p, cudaStream_t stream);
+cudaError_t norm_bwd_kernel12_wide(const NormBwdParams& p, cudaStream_t stream);
 
 }  // namespace lnbwd

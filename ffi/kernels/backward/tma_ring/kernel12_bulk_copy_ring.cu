@@ -291,7 +291,7 @@ kernel12_ring(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
 }
 
 template <typename T, typename O, bool RESID, int VEC, int NV, int NB, bool REGS, typename W, int SPLIT>
-cudaError_t launch(const LayernormBwdParams& p, Kernel12Config cfg, cudaStream_t stream) {
+cudaError_t launch(const NormBwdParams& p, Kernel12Config cfg, cudaStream_t stream) {
   if (p.plan) {
     p.plan->kernel = 12;
     p.plan->path = SPLIT > 1 ? "ring, rows split over a cluster" : "ring";
@@ -323,7 +323,7 @@ constexpr bool kRegsMode = std::is_same_v<T, float>;
 
 // A float32 weight beside 16-bit data (O = float) is never staged raw: that would round it.
 template <typename T, typename O, bool RESID, int VEC, int SPLIT>
-cudaError_t launch_variant(const LayernormBwdParams& p, const Kernel12Config& cfg, cudaStream_t stream) {
+cudaError_t launch_variant(const NormBwdParams& p, const Kernel12Config& cfg, cudaStream_t stream) {
   constexpr int nv = sizeof(T) == 8 ? 2 : 4;
   if (cfg.nv != nv || cfg.regs != kRegsMode<T>) return cudaErrorInvalidValue;
   if (cfg.raw_weight) {
@@ -339,7 +339,7 @@ cudaError_t launch_variant(const LayernormBwdParams& p, const Kernel12Config& cf
 
 }  // namespace
 
-cudaError_t layernorm_bwd_kernel12_config(const LayernormBwdParams& p, const Kernel12Config& cfg, cudaStream_t stream) {
+cudaError_t norm_bwd_kernel12_config(const NormBwdParams& p, const Kernel12Config& cfg, cudaStream_t stream) {
   return dispatch_types(p, [&](auto t, auto o, auto resid) -> cudaError_t {
     using T = decltype(t);
     using O = decltype(o);

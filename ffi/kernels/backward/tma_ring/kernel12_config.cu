@@ -114,7 +114,7 @@ bool kernel12_pick(Dtype dtype, int64_t C, const DeviceLimits& lim, Kernel12Conf
   return pick_buffers(all, dtype, C, 1, cfg) || pick_buffers(all, dtype, C, 2, cfg);
 }
 
-cudaError_t layernorm_bwd_kernel12(const LayernormBwdParams& p, cudaStream_t stream) {
+cudaError_t norm_bwd_kernel12(const NormBwdParams& p, cudaStream_t stream) {
   DeviceLimits lim;
   LNBWD_RETURN_IF_CUDA_ERROR(device_limits(p.device, &lim));
   const bool vectorized = can_vectorize(p);
@@ -124,10 +124,10 @@ cudaError_t layernorm_bwd_kernel12(const LayernormBwdParams& p, cudaStream_t str
   // shared memory (on Hopper: fp32 and 16-bit C > 16384 and 32768, fp64 beyond the ring).
   if (lim.cc_major >= 9 && vectorized && kernel12_has_code(lim.device)) {
     Kernel12Config cfg;
-    if (kernel12_pick(p.dtype, p.C, lim, &cfg, p.weight_f32)) return layernorm_bwd_kernel12_config(p, cfg, stream);
-    if (kernel12_wide_fits(p.dtype, p.C, lim)) return layernorm_bwd_kernel12_wide(p, stream);
+    if (kernel12_pick(p.dtype, p.C, lim, &cfg, p.weight_f32)) return norm_bwd_kernel12_config(p, cfg, stream);
+    if (kernel12_wide_fits(p.dtype, p.C, lim)) return norm_bwd_kernel12_wide(p, stream);
   }
-  return layernorm_bwd_kernel11(p, stream);
+  return norm_bwd_kernel11(p, stream);
 }
 
 }  // namespace lnbwd

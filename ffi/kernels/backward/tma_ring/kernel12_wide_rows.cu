@@ -267,7 +267,7 @@ bool kernel12_wide_fits(Dtype dtype, int64_t C, const DeviceLimits& lim) {
          smem_bytes(C, item, 4, kConsumers * kNVC * vec) <= lim.smem_optin;
 }
 
-cudaError_t layernorm_bwd_kernel12_wide(const LayernormBwdParams& p, cudaStream_t stream) {
+cudaError_t norm_bwd_kernel12_wide(const NormBwdParams& p, cudaStream_t stream) {
   DeviceLimits lim;
   LNBWD_RETURN_IF_CUDA_ERROR(device_limits(p.device, &lim));
   if (p.plan) {
