@@ -1,13 +1,14 @@
 """The kernel bench's rmsnorm rows and its Pallas peer, on CPU (tests/bench/test_bench.py: the rest)."""
 from __future__ import annotations
 
-import sys
-
 import json
+import sys
 
 import jax
 import numpy as np
 import pytest
+
+import jax_lnbwd
 
 from conftest import CHECKOUT
 
