@@ -40,7 +40,8 @@ unset CUDA_HOME CUDA_PATH CUDACXX CUDAToolkit_ROOT
 if command -v nvcc; then echo "check_wheel: nvcc still found" >&2; exit 1; fi
 echo "check_wheel: no nvcc on the PATH; LD_LIBRARY_PATH='$LD_LIBRARY_PATH'"
 
-cp -r "$src/tests" "$src/benchmarks" "$work/"   # the bench tests import benchmarks/
+cp -r "$src/tests" "$src/benchmarks" "$src/examples" "$work/"   # the bench and example tests run these
+cp "$src/README.md" "$work/"   # the README's Python blocks are run too
 cp "$src/pyproject.toml" "$work/"   # pytest's settings (markers) only
 cd "$work"
 so=$(ls "$venv_site"/jax_lnbwd/_jax_lnbwd*.so)
