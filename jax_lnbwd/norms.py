@@ -71,7 +71,6 @@ RMSNORM = Norm(
 )
 
 NORMS = (LAYERNORM, RMSNORM)
-NORMS_BY_NAME = {norm.name: norm for norm in NORMS}
 
 # Every FFI target a program traced with jax_lnbwd may call: what jax.export must be told to
 # allow, e.g. disabled_checks=[export.DisabledSafetyCheck.custom_call(t) for t in TARGETS].

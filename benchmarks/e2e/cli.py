@@ -15,7 +15,7 @@ import jax
 from .. import _term
 from .._term import Progress, paint
 from . import __doc__ as METHOD
-from . import breakdown, floor, report, trace
+from . import breakdown, floor, report, scaling, trace
 from .config import FULL, SMALL
 from .train import PROBE_STEPS, ROUND_STEPS_CAP, build, probe, round_steps, run_steps
 from .variants import VARIANTS
@@ -82,6 +82,9 @@ def parse_args(argv):
                    help="data parallel over the first N devices: the batch (per device) is split "
                         "over a mesh axis, parameters replicated, gradients all-reduced; adds the "
                         "comm, overlap and exposed columns (default 1: one device)")
+    p.add_argument("--scaling", action="store_true",
+                   help="with --devices N: also time each run on one device (same batch per device) and "
+                        "report the weak-scaling efficiency t1/tN (scaling.py)")
     p.add_argument("--steps", type=int, default=None, help="steps per round per run, at least (default 10)")
     p.add_argument("--round-seconds", type=float, default=None, metavar="S",
                    help="each round runs a run's steps for at least S seconds, as estimated from "
@@ -133,6 +136,8 @@ def parse_args(argv):
         p.error("--steps, --rounds, --trace-steps and --trace-repeats must be >= 1, --warmup and --round-seconds >= 0")
     if a.devices < 1:
         p.error(f"--devices: expected >= 1, got {a.devices}")
+    if a.scaling and a.devices < 2:
+        p.error("--scaling: compares one device with N: give --devices N (N >= 2)")
     if a.devices > 1 and len(jax.devices()) < a.devices:
         found = jax.devices()
         p.error(f"--devices {a.devices}: only {len(found)} {jax.default_backend()} device"
@@ -229,6 +234,8 @@ def emit(runs, args, meta, traced: bool, floors=None, kinds: str = ""):
     paths = "\n\nwhich path each run's norms took (jax_lnbwd.dispatch: ffi = our kernel, jnp = XLA's fusion):\n" + \
         "\n".join(f"  {r.label}: {r.paths}" for r in runs)
     text += paths
+    if meta.get("scaling"):
+        text += "\n\n" + scaling.format_rows(meta["scaling"])
     fl = floor.format_block(floor.against(floors, table)) if floors else ""
     if jax.default_backend() != "gpu":
         # Off a GPU: one short table, once, after the traces; the byte floor, the trace columns and
@@ -238,6 +245,8 @@ def emit(runs, args, meta, traced: bool, floors=None, kinds: str = ""):
             print("CPU smoke run: every variant compiled and ran (their losses should agree); the times are a CPU's, "
                   "not a measurement (run it on a GPU for one)")
             print(report.format_table(table, comm=args.devices > 1, traces=False) + paths)
+            if meta.get("scaling"):
+                print("\n" + scaling.format_rows(meta["scaling"]))
     else:
         print()
         if not traced:
@@ -337,6 +346,9 @@ def main(argv=None):
             prog.step(f"round {i + 1}/{args.rounds} {run.label}")
             run.times.append(run_steps(run, run.round_steps) / run.round_steps)
         prog.close()
+        if args.scaling and args.devices > 1 and runs:
+            print(f"scaling: each run again on one device, {args.rounds} alternating rounds")
+            meta["scaling"] = scaling.measure(runs, plan, args.rounds, build, run_steps, args.seed)
         clock["timed"] = time.perf_counter()
         meta["seconds"] = {"compile_and_warm_up": clock["compiled"] - clock["start"],
                            "rounds": clock["timed"] - clock["compiled"]}

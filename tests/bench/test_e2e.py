@@ -228,6 +228,25 @@ def test_data_parallel_needs_the_devices():
         cli.parse_args(["--small", "--devices", str(len(jax.devices()) + 1)])
     with pytest.raises(SystemExit):
         cli.parse_args(["--small", "--devices", "0"])
+    with pytest.raises(SystemExit):   # --scaling compares one device with N
+        cli.parse_args(["--small", "--scaling"])
+
+
+def test_scaling_times_each_run_on_one_device_beside_n():
+    """--devices 2 --scaling: each run's one-device twin (same batch per device) is timed in
+    alternation with it, and the table gives t1, tN and their median ratio."""
+    from benchmarks.e2e import scaling
+    from benchmarks.e2e.train import build, run_steps
+
+    args = cli.parse_args(["--small", "--models", "gpt", "--variants", "flax", "--devices", "2", "--scaling"])
+    cfg, variant = args.configs[0], cli.VARIANTS["flax"]
+    run = build(cfg, "linen", variant, "float32", 0, devices=2)
+    run.round_steps = 1
+    rows = scaling.measure([run], [(cfg, "linen", "float32", variant)], 2, build, run_steps, 0)
+    assert len(rows) == 1 and rows[0]["run"] == run.label and rows[0]["devices"] == 2
+    assert rows[0]["one_ms"] > 0 and rows[0]["many_ms"] > 0 and rows[0]["efficiency"] > 0
+    text = scaling.format_rows(rows)
+    assert "1 device ms" in text and "2 devices ms" in text and "t1/t2" in text and run.label in text
 
 
 @pytest.mark.gpu
