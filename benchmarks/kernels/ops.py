@@ -37,10 +37,14 @@ from jax_lnbwd.ops.forward import add_layernorm_fwd_op, add_rmsnorm_fwd_op, laye
 from . import pallas
 from .timing import EPS
 
-FORWARD_GPU_SHAPES = "16384x1600,8192x8192,16384x1024,4096x16384,8192x768"
-BACKWARD_GPU_SHAPES = "8192x1600,16384x768,16384x1600,16384x2048,16384x4096,8192x8192,4096x16384,1024x768"
+# Every op's defaults end with small-C rows: head_dim-sized norms (QK-norm: rows = tokens x
+# heads) and small models, C 64, 128 and 256 at 64 MB a tensor in bf16.
+SMALL_C_GPU_SHAPES = "524288x64,262144x128,131072x256"
+FORWARD_GPU_SHAPES = "16384x1600,8192x8192,16384x1024,4096x16384,8192x768," + SMALL_C_GPU_SHAPES
+BACKWARD_GPU_SHAPES = ("8192x1600,16384x768,16384x1600,16384x2048,16384x4096,8192x8192,4096x16384,1024x768,"
+                       + SMALL_C_GPU_SHAPES)
 # Llama-sized rows (d 2048 to 16384); every step moves 134-805 MB, past the H200's L2.
-RMS_GPU_SHAPES = "16384x2048,16384x4096,8192x8192,4096x16384"
+RMS_GPU_SHAPES = "16384x2048,16384x4096,8192x8192,4096x16384," + SMALL_C_GPU_SHAPES
 
 
 @dataclasses.dataclass

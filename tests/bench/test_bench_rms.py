@@ -29,7 +29,8 @@ def test_help_and_all_list_the_rmsnorm_ops_and_the_pallas_peer(capsys):
     assert set(RMS_OPS) <= set(every)
     gpu = bench.parse_args(["--op", ",".join(RMS_OPS)], on_gpu=True)
     for name in RMS_OPS:
-        assert gpu.shapes[name] == [(16384, 2048), (16384, 4096), (8192, 8192), (4096, 16384)]
+        assert gpu.shapes[name] == [(16384, 2048), (16384, 4096), (8192, 8192), (4096, 16384),
+                                    (524288, 64), (262144, 128), (131072, 256)]
 
 
 def test_rmsnorm_backward_runs_only_the_kernels_that_take_rmsnorm():
