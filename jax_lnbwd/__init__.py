@@ -5,6 +5,7 @@ from .kernels import DEFAULT_KERNEL, KERNELS, KernelInfo
 from .layernorm import add_layernorm, layernorm, layernorm_bwd, layernorm_fwd
 from .rmsnorm import add_rmsnorm, rmsnorm, rmsnorm_bwd, rmsnorm_fwd
 from .norms import LAYERNORM, RMSNORM, TARGETS
+from .qk_norm import qk_norm, qk_norm_fused
 from .ops.ffi import WITH_CUDA
 from .ops.partition import ShardingFallbackWarning
 from . import dispatch
@@ -19,7 +20,8 @@ TARGET_RMS_FWD, TARGET_ADD_RMS_FWD, TARGET_RMS_BWD = (RMSNORM.fwd_target, RMSNOR
                                                       RMSNORM.bwd_target_v2)
 
 __all__ = ["layernorm", "add_layernorm", "layernorm_fwd", "layernorm_bwd",
-           "rmsnorm", "add_rmsnorm", "rmsnorm_fwd", "rmsnorm_bwd", "reference", "KERNELS", "KernelInfo",
+           "rmsnorm", "add_rmsnorm", "rmsnorm_fwd", "rmsnorm_bwd", "qk_norm", "qk_norm_fused",
+           "reference", "KERNELS", "KernelInfo",
            "DEFAULT_KERNEL", "TARGET", "TARGET_V2", "TARGET_FWD", "TARGET_ADD_FWD", "TARGET_ADD_FWD_V2",
            "TARGET_RMS_FWD", "TARGET_ADD_RMS_FWD", "TARGET_RMS_BWD", "TARGETS",
            "WITH_CUDA", "ShardingFallbackWarning", "use_xla_backward", "use_ffi_forward",

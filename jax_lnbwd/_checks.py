@@ -16,7 +16,7 @@ import numpy as np
 from . import reference
 from . import kernels
 from .kernels import DEFAULT_KERNEL, KERNELS, v2_refusal
-from .norms import Norm
+from .norms import NORMS, Norm
 
 SUPPORTED = ("float32", "bfloat16", "float16", "float64")
 SIXTEEN_BIT = ("bfloat16", "float16")
@@ -193,9 +193,10 @@ def v2_args(fn: str, x, weight, dresidual) -> None:
             raise TypeError(f"{fn}: 'dresidual' has dtype {np.dtype(dresidual.dtype)} but x has dtype {x_dtype}")
 
 
-def offset(fn: str, value, weight) -> float:
+def offset(fn: str, value, weight, name: str = "weight") -> float:
     """rmsnorm's offset (added to the weight: Gemma's zero-centred scale is offset=1.0) as a
-    float: finite, and 0 when there is no weight (there is no scale to shift); not traced."""
+    float: finite, and 0 when there is no weight (there is no scale to shift); not traced.
+    `name` is the weight's argument name in `fn`."""
     _static(fn, "offset", value)
     try:
         f = float(value)
@@ -204,6 +205,55 @@ def offset(fn: str, value, weight) -> float:
     if isinstance(value, (bool, str, bytes)) or not math.isfinite(f):
         raise ValueError(f"{fn}: offset must be a finite float, got {value!r}")
     if weight is None and f != 0.0:
-        raise ValueError(f"{fn}: offset={value!r} shifts the weight, but weight is None (no scale); "
+        raise ValueError(f"{fn}: offset={value!r} shifts the weight, but {name} is None (no scale); "
                          "pass a weight or offset=0")
     return f
+
+
+# --- QK-norm (qk_norm.py): the norm kind, heads of head_dim elements -------------------------------
+
+def norm_kind(fn: str, value) -> Norm:
+    """The `norm` keyword: a norm's public name ("rmsnorm", "layernorm") or its row, as the row."""
+    by_name = {n.name: n for n in NORMS}
+    if isinstance(value, Norm) and value in NORMS:
+        return value
+    if isinstance(value, str) and value in by_name:
+        return by_name[value]
+    raise ValueError(f"{fn}: norm must be one of {', '.join(map(repr, by_name))}, got {value!r}")
+
+
+def heads(fn: str, name: str, a) -> None:
+    """q or k: a float array [..., heads, head_dim] (rank >= 2) with head_dim >= 1."""
+    array(fn, name, a)
+    if a.ndim < 2:
+        raise ValueError(f"{fn}: '{name}' has shape {tuple(a.shape)} but expected [..., heads, head_dim] "
+                         "(rank >= 2)")
+    if a.shape[-1] < 1:
+        raise ValueError(f"{fn}: '{name}' has shape {tuple(a.shape)} but its last axis (head_dim, the one "
+                         "normalized over) must have at least 1 element")
+
+
+def same_head_dim(fn: str, q, k) -> None:
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"{fn}: 'q' has head_dim {q.shape[-1]} (shape {tuple(q.shape)}) but 'k' has head_dim "
+                         f"{k.shape[-1]} (shape {tuple(k.shape)}); they must match")
+
+
+def head_count(fn: str, name: str, value) -> int:
+    """q_heads or kv_heads: a positive Python int (static: it fixes shapes)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{fn}: {name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def fused_head_dim(fn: str, qkv, q_heads: int, kv_heads: int) -> int:
+    """head_dim D of a fused projection [..., (q_heads + 2 * kv_heads) * D]: the last axis must
+    split into that many heads of at least 1 element."""
+    array(fn, "qkv", qkv)
+    heads_ = q_heads + 2 * kv_heads
+    last = qkv.shape[-1] if qkv.ndim >= 1 else None
+    if last is None or last < heads_ or last % heads_:
+        raise ValueError(f"{fn}: 'qkv' has shape {tuple(qkv.shape)} but its last axis must be "
+                         f"(q_heads + 2 * kv_heads) * head_dim = ({q_heads} + 2 * {kv_heads}) * head_dim, "
+                         f"a positive multiple of {heads_}")
+    return last // heads_
