@@ -4,6 +4,7 @@
     from jax_lnbwd.flax import nnx as lnbwd_nnx # lnbwd_nnx.LayerNorm in place of flax.nnx.LayerNorm
     from jax_lnbwd.flax import AddLayerNorm     # y, s = AddLayerNorm()(x, residual): s = x + residual
     from jax_lnbwd.flax import RMSNorm          # in place of flax.linen.RMSNorm (AddRMSNorm too)
+    from jax_lnbwd.flax import QKNorm           # q, k = QKNorm()(q, k): per head, two RMSNorms' params
 
 AddLayerNorm (linen, and nnx.AddLayerNorm) fuses a block's residual add with its LayerNorm:
 the backward adds the residual stream's gradient inside the one kernel call.
@@ -14,6 +15,6 @@ unchanged; only __call__ differs, normalizing with jax_lnbwd.layernorm / rmsnorm
 of Flax's modules is accepted; which ones run on our ops and which run Flax's own code (logged
 once): _options.py and the README's "Flax".
 """
-from .linen import AddLayerNorm, AddRMSNorm, LayerNorm, RMSNorm
+from .linen import AddLayerNorm, AddRMSNorm, LayerNorm, QKNorm, RMSNorm
 
-__all__ = ["LayerNorm", "AddLayerNorm", "RMSNorm", "AddRMSNorm"]
+__all__ = ["LayerNorm", "AddLayerNorm", "RMSNorm", "AddRMSNorm", "QKNorm"]

@@ -1,9 +1,11 @@
-"""jax_lnbwd.flax.LayerNorm and AddLayerNorm: flax.linen.LayerNorm with jax_lnbwd's op."""
+"""jax_lnbwd.flax.LayerNorm, AddLayerNorm, RMSNorm, AddRMSNorm: Flax's linen norms with jax_lnbwd's
+ops; QKNorm: attention's q and k normalized per head by two of the RMSNorms."""
 from __future__ import annotations
 
 from typing import Any, Callable
 
 import flax.linen as nn
+import jax.numpy as jnp
 
 from ._options import (LAYERNORM, RMSNORM, add_inputs, add_normalize, broadcast_shape, feature_shape,
                        linen_rmsnorm_with_offset, normalize, route)
@@ -151,3 +153,30 @@ def _flax_rmsnorm(module, x, mask):
     if module.offset == 0.0:
         return nn.RMSNorm.__call__(module, x, mask=mask)
     return linen_rmsnorm_with_offset(module, x, mask)
+
+
+class QKNorm(nn.Module):
+    """QK-norm (Qwen3, Gemma 3, OLMo 2): `q_out, k_out = QKNorm()(q, k)` normalizes q [..., Hq, D]
+    and k [..., Hk, D] per head over head_dim D, as two RMSNorms over the last axis would.
+
+    It holds them as submodules named `q_norm` and `k_norm`, each the RMSNorm above (so
+    jax_lnbwd.rmsnorm, one call each) with a `scale` of shape (D,) inferred at init: the
+    parameter tree {'q_norm': {'scale'}, 'k_norm': {'scale'}} of a model that normalizes q and k
+    with two Flax RMSNorms of those names, whose checkpoints load as they are. The fields are
+    flax.linen.RMSNorm's and are passed to both (offset: RMSNorm's above).
+    """
+    epsilon: float = 1e-6
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    use_scale: bool = True
+    scale_init: Callable[..., Any] = nn.initializers.ones
+    offset: float = 0.0
+
+    def setup(self):
+        fields = dict(epsilon=self.epsilon, dtype=self.dtype, param_dtype=self.param_dtype, use_scale=self.use_scale,
+                      scale_init=self.scale_init, offset=self.offset)
+        self.q_norm = RMSNorm(**fields)
+        self.k_norm = RMSNorm(**fields)
+
+    def __call__(self, q, k):
+        return self.q_norm(q), self.k_norm(k)

@@ -3,9 +3,11 @@
     from jax_lnbwd.flax import nnx as lnbwd_nnx
     norm = lnbwd_nnx.LayerNorm(num_features, rngs=rngs)   # in place of nnx.LayerNorm(...)
     y, s = lnbwd_nnx.AddLayerNorm(num_features, rngs=rngs)(x, residual)   # s = x + residual
+    q, k = lnbwd_nnx.QKNorm(head_dim, rngs=rngs)(q, k)                     # per head over head_dim
 """
 from __future__ import annotations
 
+import jax.numpy as jnp
 from flax import nnx
 
 from ._options import (LAYERNORM, RMSNORM, add_inputs, add_normalize, broadcast_shape, normalize,
@@ -119,3 +121,24 @@ def _flax_rmsnorm(module, x, mask):
     if module.offset == 0.0:
         return nnx.RMSNorm.__call__(module, x, mask)
     return nnx_rmsnorm_with_offset(module, x, mask)
+
+
+class QKNorm(nnx.Module):
+    """QK-norm: `q_out, k_out = QKNorm(head_dim, rngs=rngs)(q, k)` normalizes q [..., Hq, D] and k
+    [..., Hk, D] per head over head_dim D (= num_features), as two RMSNorms would.
+
+    Its state is two of the RMSNorms above, attributes `q_norm` and `k_norm`, each with a
+    `scale` Param (D,): the state of a module that holds two flax.nnx.RMSNorms by those names,
+    made with the same RNG use, so checkpoints load as they are. The arguments are
+    flax.nnx.RMSNorm's and are passed to both (offset: RMSNorm's above).
+    """
+
+    def __init__(self, num_features: int, *, epsilon: float = 1e-6, dtype=None, param_dtype=jnp.float32,
+                 use_scale: bool = True, scale_init=nnx.initializers.ones, offset: float = 0.0, rngs: nnx.Rngs):
+        fields = dict(epsilon=epsilon, dtype=dtype, param_dtype=param_dtype, use_scale=use_scale,
+                      scale_init=scale_init, offset=offset, rngs=rngs)
+        self.q_norm = RMSNorm(num_features, **fields)
+        self.k_norm = RMSNorm(num_features, **fields)
+
+    def __call__(self, q, k):
+        return self.q_norm(q), self.k_norm(k)
