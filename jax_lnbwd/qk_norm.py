@@ -17,9 +17,9 @@ are summed over all rows and heads, in fp32 when the weights are fp32.
 
 qk_norm_fused takes the fused projection's output [..., (Hq + 2·Hk)·D], heads in the order q,
 k, v, and returns the same array with the q and k heads normalized and v unchanged. It splits
-the heads, normalizes q and k, and concatenates the three back: the slices and the
-concatenation are copies that XLA makes around the two calls (it fuses them into one pass each
-way); a kernel that reads q and k in place of the fused array does without them.
+the heads, normalizes q and k, and concatenates the three back. Where the norm is our kernel (a
+custom call, which reads a contiguous operand) the q and k slices and the concatenation are
+copies around the two calls; a kernel that reads q and k in place in the fused array needs none.
 
 The norm kind is the public keyword's string ("rmsnorm", "layernorm"), converted to its row
 (norms.RMSNORM, norms.LAYERNORM) here, at the boundary.
