@@ -16,7 +16,7 @@ import numpy as np
 from . import reference
 from . import kernels
 from .kernels import DEFAULT_KERNEL, KERNELS, v2_refusal
-from .norms import NORMS, Norm
+from .norms import NORMS, NORMS_BY_NAME, Norm
 
 SUPPORTED = ("float32", "bfloat16", "float16", "float64")
 SIXTEEN_BIT = ("bfloat16", "float16")
@@ -214,12 +214,11 @@ def offset(fn: str, value, weight, name: str = "weight") -> float:
 
 def norm_kind(fn: str, value) -> Norm:
     """The `norm` keyword: a norm's public name ("rmsnorm", "layernorm") or its row, as the row."""
-    by_name = {n.name: n for n in NORMS}
     if isinstance(value, Norm) and value in NORMS:
         return value
-    if isinstance(value, str) and value in by_name:
-        return by_name[value]
-    raise ValueError(f"{fn}: norm must be one of {', '.join(map(repr, by_name))}, got {value!r}")
+    if isinstance(value, str) and value in NORMS_BY_NAME:
+        return NORMS_BY_NAME[value]
+    raise ValueError(f"{fn}: norm must be one of {', '.join(map(repr, NORMS_BY_NAME))}, got {value!r}")
 
 
 def heads(fn: str, name: str, a) -> None:

@@ -71,6 +71,7 @@ RMSNORM = Norm(
 )
 
 NORMS = (LAYERNORM, RMSNORM)
+NORMS_BY_NAME = {norm.name: norm for norm in NORMS}   # the public names, e.g. qk_norm's `norm` keyword
 
 # Every FFI target a program traced with jax_lnbwd may call: what jax.export must be told to
 # allow, e.g. disabled_checks=[export.DisabledSafetyCheck.custom_call(t) for t in TARGETS].
