@@ -16,7 +16,8 @@ from .. import _term
 from .._term import Progress, paint
 from . import __doc__ as METHOD
 from . import dram, kernel_time
-from .ops import OPS, Impl, resolve
+from .cases import Impl
+from .ops import OPS, resolve
 from .peers import available_peers, time_torch, torch_step
 from .report import CPU_MARK, format_table, plot
 from .timing import TOLERANCE, copy_step, copy_words, json_safe, time_jax, validate

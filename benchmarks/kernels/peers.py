@@ -24,7 +24,7 @@ def to_torch(a):
 def torch_step(op: str, impl: str, *inputs):
     """(step, state0) for a torch-side peer of op; step(state) -> op's outputs on CUDA tensors
     (a prefix of them: the statistics only where the peer's API returns them), state0 the
-    chained input (dy for a backward, x for a forward). inputs: ops.Case.torch_inputs."""
+    chained input (dy for a backward, x for a forward). inputs: cases.Case.torch_inputs."""
     if op == "layernorm_bwd":
         return _layernorm_backward(impl, *inputs)
     if op == "layernorm_fwd":

@@ -14,7 +14,7 @@ from conftest import CHECKOUT
 sys.path.insert(0, str(CHECKOUT))  # the checkout: benchmarks/
 from benchmarks import _term  # noqa: E402
 from benchmarks.kernels import cli as bench  # noqa: E402
-from benchmarks.kernels import ops, timing  # noqa: E402
+from benchmarks.kernels import ops, ops_layernorm, timing  # noqa: E402
 
 
 def test_bench_writes_every_group_and_marks_the_run_complete(tmp_path, capsys):
@@ -137,11 +137,11 @@ def test_forward_ops_validate_time_and_write_their_rows(tmp_path, capsys):
 def test_every_copy_moves_its_ops_bytes_once():
     # The copy peer of every op reads bytes/2 and writes bytes/2 in one pass: add_layernorm_fwd's
     # copy is one array of twice the forward's, not two arrays (a second would be stacked).
-    for nbytes in (ops.forward_bytes(64, 256, "bfloat16", "same"), ops.add_forward_bytes(64, 256, "bfloat16", "same"),
-                   ops.backward_bytes(64, 256, "float32")):
+    for nbytes in (ops_layernorm.forward_bytes(64, 256, "bfloat16", "same"), ops_layernorm.add_forward_bytes(64, 256, "bfloat16", "same"),
+                   ops_layernorm.backward_bytes(64, 256, "float32")):
         words = timing.copy_words(nbytes)
         assert words.ndim == 1 and 2 * words.nbytes == nbytes - nbytes % 8
-    assert ops.add_forward_bytes(8, 16, "float32", "same") - ops.forward_bytes(8, 16, "float32", "same") == 2 * 8 * 16 * 4
+    assert ops_layernorm.add_forward_bytes(8, 16, "float32", "same") - ops_layernorm.forward_bytes(8, 16, "float32", "same") == 2 * 8 * 16 * 4
 
 
 def test_a_copy_faster_than_the_dram_marks_its_group_l2():

@@ -14,7 +14,7 @@ from conftest import CHECKOUT
 
 sys.path.insert(0, str(CHECKOUT))  # the checkout: benchmarks/
 from benchmarks.kernels import cli as bench  # noqa: E402
-from benchmarks.kernels import ops, pallas, timing  # noqa: E402
+from benchmarks.kernels import ops, ops_rmsnorm, pallas, timing  # noqa: E402
 
 RMS_OPS = ("rmsnorm_bwd", "rmsnorm_fwd", "add_rmsnorm_fwd")
 
@@ -55,7 +55,7 @@ def test_rmsnorm_rows_validate_time_and_write_their_rows(tmp_path, capsys):
             assert {(op, dtype, "xla"), (op, dtype, "copy")} <= got
     fwd = {r["dtype"]: r for r in rows if r["op"] == "rmsnorm_fwd" and r["impl"] == "xla"}
     assert fwd["bfloat16"]["params"] == "float32"
-    assert fwd["float32"]["bytes"] == ops.rms_forward_bytes(4, 24, "float32", "float32")
+    assert fwd["float32"]["bytes"] == ops_rmsnorm.rms_forward_bytes(4, 24, "float32", "float32")
     for dtype in ("bfloat16", "float32"):
         assert {("rmsnorm_fwd", dtype, "ours"), ("add_rmsnorm_fwd", dtype, "ours"),
                 ("add_rmsnorm_fwd", dtype, "ours-unfus")} <= got
