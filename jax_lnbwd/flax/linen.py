@@ -49,9 +49,9 @@ class AddLayerNorm(nn.LayerNorm):
         y, h = AddLayerNorm()(h, attention_out)    # h = h + attention_out; y = LN(h)
         h2 = h + mlp(y)
 
-    residual=None gives (LayerNorm(x), x). s has jnp's promotion of x's and residual's dtypes. When the compute dtype is wider than
-    s's (bf16 activations with dtype=None and float32 params) the add and the norm are done
-    separately, with Flax's numbers.
+    residual=None gives (LayerNorm(x), x). s has jnp's promotion of x's and residual's dtypes.
+    When the compute dtype is wider than s's (bf16 activations with dtype=None and float32
+    params) the add and the norm are done separately, with Flax's numbers.
 
     use_x_bias=True adds one more parameter, `x_bias` of the scale's shape (x_bias_init, zeros
     by default, param_dtype): the bias of the projection that produced x, moved here from that
