@@ -99,9 +99,11 @@ int check(const std::vector<int>& kernels) {
   // 12288 in fp32, and every configuration is checked at every C (split or not); 32768 is the
   // widest 16-bit row it splits. 12292 (a multiple of 4, not of 8) takes its wide-row path in
   // fp32, whose rows that wide do not split.
-  const std::vector<int64_t> cs = quick ? std::vector<int64_t>{1, 3, 40, 768, 1601, 4096, 12292, 16384, 30000}
-                                        : std::vector<int64_t>{1, 3, 8, 40, 768, 1600, 1601, 4096, 8192, 12288,
-                                                               12292, 16384, 30000, 32768};
+  // 40 to 512 (aligned) take kernel 11's small rows, groups narrower than a warp, in every dtype
+  // (kernel 12 hands them to kernel 11); 17, 33, 511 and 513 are their unaligned neighbours.
+  const std::vector<int64_t> cs = quick ? std::vector<int64_t>{1, 3, 40, 64, 128, 256, 768, 1601, 4096, 12292, 16384, 30000}
+                                        : std::vector<int64_t>{1, 3, 8, 17, 33, 40, 64, 128, 256, 511, 512, 513, 768,
+                                                               1600, 1601, 4096, 8192, 12288, 12292, 16384, 30000, 32768};
   // 1 and 7 rows, and one row more than the 32 * SMs warps of llm.c's persistent grids (the
   // grid of kernels 3-4 and 6-10, and of kernel 5 at 1024 threads): one warp takes a second row
   // while all others have none, which is what broke the barriers of llm.c's kernels 9 and 10.
@@ -135,18 +137,22 @@ int check(const std::vector<int>& kernels) {
             // The default workspace, and (for a kernel that fits its grid to the workspace, at
             // the most rows) a workspace of a single slot: the grid must shrink, not overrun.
             const bool tight = grid_fits_slots(kernel) && rows == rs.back() && bs == sizes.back();
-            // Kernel 12: its default, then every configuration it can pick from (each one is
-            // reachable from the default on some C).
+            // Kernels 11 and 12: the default, then every configuration they can pick from (each
+            // one is reachable from the default on some C, or from the tuning tools).
             const std::vector<Kernel12Config> k12 = kernel == 12 ? kernel12_candidates(d, C, device0_limits()) : std::vector<Kernel12Config>{};
-            for (int v = -1; v < int(k12.size()); ++v)
+            const std::vector<Kernel11Config> k11 =
+                kernel == 11 ? kernel11_candidates(d, C, C % (16 / int(dtype_item_bytes(d))) == 0, device0_limits())
+                             : std::vector<Kernel11Config>{};
+            for (int v = -1; v < int(k12.size() + k11.size()); ++v)
             for (int64_t slots : {int64_t(0), int64_t(1)}) {
               if (slots == 1 && (!tight || v >= 0)) continue;
-              const Kernel12Config* c12 = v < 0 ? nullptr : &k12[v];
+              const Kernel12Config* c12 = v < 0 || k12.empty() ? nullptr : &k12[v];
+              const Kernel11Config* c11 = v < 0 || k11.empty() ? nullptr : &k11[v];
               Outputs a, b;
-              cudaError_t err = run(*pb, kernel, bs, nullptr, &a, sms, 1, c12, slots);
+              cudaError_t err = run(*pb, kernel, bs, c11, &a, sms, 1, c12, slots);
               bool same = true;
               if (err == cudaSuccess && k.deterministic) {
-                err = run(*pb, kernel, bs, nullptr, &b, sms, 1, c12, slots);
+                err = run(*pb, kernel, bs, c11, &b, sms, 1, c12, slots);
                 same = err == cudaSuccess && a.dx == b.dx && a.dw == b.dw && a.db == b.db;
               }
               const double ex = err ? INFINITY : rel_err(d, a.dx, pb->ref_dx);
@@ -162,9 +168,11 @@ int check(const std::vector<int>& kernels) {
                 ++failures;
                 std::printf("FAIL kernel %d %s rows=%lld C=%lld block_size=%d%s%s: %s dx %.2e dw %.2e db %.2e%s\n",
                             kernel, dtype_name(d), (long long)rows, (long long)C, bs, slots ? " (1 slot)" : "",
-                            c12 ? (" config nb=" + std::to_string(c12->nb) + (c12->raw_weight ? " raw weight" : "") +
-                                   (c12->split > 1 ? " split" : "")).c_str()
-                                : "",
+                            c12   ? (" config nb=" + std::to_string(c12->nb) + (c12->raw_weight ? " raw weight" : "") +
+                                     (c12->split > 1 ? " split" : "")).c_str()
+                            : c11 ? (" config tpr=" + std::to_string(c11->tpr) + " nv=" + std::to_string(c11->nv) +
+                                     (c11->prefetch ? " prefetch" : "") + (c11->reg_sums ? " sums in registers" : "")).c_str()
+                                  : "",
                             cudaGetErrorString(err), ex, ew, eb, same ? "" : " NOT deterministic");
               }
             }

@@ -193,8 +193,11 @@ static int run_case(const Case& c, std::mt19937_64& rng) {
 static int check() {
   std::mt19937_64 rng(1234);
   const bool quick = std::getenv("LNBWD_QUICK") != nullptr;
-  std::vector<std::pair<int64_t, int64_t>> shapes = {{1, 1}, {7, 1}, {7, 3}, {5, 1601}, {33, 1600}, {4, 8192}, {2, 30000}, {0, 8}};
-  if (!quick) shapes.insert(shapes.end(), {{4225, 64}, {2, 70000}, {300, 768}});
+  // 40 to 512 (aligned): small rows, row groups narrower than a warp (several a warp, some of
+  // whose groups have no row in the last round).
+  std::vector<std::pair<int64_t, int64_t>> shapes = {{1, 1}, {7, 1}, {7, 3}, {5, 1601}, {33, 1600}, {4, 8192}, {2, 30000}, {0, 8},
+                                                     {1, 128}, {301, 64}, {77, 256}};
+  if (!quick) shapes.insert(shapes.end(), {{4225, 64}, {2, 70000}, {300, 768}, {129, 40}, {300, 128}, {35, 512}, {9, 17}, {9, 513}});
   const Dtype dtypes[] = {Dtype::kF32, Dtype::kBF16, Dtype::kF16, Dtype::kF64};
   int cases = 0, failures = 0;
   for (auto [rows, C] : shapes) {
@@ -208,11 +211,11 @@ static int check() {
         for (auto [wr, br] : params) {
           for (bool mis : {false, true}) {
             if (mis && (wr != 1 || br != 1)) continue;
-            // Quick (sanitizer) runs force two row-group sizes: one warp (shuffles only) and
-            // four (named barriers); the automatic choice covers the others it picks.
+            // Quick (sanitizer) runs force three row-group sizes: part of a warp and one warp
+            // (shuffles only) and four (named barriers); the automatic choice covers the others.
             std::vector<std::pair<FwdPath, int>> paths = {{FwdPath::kAuto, 0}, {FwdPath::kSharedMemory, 0}, {FwdPath::kGlobal, 0}};
-            for (int tpr = 32; tpr <= 512; tpr *= 2) {
-              if (!quick || tpr == 32 || tpr == 128) paths.push_back({FwdPath::kRegisters, tpr});
+            for (int tpr = 2; tpr <= 512; tpr *= 2) {
+              if (!quick || tpr == 4 || tpr == 32 || tpr == 128) paths.push_back({FwdPath::kRegisters, tpr});
             }
             // The residual variant with shared parameters and with none (the parameter kinds
             // do not meet the residual's code), without x's own bias, with a shared one, and
@@ -238,7 +241,17 @@ static int check() {
   }
   // Grid-stride: a grid capped below the row count, so that each block runs several rows in turn
   // (at full size only beyond 2^31 - 1 row groups): a row group of one warp (4 a block), of four
-  // and of 16 warps (a block each), and the wide paths, plain and residual.
+  // and of 16 warps (a block each), and the wide paths, plain and residual. Then small rows,
+  // groups of 4 threads (32 a block) over 1000 rows: the last round leaves some of a warp's
+  // groups without a row.
+  for (Dtype d : {Dtype::kBF16, Dtype::kF32}) {
+    for (bool res : {false, true}) {
+      const int r = run_case({1000, 64, d, d, 1, 1, false, FwdPath::kRegisters, 4, res, 0, /*max_blocks=*/3}, rng);
+      if (r < 0) continue;
+      ++cases;
+      failures += r;
+    }
+  }
   for (Dtype d : {Dtype::kBF16, Dtype::kF32}) {
     for (auto [path, tpr] : std::vector<std::pair<FwdPath, int>>{{FwdPath::kRegisters, 32}, {FwdPath::kRegisters, 128},
                                                                  {FwdPath::kRegisters, 512}, {FwdPath::kSharedMemory, 0},

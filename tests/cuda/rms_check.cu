@@ -277,8 +277,9 @@ int main() {
   // register path with one and several warps a row, an unaligned row (scalar access), and a row
   // for the wide paths.
   const std::vector<std::pair<int64_t, int64_t>> fwd_shapes =
-      quick ? std::vector<std::pair<int64_t, int64_t>>{{64, 768}, {12, 37}, {4, 20000}}
-            : std::vector<std::pair<int64_t, int64_t>>{{64, 768}, {256, 4096}, {12, 37}, {8, 1000}, {4, 20000}, {4, 70000}};
+      quick ? std::vector<std::pair<int64_t, int64_t>>{{64, 768}, {12, 37}, {4, 20000}, {300, 128}}
+            : std::vector<std::pair<int64_t, int64_t>>{{64, 768}, {256, 4096}, {12, 37}, {8, 1000}, {4, 20000}, {4, 70000},
+                                                       {1000, 64}, {300, 128}, {52, 256}};
   for (Dtype d : kAllDtypes) {
     for (Dtype pd : {d, Dtype::kF32}) {
       if (pd != d && (d == Dtype::kF32 || d == Dtype::kF64)) continue;
@@ -310,8 +311,9 @@ int main() {
   // Backward on kernels 11 and 12 (12 falls back to 11 where its ring does not apply: the
   // unaligned C, fp64 beyond the ring, GPUs before sm_90).
   const std::vector<std::pair<int64_t, int64_t>> bwd_shapes =
-      quick ? std::vector<std::pair<int64_t, int64_t>>{{64, 768}, {12, 37}, {8, 16384}}
-            : std::vector<std::pair<int64_t, int64_t>>{{64, 768}, {4096, 1024}, {12, 37}, {36, 1600}, {8, 16384}, {4, 30000}};
+      quick ? std::vector<std::pair<int64_t, int64_t>>{{64, 768}, {12, 37}, {8, 16384}, {1000, 128}}
+            : std::vector<std::pair<int64_t, int64_t>>{{64, 768}, {4096, 1024}, {12, 37}, {36, 1600}, {8, 16384}, {4, 30000},
+                                                       {4000, 64}, {1000, 128}, {52, 256}};
   for (int kernel : {11, 12}) {
     for (Dtype d : kAllDtypes) {
       for (bool f32w : {false, true}) {

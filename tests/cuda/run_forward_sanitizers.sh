@@ -19,7 +19,8 @@ status=0
 
 # The positive controls' sources: scratch copies of forward_rows.cu, each with one planted bug
 # (deleted at the end): a store of y one row past the end, a missing barrier between the warps'
-# row sums and their reads, a store of s one row past the end.
+# row sums and their reads, a store of s one row past the end, and small rows' shuffles naming
+# the whole warp while some of its groups have left the row loop (mask, for synccheck).
 ctl=$OUT/controls
 mkdir -p "$ctl" "$OUT/obj"
 sed 's|if (in_row(j)) \*y = normalize|if (in_row(j)) y[row + 1 == a.rows ? C / VEC : 0] = normalize|' \
@@ -28,8 +29,10 @@ sed 's|auto sync = \[\] { __syncthreads(); };|auto sync = [] {};|' \
   ffi/kernels/forward/forward_rows.cu > "$ctl/forward_rows_race.cu"
 sed 's|\*sp = xv\[j\];|sp[row + 1 == a.rows ? C / VEC : 0] = xv[j];|' \
   ffi/kernels/forward/forward_rows.cu > "$ctl/forward_rows_oob_s.cu"
+sed 's|const unsigned group_lanes = SMALL ? lanes_mask(tpr, lane) : 0xffffffffu;|const unsigned group_lanes = 0xffffffffu;|' \
+  ffi/kernels/forward/forward_rows.cu > "$ctl/forward_rows_mask.cu"
 planted_all=()
-for planted in oob race oob_s; do
+for planted in oob race oob_s mask; do
   if cmp -s "$ctl/forward_rows_$planted.cu" ffi/kernels/forward/forward_rows.cu; then
     echo "control $planted: the planted change did not apply"; status=1
   else
@@ -68,6 +71,7 @@ sanitize() {   # sanitize TOOL: one line of result
 control() {   # control PLANTED: one line of result
   local planted=$1 tool=memcheck
   [ "$planted" = race ] && tool=racecheck
+  [ "$planted" = mask ] && tool=synccheck
   "${NVCC[@]}" "${common[@]}" "$OUT/obj/forward_rows_$planted.o" -o "$ctl/check_$planted" ||
     { echo "control $planted: FAILED to build"; return; }
   timeout "$TIMEOUT" compute-sanitizer --tool "$tool" "$ctl/check_$planted" check > "$ctl/$planted.log" 2>&1

@@ -18,7 +18,7 @@ source tests/cuda/control_report.sh
 # The control's source: one buffer for every row's sum (exchange[1]) instead of two by parity.
 ctl=$OUT/controls
 mkdir -p "$ctl"
-sed 's|exchange\[parity\] + g \* warps|exchange[1] + g * warps|' ffi/kernels/forward/forward_rows.cu \
+sed 's|exchange\[parity\] + (SMALL ? 0 : g \* warps)|exchange[1] + (SMALL ? 0 : g * warps)|' ffi/kernels/forward/forward_rows.cu \
   > "$ctl/forward_rows_one_buffer.cu"
 if cmp -s "$ctl/forward_rows_one_buffer.cu" ffi/kernels/forward/forward_rows.cu; then
   echo "control one_buffer: the planted change did not apply"; exit 2

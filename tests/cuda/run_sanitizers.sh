@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs every kernel under compute-sanitizer's four tools, from the standalone check (tests/cuda/check.cu:
 # exact-size cudaMalloc buffers, as XLA's pooled allocator hides out-of-bounds accesses from memcheck), and
-# proves the tools would notice: a scratch copy of kernel 11 with one planted out-of-bounds write
-# and one with a missing barrier must be reported. Needs a GPU (sm_90), nvcc and compute-sanitizer.
+# proves the tools would notice: scratch copies of kernel 11, each with one planted bug (an
+# out-of-bounds write, a missing barrier, small rows' shuffles naming lanes that have left), must
+# be reported. Needs a GPU (sm_90), nvcc and compute-sanitizer.
 #   [CHECK=prebuilt] [JOBS=12] [KERNELS="11 12"] [LNBWD_SANITIZER_TIMEOUT=400] tests/cuda/run_sanitizers.sh [OUT_DIR]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -36,11 +37,14 @@ controls() {
     ffi/kernels/backward/registers/kernel11_rows_in_registers.cu > "$ctl/kernel11_oob.cu"
   # 2) No barrier between posting the warps' row sums and reading them.
   sed 's|      group_sync(1 + g, tpr);||' ffi/kernels/backward/registers/kernel11_rows_in_registers.cu > "$ctl/kernel11_race.cu"
-  for planted in oob race; do
+  # 3) Small rows' shuffles naming the whole warp, while some of its groups have left the row loop.
+  sed 's|const unsigned group_lanes = SMALL ? lanes_mask(tpr, lane) : 0xffffffffu;|const unsigned group_lanes = 0xffffffffu;|' \
+    ffi/kernels/backward/registers/kernel11_rows_in_registers.cu > "$ctl/kernel11_mask.cu"
+  for planted in oob race mask; do
     grep -q . "$ctl/kernel11_$planted.cu" && ! cmp -s "$ctl/kernel11_$planted.cu" ffi/kernels/backward/registers/kernel11_rows_in_registers.cu \
       || { echo "control $planted: the planted change did not apply"; continue; }
     build "$ctl/check_$planted" $others "$ctl/kernel11_$planted.cu" || { continue; }
-    tool=$([ $planted = oob ] && echo memcheck || echo racecheck)
+    tool=$(case $planted in oob) echo memcheck ;; race) echo racecheck ;; *) echo synccheck ;; esac)
     if timeout "${LNBWD_SANITIZER_TIMEOUT:-400}" compute-sanitizer --tool "$tool" --error-exitcode 1 "$ctl/check_$planted" 11 > "$ctl/$planted.log" 2>&1; then
       echo "control $planted ($tool): NOT reported - the check would miss this bug"
     else
@@ -80,5 +84,5 @@ done | xargs -P "${JOBS:-12}" -n 2 bash -c 'sanitize "$@"' _ | sort -k1,1 -k3,3n
 grep -q FAILED "$OUT/summary.txt" && status=1
 wait $ctl_pid
 cat "$OUT/controls.txt"
-[ "$(grep -Ec '\): reported: (ERROR|RACECHECK) SUMMARY: [1-9]' "$OUT/controls.txt")" = 2 ] || status=1
+[ "$(grep -Ec '\): reported: (ERROR|RACECHECK) SUMMARY: [1-9]' "$OUT/controls.txt")" = 3 ] || status=1
 exit $status

@@ -77,7 +77,7 @@ static int sweep(int64_t rows, int64_t C, const std::string& dtype, bool f32para
               dtype.c_str(), dtype_name(pd), residual ? " residual" : "", x_bias ? " x_bias" : "", chain ? " chain" : "");
   std::vector<std::pair<FwdPath, int>> paths;
   if (only_tpr == 0) paths = {{FwdPath::kAuto, 0}, {FwdPath::kSharedMemory, 0}, {FwdPath::kGlobal, 0}};
-  for (int tpr = 32; tpr <= 512; tpr *= 2) {
+  for (int tpr = 2; tpr <= 512; tpr *= 2) {
     if (only_tpr == 0 || tpr == only_tpr) paths.push_back({FwdPath::kRegisters, tpr});
   }
   for (auto [path, tpr] : paths) {

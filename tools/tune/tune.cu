@@ -151,9 +151,10 @@ int sweep(int64_t rows, int64_t C, Dtype d, bool default_only) {
     const cudaError_t err = run(pb, 11, 0, &c, &o, sms);
     const double e = err ? INFINITY : rel_err(d, o.dx, pb.ref_dx);
     const double us = time_it([&](cudaStream_t st) { CHECK_CUDA(norm_bwd_kernel11_config(p, c, st)); });
-    const bool is_pick = has_pick && c.nv == picked.nv && c.prefetch == picked.prefetch && c.tpr == picked.tpr;
-    std::printf("  vec=%d nv=%d prefetch=%d tpr=%4d groups=%2d: %8.1f us %6.0f GB/s  dx err %.1e%s\n",
-                c.vec, c.nv, int(c.prefetch), c.tpr, c.groups, us, bytes / us / 1e3, e,
+    const bool is_pick = has_pick && c.nv == picked.nv && c.prefetch == picked.prefetch && c.tpr == picked.tpr &&
+                         c.reg_sums == picked.reg_sums;
+    std::printf("  vec=%d nv=%d prefetch=%d tpr=%4d groups=%3d sums=%s: %8.1f us %6.0f GB/s  dx err %.1e%s\n",
+                c.vec, c.nv, int(c.prefetch), c.tpr, c.groups, c.reg_sums ? "regs" : "smem", us, bytes / us / 1e3, e,
                 is_pick ? "  <- default" : "");
   }
   if (!has_pick && !default_only) {

@@ -138,8 +138,9 @@ cudaError_t norm_bwd_kernel11(const NormBwdParams& p, cudaStream_t stream);
 
 // Kernel 12: rows streamed into a shared-memory ring by the bulk copy engine (sm_90), sums in
 // registers, per-block partials as kernel 11 (see kernel12_bulk_copy_ring.cu). Falls back to
-// kernel 11 for misaligned rows, rows too wide for the ring in the device's shared memory, GPUs
-// before sm_90, and builds without sm_90 code (CUDA architectures without 90).
+// kernel 11 for small rows (where kernel 11 holds a row in a group narrower than a warp),
+// misaligned rows, rows too wide for the ring in the device's shared memory, GPUs before sm_90,
+// and builds without sm_90 code (CUDA architectures without 90).
 cudaError_t norm_bwd_kernel12(const NormBwdParams& p, cudaStream_t stream);
 
 }  // namespace lnbwd

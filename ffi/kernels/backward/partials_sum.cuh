@@ -168,4 +168,13 @@ __device__ void finish_partials_in_grid(const GridFinish<T, O>& f, const acc_t<T
   sum_tiles_in_grid<T, 2, O>(f, partials, slots, C, warps, sums);
 }
 
+// The same, as a call rather than inlined: for kernels that keep many sums in registers through
+// their row loop (kernel 11's small rows), where the inlined finish's own registers would push
+// the loop's into local memory.
+template <typename T, typename O>
+__device__ __noinline__ void finish_partials_in_grid_call(const GridFinish<T, O>& f, const acc_t<T>* partials,
+                                                          int slots, int C, int warps, acc_t<T>* sums) {
+  finish_partials_in_grid<T, O>(f, partials, slots, C, warps, sums);
+}
+
 }  // namespace lnbwd

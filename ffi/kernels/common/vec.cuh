@@ -148,6 +148,26 @@ __device__ __forceinline__ A warp_sum(A v) {
   return v;
 }
 
+// Row groups narrower than a warp (the small-C paths: rows of a few hundred bytes, several to a
+// warp). A group of `width` lanes (a power of two below 32) is an aligned run of lanes,
+// [k * width, (k + 1) * width); its lanes reach the row's sums among themselves, and the
+// warp's other groups may be on other rows or already past the last one, so each group's
+// shuffles name only its own lanes: lanes_mask. A group has at least kMinRowThreads threads,
+// so that each of its 16-byte loads covers 64 contiguous bytes (two whole 32-byte sectors).
+constexpr int kMinRowThreads = 4;
+
+__device__ __forceinline__ unsigned lanes_mask(int width, int lane) {
+  return ((1u << width) - 1u) << (lane & ~(width - 1));
+}
+
+// The sum over one such group: a butterfly of log2(width) xor-shuffles, each within the group
+// (an offset below width never leaves it). Every lane ends with the same bits, run to run.
+template <typename A>
+__device__ __forceinline__ A lanes_sum(A v, int width, unsigned mask) {
+  for (int offset = width / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(mask, v, offset);
+  return v;
+}
+
 template <typename T>
 __host__ __device__ constexpr T ceil_div(T a, T b) { return (a + b - 1) / b; }
 template <typename T>

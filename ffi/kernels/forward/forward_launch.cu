@@ -41,31 +41,36 @@ bool can_vectorize(const NormFwdParams& p) {
 //            vectors a thread, except that a warp alone holds at most 7: a row of 8 a lane is
 //            split over two warps of 4.
 // docs/results/2026-12-02-forward_policy_h200.txt has the sweep over every row group behind it.
+//   groups narrower than a warp (small rows): kFwdSmallMaxNv for either kind; their sums are
+//            shuffles within the group, with no barrier.
 int max_vectors(NormKind norm, int tpr) {
+  if (tpr < 32) return kFwdSmallMaxNv;
   if (norm == NormKind::kRmsNorm) return tpr <= 128 ? kFwdMaxNv / 2 : kFwdMaxNv;
   return tpr == 32 ? kFwdMaxNv - 1 : kFwdMaxNv;
 }
 
-// The register path's row group: the fewest threads per row (a power of two from 32 to
-// kFwdMaxRowThreads) whose threads hold the row in at most max_vectors each; a forced row
-// group (only_tpr) may take up to kFwdMaxNv. Scalar access (vec == 1) compiles only
-// power-of-two NV.
+// The register path's row group: the fewest threads per row (a power of two from
+// kMinRowThreads to kFwdMaxRowThreads) whose threads hold the row in at most max_vectors
+// each; a forced row group (only_tpr) may take up to kFwdMaxNv (kFwdSmallMaxNv below a warp).
+// Scalar access (vec == 1) compiles only power-of-two NV, and only for groups of whole warps.
 bool pick_registers(int64_t nvec, int vec, NormKind norm, int only_tpr, NormFwdConfig* cfg) {
-  for (int tpr = 32; tpr <= kFwdMaxRowThreads; tpr *= 2) {
+  for (int tpr = kMinRowThreads; tpr <= kFwdMaxRowThreads; tpr *= 2) {
     if (only_tpr != 0 && tpr != only_tpr) continue;
+    if (tpr < 32 && vec == 1) continue;
     int nv = static_cast<int>(ceil_div<int64_t>(nvec, tpr));
     if (vec == 1) {
       int pow2 = 1;
       while (pow2 < nv) pow2 *= 2;
       nv = pow2;
     }
-    if (nv > (only_tpr != 0 ? kFwdMaxNv : max_vectors(norm, tpr))) continue;
+    const int cap = only_tpr == 0 ? max_vectors(norm, tpr) : tpr < 32 ? kFwdSmallMaxNv : kFwdMaxNv;
+    if (nv > cap) continue;
     cfg->path = FwdPath::kRegisters;
     cfg->nv = nv;
     cfg->tpr = tpr;
-    // Warp-per-row groups share a block; a multi-warp group is a block of its own, so that its
-    // barrier is __syncthreads (forward_rows.cu says why).
-    cfg->rows_per_block = tpr == 32 ? kFwdBlockThreads / 32 : 1;
+    // Groups of a warp or less share a block; a multi-warp group is a block of its own, so that
+    // its barrier is __syncthreads (forward_rows.cu says why).
+    cfg->rows_per_block = tpr <= 32 ? kFwdBlockThreads / tpr : 1;
     cfg->threads = tpr * cfg->rows_per_block;
     cfg->smem_bytes = 0;
     return true;

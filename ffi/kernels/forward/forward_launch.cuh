@@ -95,6 +95,10 @@ constexpr int kFwdMaxNv = 8;              // vectors of 16 bytes per thread: 32 
 constexpr int kFwdMaxRowThreads = 512;    // threads per row: __launch_bounds__(512) allows 128 registers
 constexpr int kFwdBlockThreads = 128;     // a block holds 128 / tpr row groups (at least one)
 constexpr int kFwdWideThreads = 1024;     // the wide path's block: one row at a time
+// Small rows (forward_rows.cu, on row groups narrower than a warp, of kMinRowThreads
+// (common/vec.cuh) to 16 threads): a thread holds at most kFwdSmallMaxNv vectors (the variants
+// compiled for them).
+constexpr int kFwdSmallMaxNv = 4;
 
 // The lean register budget (forward_rows.cu's forward_rows_lean). An SM holds 64K registers; a
 // 128-thread block at 72 registers per thread takes 9K of them, so 7 blocks (28 warps) fit,

@@ -1,10 +1,11 @@
 // The fused forward's main path: each row is read from DRAM once into registers, where it stays
 // for the three passes (mean, variance, output); y is written once.
 //
-// Work split. A block holds `groups` row groups of `tpr` threads, tpr a multiple of 32: small
-// rows get a warp each (the row's sums are warp shuffles only, no barrier; a block holds
-// several), wide rows a few warps that make up the whole block (the warps' sums meet in shared
-// memory behind __syncthreads). Only barrier 0 is ever used: a block that names more hardware
+// Work split. A block holds `groups` row groups of `tpr` threads, tpr a power of two: rows of
+// a few hundred bytes get part of a warp each (SMALL: 2 to 16 threads, several groups to a warp,
+// whose sums are shuffles among the group's own lanes, lanes_sum), mid-sized rows a warp each
+// (warp shuffles only, no barrier; a block holds several), wide rows a few warps that make up
+// the whole block (the warps' sums meet in shared memory behind __syncthreads). Only barrier 0 is ever used: a block that names more hardware
 // barriers (one per row group) is charged for all of them, and the SM's barriers would then
 // cap the blocks resident below what the registers allow. Thread t
 // of a group holds NV vectors of VEC elements, at columns
@@ -47,7 +48,7 @@ namespace {
 
 // The kernel's body; the three kernels below differ in their register budget (and the lean one
 // in x's cache policy, STREAM_X).
-template <NormKind K, typename T, typename P, int VEC, int NV, bool RES, bool STREAM_X = false>
+template <NormKind K, typename T, typename P, int VEC, int NV, bool RES, bool SMALL, bool STREAM_X = false>
 __device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tpr, int groups) {
   using A = acc_t<T>;
   using V = Packed<T, VEC>;
@@ -56,7 +57,7 @@ __device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tp
   const int g = threadIdx.x >> (__ffs(tpr) - 1);
   const int t = threadIdx.x & (tpr - 1);
   const int lane = threadIdx.x % 32;
-  const int warps = tpr / 32;
+  const int warps = SMALL ? 1 : tpr / 32;
   const int warp = t / 32;
   const int C = a.C;
   // The warps' partial sums (row_sum): two buffers per group, each of `warps` slots; unused for
@@ -69,11 +70,18 @@ __device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tp
   // slower warp still reads this row's (blocks stride once rows outnumber the grid).
   __shared__ A exchange[2][kFwdMaxRowThreads / 32 > kFwdBlockThreads / 32 ? kFwdMaxRowThreads / 32
                                                                           : kFwdBlockThreads / 32];
-  A* ex_mean = exchange[0] + g * warps;
-  A* ex_var = exchange[1] + g * warps;
+  A* ex_mean = exchange[0] + (SMALL ? 0 : g * warps);
+  A* ex_var = exchange[1] + (SMALL ? 0 : g * warps);
   // The group's barrier, needed only when several warps share a row: the group is then the
   // whole block (groups == 1, norm_fwd_pick), so it is __syncthreads.
   auto sync = [] { __syncthreads(); };
+  // A row's sum over its group: within the group's lanes for SMALL groups (the warp's other
+  // groups may be on their last row already done), else row_sum (the warp, then its warps).
+  const unsigned group_lanes = SMALL ? lanes_mask(tpr, lane) : 0xffffffffu;
+  auto group_sum = [&](A v, A* ex) {
+    if constexpr (SMALL) return lanes_sum(v, tpr, group_lanes);
+    else return row_sum(v, ex, warps, warp, lane, sync);
+  };
 
   // Thread t's vector slots: slot j is vector j * tpr + t of the row, VEC elements at column
   // (j * tpr + t) * VEC. Each pass walks its slots with a pointer that steps tpr vectors (one
@@ -136,7 +144,7 @@ __device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tp
       for (int j = 0; j < NV; ++j) {
         if (in_row(j)) s += sum_of(wide(Pass1{}, xv[j]));
       }
-      mean = row_sum(s, ex_mean, warps, warp, lane, sync) / A(C);
+      mean = group_sum(s, ex_mean) / A(C);
     }
 
     // Pass 2: the variance about that mean, from the same registers.
@@ -145,8 +153,8 @@ __device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tp
     for (int j = 0; j < NV; ++j) {
       if (in_row(j)) q += squares_of<K>(wide(Pass2{}, xv[j]), mean);
     }
-    A* ex_q = K == NormKind::kLayerNorm ? ex_var : exchange[parity] + g * warps;
-    const A rstd = rstd_of(row_sum(q, ex_q, warps, warp, lane, sync), C, a.eps);
+    A* ex_q = K == NormKind::kLayerNorm ? ex_var : exchange[parity] + (SMALL ? 0 : g * warps);
+    const A rstd = rstd_of(group_sum(q, ex_q), C, a.eps);
 
     // Pass 3: y, one 16-byte store per vector.
     const P* w = param_row(a.weight, row, a.weight_div, C);
@@ -168,10 +176,16 @@ __device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tp
 //   forward_rows_lean  kFwdLeanRowRegs with __maxnreg__ where that fits without spilling: sm_90
 //                      and later (on sm_80, ptxas spills the bf16 rows beside fp32 parameters);
 //                      elsewhere, and with nvcc before 12.4 (no __maxnreg__), as forward_rows;
-//   forward_rows_pair  two blocks of kFwdMaxRowThreads per SM: 64 a thread.
+//   forward_rows_pair  two blocks of kFwdMaxRowThreads per SM: 64 a thread;
+//   forward_rows_small groups narrower than a warp, in blocks of kFwdBlockThreads.
 template <NormKind K, typename T, typename P, int VEC, int NV, bool RES>
 __global__ void __launch_bounds__(kFwdMaxRowThreads) forward_rows(FwdArgs<T, P> a, int tpr, int groups) {
-  forward_rows_body<K, T, P, VEC, NV, RES>(a, tpr, groups);
+  forward_rows_body<K, T, P, VEC, NV, RES, false>(a, tpr, groups);
+}
+
+template <NormKind K, typename T, typename P, int VEC, int NV, bool RES>
+__global__ void __launch_bounds__(kFwdBlockThreads) forward_rows_small(FwdArgs<T, P> a, int tpr, int groups) {
+  forward_rows_body<K, T, P, VEC, NV, RES, true>(a, tpr, groups);
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && \
@@ -183,7 +197,7 @@ __global__ void __launch_bounds__(kFwdMaxRowThreads) forward_rows(FwdArgs<T, P> 
 
 template <NormKind K, typename T, typename P, int VEC, int NV>
 __global__ void LNBWD_FWD_LEAN_REGS forward_rows_lean(FwdArgs<T, P> a, int tpr, int groups) {
-  forward_rows_body<K, T, P, VEC, NV, false, true>(a, tpr, groups);
+  forward_rows_body<K, T, P, VEC, NV, false, false, true>(a, tpr, groups);
 }
 
 // The widest register rows (the plain variants whose pick takes kFwdMaxRowThreads threads a row:
@@ -192,7 +206,7 @@ __global__ void LNBWD_FWD_LEAN_REGS forward_rows_lean(FwdArgs<T, P> a, int tpr, 
 // flight while that block sums its row and stores it.
 template <NormKind K, typename T, typename P, int VEC, int NV>
 __global__ void __launch_bounds__(kFwdMaxRowThreads, 2) forward_rows_pair(FwdArgs<T, P> a, int tpr, int groups) {
-  forward_rows_body<K, T, P, VEC, NV, false>(a, tpr, groups);
+  forward_rows_body<K, T, P, VEC, NV, false, false>(a, tpr, groups);
 }
 
 template <NormKind K, typename T, typename P, int VEC, int NV, bool RES>
@@ -201,6 +215,13 @@ cudaError_t launch(const FwdArgs<T, P>& a, const NormFwdConfig& cfg, cudaStream_
   // forward_rows_body): that needs NV = ceil(C / VEC / tpr) exactly, as norm_fwd_pick makes it.
   if (VEC > 1 && NV != ceil_div<int64_t>(a.C / VEC, cfg.tpr)) return cudaErrorInvalidValue;
   const unsigned int blocks = cfg.blocks;
+  if constexpr (VEC > 1 && NV <= kFwdSmallMaxNv) {
+    if (cfg.tpr < 32) {
+      forward_rows_small<K, T, P, VEC, NV, RES><<<blocks, cfg.threads, 0, stream>>>(a, cfg.tpr, cfg.rows_per_block);
+      return cudaGetLastError();
+    }
+  }
+  if (cfg.tpr < 32) return cudaErrorInvalidValue;   // scalar rows and NV > kFwdSmallMaxNv: whole warps only
   if constexpr (fwd_row_pair(NV, RES)) {
     if (cfg.threads == kFwdMaxRowThreads) {
       forward_rows_pair<K, T, P, VEC, NV><<<blocks, cfg.threads, 0, stream>>>(a, cfg.tpr, cfg.rows_per_block);

@@ -13,7 +13,8 @@ struct Kernel11Config {
   int vec = 1;            // elements per access (16 bytes worth, or 1 when rows are misaligned)
   int nv = 1;             // accesses per thread per tensor per row
   bool prefetch = false;  // load the group's next row before reducing the current one
-  int tpr = 32;           // threads per row group (a multiple of 32)
+  int tpr = 32;           // threads per row group (a multiple of 32; small rows: 4 to 16)
+  bool reg_sums = false;  // small rows: dbias/dweight sums in registers, not shared memory
   int groups = 1;         // row groups per block
 };
 

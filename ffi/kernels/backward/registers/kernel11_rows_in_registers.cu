@@ -2,7 +2,8 @@
 // the two passes; dx is written once; dweight/dbias go through per-block fp32 partial sums and
 // a finalize pass. Deterministic: no float atomics anywhere.
 //
-// Work split. A block holds `groups` row groups of `tpr` threads (tpr a multiple of 32). A group
+// Work split. A block holds `groups` row groups of `tpr` threads (tpr a multiple of 32, or for
+// SMALL rows a power of two from kMinRowThreads to 16: several groups to a warp). A group
 // owns one row at a time; thread t of a group owns NV vectors of VEC elements, at columns
 //   col(j) = (j * tpr + t) * VEC,  j = 0..NV-1,
 // so for every j the group's loads cover one contiguous, fully coalesced span of the row.
@@ -20,7 +21,19 @@
 // its gradient term is gone), and g_i = (offset + weight_i) * dy_i; the same code, told per launch.
 // Because a thread owns its columns, its shared-memory sums need no atomics and no barriers.
 // At the end the block adds its groups' sums (in group order) and writes them to its partial
-// slot; the slots are then added in slot order (launch_with_partials, backward/launch.cuh: by
+// slot.
+//
+// Small rows (SMALL: a row of a few hundred bytes, held by part of a warp). A group's row sums
+// are shuffles among its own lanes (lanes_sum), with no barrier. Its dbias/dweight sums are in
+// one of two places (Rows):
+//   kSmallShared: in shared memory per group, as above; every row reads and writes them, which
+//                 costs shared-memory bandwidth (a few times the row's own bytes) but no registers;
+//   kSmallRegs:   in registers, 2 * NV * VEC of them a thread; the warp's groups own the same
+//                 columns, so at the end their sums meet by xor-shuffles across groups (a fixed
+//                 order), and the block adds its warps' sums in warp order.
+// The block is kSmallThreads threads, so that several blocks share an SM.
+//
+// The block's slot the slots are then added in slot order (launch_with_partials, backward/launch.cuh: by
 // finalize_partials, or, opted in, by the grid itself after a grid-wide barrier).
 //
 // Bytes in flight. Memory-bound code is fast only if enough loads are outstanding: each thread
@@ -42,6 +55,34 @@ constexpr int kMaxThreads = 1024;
 // the compiler use up to 128 registers instead of spilling to local memory.
 constexpr int max_threads(int nv) { return nv >= 2 ? 512 : kMaxThreads; }
 constexpr int kMaxNamedBarrierGroups = 15;   // barrier ids 1..15; id 0 is __syncthreads()
+// Small rows: groups of kMinRowThreads (common/vec.cuh) to 16 threads (32 is a warp: the plain
+// path), in blocks of kSmallThreads.
+constexpr int kSmallThreads = 256;
+// Where a block's row groups live and keep their sums (see the top of this file).
+enum class Rows { kWarps, kSmallShared, kSmallRegs };
+template <Rows R, int NV>
+constexpr int block_threads() { return R != Rows::kWarps ? kSmallThreads : max_threads(NV); }
+// The (NV, PREFETCH) variants compiled: for rows of whole warps, (1, 2 prefetching; 3, 4); for
+// small rows with their sums in shared memory (2 prefetching; 2, 4), in registers (2
+// prefetching; 2).
+constexpr bool variant(Rows r, int nv, bool prefetch) {
+  switch (r) {
+    case Rows::kWarps: return prefetch ? nv <= 2 : nv == 3 || nv == 4;
+    case Rows::kSmallShared: return nv == 2 || (nv == 4 && !prefetch);
+    case Rows::kSmallRegs: return nv == 2;
+  }
+  return false;
+}
+// Blocks per SM the registers must allow: small rows' blocks four (64 registers a thread: 32
+// warps an SM) with 16 registers of row data, else three (80: 24 warps), and two (128) with
+// their sums in registers beside a prefetched row; the others one.
+template <Rows R, int NV, bool PREFETCH>
+constexpr int min_blocks() {
+  if (R == Rows::kWarps) return 1;
+  const int data = (PREFETCH ? 2 : 1) * NV;   // 16-byte vectors of each of dy and x
+  if (R == Rows::kSmallRegs) return PREFETCH ? 2 : 3;
+  return data <= 2 ? 4 : 3;
+}
 
 template <typename T, int VEC, int NV>
 __device__ __forceinline__ void load_row(Packed<T, VEC> (&dyv)[NV], Packed<T, VEC> (&xv)[NV], const T* dy,
@@ -60,37 +101,45 @@ __device__ __forceinline__ void load_row(Packed<T, VEC> (&dyv)[NV], Packed<T, VE
 
 // O: the type of weight, dweight and dbias (T, or float beside 16-bit T); RESID: dresidual is
 // added to dx (dispatch_types, launch.cuh).
-template <typename T, typename O, bool RESID, int VEC, int NV, bool PREFETCH>
-__global__ void __launch_bounds__(max_threads(NV), 1)
+template <typename T, typename O, bool RESID, int VEC, int NV, bool PREFETCH, Rows R>
+__global__ void __launch_bounds__(block_threads<R, NV>(), min_blocks<R, NV, PREFETCH>())
 kernel11_rows(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __restrict__ dy,
               const T* __restrict__ x, const O* __restrict__ weight, const T* dresidual,
               const stat_t<T>* __restrict__ mean, const stat_t<T>* __restrict__ rstd, int64_t rows_per_segment,
               int blocks_per_segment, int64_t weight_stride, int C, NormArgs<acc_t<T>> norm, GridFinish<T, O> finish, int tpr,
               int groups) {
   using A = acc_t<T>;
+  constexpr bool SMALL = R != Rows::kWarps;
+  constexpr bool REG_SUMS = R == Rows::kSmallRegs;
   allow_finalize_launch();
   using V = Packed<T, VEC>;
   using AV = Packed<A, VEC>;
   const int g = threadIdx.x / tpr;
   const int t = threadIdx.x % tpr;
   const int lane = threadIdx.x % 32;
-  const int warps_per_row = tpr / 32;
+  const int warps_per_row = SMALL ? 1 : tpr / 32;
   const int warp_in_row = t / 32;
+  const unsigned group_lanes = SMALL ? lanes_mask(tpr, lane) : 0xffffffffu;
 
   // Shared memory: per group [dbias sums | dweight sums] (C each), then the row-reduction
-  // exchange: per group two buffers (alternating rows) of warps_per_row (s1, s2) pairs.
+  // exchange: per group two buffers (alternating rows) of warps_per_row (s1, s2) pairs (none
+  // for SMALL). REG_SUMS: per warp [dbias sums | dweight sums], written once at the end.
   extern __shared__ __align__(32) unsigned char smem[];
-  A* db_sum = reinterpret_cast<A*>(smem) + static_cast<size_t>(g) * 2 * C;
+  A* db_sum = reinterpret_cast<A*>(smem) + (REG_SUMS ? size_t{0} : static_cast<size_t>(g) * 2 * C);
   A* dw_sum = db_sum + C;
   A* exchange = reinterpret_cast<A*>(smem) + static_cast<size_t>(groups) * 2 * C + g * 2 * warps_per_row * 2;
+  AV db_reg[REG_SUMS ? NV : 1], dw_reg[REG_SUMS ? NV : 1];   // REG_SUMS: this thread's columns' sums
 
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
     const int col = (j * tpr + t) * VEC;
-    if (col < C) {
-      AV zero;
+    AV zero;
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) zero[k] = A(0);
+    for (int k = 0; k < VEC; ++k) zero[k] = A(0);
+    if constexpr (REG_SUMS) {
+      db_reg[j] = zero;
+      dw_reg[j] = zero;
+    } else if (col < C) {
       *reinterpret_cast<AV*>(db_sum + col) = zero;
       *reinterpret_cast<AV*>(dw_sum + col) = zero;
     }
@@ -144,8 +193,13 @@ kernel11_rows(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
         }
       }
     }
-    s1 = warp_sum(s1);
-    s2 = warp_sum(s2);
+    if constexpr (SMALL) {
+      s1 = lanes_sum(s1, tpr, group_lanes);
+      s2 = lanes_sum(s2, tpr, group_lanes);
+    } else {
+      s1 = warp_sum(s1);
+      s2 = warp_sum(s2);
+    }
     if (warps_per_row > 1) {
       // Across the group's warps: lane 0 of each warp posts its pair, then every thread adds
       // the pairs in warp order (the same order everywhere, so all threads agree bit for bit).
@@ -181,8 +235,14 @@ kernel11_rows(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
         // dx's own buffer, aliased).
         V rv;
         if constexpr (RESID) rv = load_cs(reinterpret_cast<const V*>(dresidual + row * C + col));
-        AV db = *reinterpret_cast<AV*>(db_sum + col);
-        AV dw = *reinterpret_cast<AV*>(dw_sum + col);
+        AV db, dw;
+        if constexpr (REG_SUMS) {
+          db = db_reg[j];
+          dw = dw_reg[j];
+        } else {
+          db = *reinterpret_cast<AV*>(db_sum + col);
+          dw = *reinterpret_cast<AV*>(dw_sum + col);
+        }
         V dxv;
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
@@ -194,8 +254,13 @@ kernel11_rows(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
           db[k] += d;
           dw[k] += d * xhat;
         }
-        *reinterpret_cast<AV*>(db_sum + col) = db;
-        *reinterpret_cast<AV*>(dw_sum + col) = dw;
+        if constexpr (REG_SUMS) {
+          db_reg[j] = db;
+          dw_reg[j] = dw;
+        } else {
+          *reinterpret_cast<AV*>(db_sum + col) = db;
+          *reinterpret_cast<AV*>(dw_sum + col) = dw;
+        }
         store_cs(reinterpret_cast<V*>(dx + row * C + col), dxv);   // written once, read by the next op
       }
     }
@@ -215,43 +280,88 @@ kernel11_rows(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   // (Group 0's rows are this group's minus g*B, so `row - g*B < rows` says group 0 had one more.)
   if (warps_per_row > 1 && row - static_cast<int64_t>(g) * bps < rows) group_sync(1 + g, tpr);
 
-  // Add the groups' sums in group order and write this block's partial slot. The barrier makes
-  // every group's shared-memory sums visible to every thread.
+  // REG_SUMS: the warp's groups add their sums, lane t of every group holding the same columns:
+  // xor-shuffles across groups (offsets tpr .. 16), every lane of the warp taking part (all have
+  // left the row loop), columns past the row's end included (their sums are zero). Group 0 of
+  // each warp then posts the warp's sums.
+  if constexpr (REG_SUMS) {
+    for (int offset = tpr; offset < 32; offset *= 2) {
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          db_reg[j][k] += __shfl_xor_sync(0xffffffffu, db_reg[j][k], offset);
+          dw_reg[j][k] += __shfl_xor_sync(0xffffffffu, dw_reg[j][k], offset);
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int col = (j * tpr + t) * VEC;
+      if (lane < tpr && col < C) {
+        A* mine = reinterpret_cast<A*>(smem) + static_cast<size_t>(threadIdx.x / 32) * 2 * C;
+        *reinterpret_cast<AV*>(mine + col) = db_reg[j];
+        *reinterpret_cast<AV*>(mine + C + col) = dw_reg[j];
+      }
+    }
+  }
+
+  // Add the groups' sums in group order (REG_SUMS: the warps' sums in warp order) and write this
+  // block's partial slot. The barrier makes every group's shared-memory sums visible to every
+  // thread.
   __syncthreads();
   A* slot = partials + static_cast<size_t>(blockIdx.x) * 2 * C;
   const A* sums = reinterpret_cast<const A*>(smem);
+  const int units = REG_SUMS ? static_cast<int>(blockDim.x / 32) : groups;
   for (int c = threadIdx.x; c < C; c += blockDim.x) {
     A sb = A(0), sw = A(0);
-    for (int q = 0; q < groups; ++q) {
+    for (int q = 0; q < units; ++q) {
       sb += sums[static_cast<size_t>(q) * 2 * C + c];
       sw += sums[static_cast<size_t>(q) * 2 * C + C + c];
     }
     __stcg(slot + c, sb);       // .cg: keep in L2 for the finalize that reads it next
     __stcg(slot + C + c, sw);
   }
-  if (finish.dweight) finish_partials_in_grid(finish, partials, bps, C, blockDim.x / 32, reinterpret_cast<A*>(smem));
+  if (finish.dweight) {
+    if constexpr (SMALL) finish_partials_in_grid_call(finish, partials, bps, C, blockDim.x / 32, reinterpret_cast<A*>(smem));
+    else finish_partials_in_grid(finish, partials, bps, C, blockDim.x / 32, reinterpret_cast<A*>(smem));
+  }
 }
 
 size_t smem_bytes(const Kernel11Config& cfg, int64_t C, size_t acc_bytes) {
+  if (cfg.tpr < 32 && cfg.reg_sums) return static_cast<size_t>(cfg.tpr) * cfg.groups / 32 * 2 * C * acc_bytes;   // per warp
   return (static_cast<size_t>(cfg.groups) * 2 * C + static_cast<size_t>(cfg.groups) * 2 * (cfg.tpr / 32) * 2) * acc_bytes;
+}
+
+// Persistent grid: as many blocks as fit on the GPU at once, but no more than there are row
+// groups of work, and no more than the workspace has partial slots.
+template <typename T, typename O, bool RESID, int VEC, int NV, bool PREFETCH, Rows R>
+cudaError_t launch_rows(const NormBwdParams& p, const Kernel11Config& cfg, cudaStream_t stream) {
+  if constexpr (!variant(R, NV, PREFETCH) || (R != Rows::kWarps && VEC == 1)) {
+    return cudaErrorInvalidValue;
+  } else {
+    return launch_with_partials<T, O>(p, kernel11_rows<T, O, RESID, VEC, NV, PREFETCH, R>, cfg.tpr * cfg.groups,
+                                      smem_bytes(cfg, p.C, sizeof(acc_t<T>)), BlocksPerSm::kOccupancy, cfg.groups, 1,
+                                      stream, cfg.tpr, cfg.groups);
+  }
 }
 
 template <typename T, typename O, bool RESID, int VEC, int NV, bool PREFETCH>
 cudaError_t launch(const NormBwdParams& p, const Kernel11Config& cfg, cudaStream_t stream) {
   if (p.plan) {
     p.plan->kernel = 11;
-    p.plan->path = "rows in registers";
+    p.plan->path = cfg.tpr >= 32 ? "rows in registers" : cfg.reg_sums ? "small rows, sums in registers"
+                                                                        : "small rows, sums in shared memory";
   }
-  // Persistent grid: as many blocks as fit on the GPU at once, but no more than there are row
-  // groups of work, and no more than the workspace has partial slots.
-  return launch_with_partials<T, O>(p, kernel11_rows<T, O, RESID, VEC, NV, PREFETCH>, cfg.tpr * cfg.groups,
-                                 smem_bytes(cfg, p.C, sizeof(acc_t<T>)), BlocksPerSm::kOccupancy, cfg.groups, 1,
-                                 stream, cfg.tpr, cfg.groups);
+  if (cfg.tpr >= 32) return launch_rows<T, O, RESID, VEC, NV, PREFETCH, Rows::kWarps>(p, cfg, stream);
+  if (cfg.tpr * cfg.groups != kSmallThreads) return cudaErrorInvalidValue;
+  return cfg.reg_sums ? launch_rows<T, O, RESID, VEC, NV, PREFETCH, Rows::kSmallRegs>(p, cfg, stream)
+                      : launch_rows<T, O, RESID, VEC, NV, PREFETCH, Rows::kSmallShared>(p, cfg, stream);
 }
 
-// The (NV, PREFETCH) variants compiled for each vector width. Registers per thread for the row
-// data are 2 tensors * NV * 16 bytes (twice that with PREFETCH); the lists keep that at or
-// below 32 registers, so a 1024-thread block fits (64 registers per thread at most).
+// The (NV, PREFETCH) variants compiled for each vector width (variant(), above, says which row
+// groups each serves). Registers per thread for the row data are 2 tensors * NV * 16 bytes
+// (twice that with PREFETCH).
 template <typename T, typename O, bool RESID, int VEC>
 cudaError_t launch_variant(const NormBwdParams& p, const Kernel11Config& cfg, cudaStream_t stream) {
   if constexpr (VEC == 1) {
@@ -270,6 +380,7 @@ cudaError_t launch_variant(const NormBwdParams& p, const Kernel11Config& cfg, cu
     return cudaErrorInvalidValue;
   }
   switch (cfg.nv) {
+    case 2: return launch<T, O, RESID, VEC, 2, false>(p, cfg, stream);   // small rows only
     case 3: if constexpr (sizeof(T) <= 4) return launch<T, O, RESID, VEC, 3, false>(p, cfg, stream); break;
     case 4: return launch<T, O, RESID, VEC, 4, false>(p, cfg, stream);
   }
@@ -277,11 +388,15 @@ cudaError_t launch_variant(const NormBwdParams& p, const Kernel11Config& cfg, cu
   }
 }
 
+// Small rows' sums go in registers where a thread's take at most this many 32-bit registers
+// (2 * NV * VEC accumulators: fp32 and fp64 rows at NV = 2), else in shared memory.
+constexpr int kMaxSumRegisters = 16;
+
 }  // namespace
 
-// The groups' dweight/dbias sums live in shared memory: a block has as many groups as the
-// device's opt-in shared memory holds (lim.smem_optin), and a row too wide for one group takes
-// the wide path.
+// The groups' dweight/dbias sums live in shared memory (or, for small rows, in registers): a
+// block has as many groups as the device's opt-in shared memory holds (lim.smem_optin), and a
+// row too wide for one group takes the wide path.
 std::vector<Kernel11Config> kernel11_candidates(Dtype dtype, int64_t C, bool vectorized, const DeviceLimits& lim) {
   const int item = dtype_bytes(dtype);
   const int vec = vectorized ? 16 / item : 1;
@@ -295,6 +410,24 @@ std::vector<Kernel11Config> kernel11_candidates(Dtype dtype, int64_t C, bool vec
   }
   std::vector<Kernel11Config> out;
   const int64_t nvec = ceil_div<int64_t>(C, vec);
+  // Small rows: the group narrower than a warp (a power of two from kMinRowThreads) whose
+  // threads hold the row in NV vectors each, where there is one; every compiled variant.
+  if (vec > 1) {
+    for (const Rows r : {Rows::kSmallShared, Rows::kSmallRegs}) {
+      for (auto [nv, prefetch] : {std::pair{2, true}, {2, false}, {4, false}}) {
+        if (!variant(r, nv, prefetch) || ceil_div<int64_t>(nvec, nv) > 16) continue;
+        Kernel11Config cfg;
+        cfg.vec = vec;
+        cfg.nv = nv;
+        cfg.prefetch = prefetch;
+        cfg.reg_sums = r == Rows::kSmallRegs;
+        cfg.tpr = kMinRowThreads;
+        while (cfg.tpr < ceil_div<int64_t>(nvec, nv)) cfg.tpr *= 2;
+        cfg.groups = kSmallThreads / cfg.tpr;
+        if (smem_bytes(cfg, C, acc) <= lim.smem_optin) out.push_back(cfg);
+      }
+    }
+  }
   for (auto [nv, prefetch] : variants) {
     Kernel11Config cfg;
     cfg.vec = vec;
@@ -315,18 +448,32 @@ std::vector<Kernel11Config> kernel11_candidates(Dtype dtype, int64_t C, bool vec
 bool kernel11_pick(Dtype dtype, int64_t C, bool vectorized, const DeviceLimits& lim, Kernel11Config* cfg) {
   const std::vector<Kernel11Config> all = kernel11_candidates(dtype, C, vectorized, lim);
   if (all.empty()) return false;
-  // Prefer: at least 70% of the threads' vector slots used; then prefetching; then more
-  // vectors per thread (more bytes in flight per thread, fewer threads per row to reduce over).
+  // Small rows (a group of NV = 2 vectors a thread narrower than a warp holds the row): the sums
+  // in registers where they fit kMaxSumRegisters, without prefetching (the registers go to
+  // more warps an SM), else in shared memory, with it.
+  const int acc_regs = dtype == Dtype::kF64 ? 2 : 1;
+  for (const Kernel11Config& c : all) {
+    const bool regs = 2 * c.nv * c.vec * acc_regs <= kMaxSumRegisters;
+    if (c.tpr < 32 && c.nv == 2 && c.reg_sums == regs && c.prefetch == !regs) {
+      *cfg = c;
+      return true;
+    }
+  }
+  // Rows of whole warps. Prefer: at least 70% of the threads' vector slots used; then
+  // prefetching; then more vectors per thread (more bytes in flight per thread, fewer threads
+  // per row to reduce over).
   const int64_t nvec = ceil_div<int64_t>(C, all[0].vec);
   auto score = [&](const Kernel11Config& c) {
     const double util = static_cast<double>(nvec) / (static_cast<double>(c.tpr) * c.nv);
     return (util >= 0.7 ? 1000.0 : 0.0) + (c.prefetch ? 100.0 : 0.0) + 10.0 * c.nv + util;
   };
-  *cfg = all[0];
+  bool any = false;
   for (const Kernel11Config& c : all) {
-    if (score(c) > score(*cfg)) *cfg = c;
+    if (c.tpr < 32) continue;
+    if (!any || score(c) > score(*cfg)) *cfg = c;
+    any = true;
   }
-  return true;
+  return any;
 }
 
 cudaError_t norm_bwd_kernel11_config(const NormBwdParams& p, const Kernel11Config& cfg, cudaStream_t stream) {

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "backward/launch.cuh"
+#include "backward/registers/kernel11.h"
 #include "backward/tma_ring/kernel12.h"
 
 namespace lnbwd {
@@ -122,6 +123,12 @@ cudaError_t norm_bwd_kernel12(const NormBwdParams& p, cudaStream_t stream) {
   // code (else the body, guarded by __CUDA_ARCH__ >= 900, is empty). Otherwise kernel 11 does
   // the job, as it does for rows wider than the ring and the wide path take in this device's
   // shared memory (on Hopper: fp32 and 16-bit C > 16384 and 32768, fp64 beyond the ring).
+  // Small rows (a row of a few hundred bytes: kernel 11 holds it in a group narrower than a
+  // warp) go to kernel 11 too: a ring of such rows would wait on a barrier per few hundred bytes.
+  Kernel11Config small;
+  if (vectorized && kernel11_pick(p.dtype, p.C, vectorized, lim, &small) && small.tpr < 32) {
+    return norm_bwd_kernel11_config(p, small, stream);
+  }
   if (lim.cc_major >= 9 && vectorized && kernel12_has_code(lim.device)) {
     Kernel12Config cfg;
     if (kernel12_pick(p.dtype, p.C, lim, &cfg, p.weight_f32)) return norm_bwd_kernel12_config(p, cfg, stream);
