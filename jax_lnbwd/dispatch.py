@@ -56,7 +56,8 @@ KERNEL_PLATFORMS = ("cuda",)
 
 # Where our CUDA kernels beat XLA's fusion of the same jnp, from the kernel bench on the H200
 # (docs/results/2026-12-03-crossover_h200.txt: every op, bf16 and fp32, C from 32 to 16384 at
-# 64 MB a tensor and at L2-sized shapes). For each (op, direction, element bytes): (C, rows)
+# 64 MB a tensor and at L2-sized shapes; docs/results/2026-12-04-small_rows_h200.txt: the
+# small-row kernels of layernorm and rmsnorm, C from 64 to 512 at 64 MB a tensor). For each (op, direction, element bytes): (C, rows)
 # pairs; our kernel runs when C >= c and rows >= r for one of them. Below, the launch of a custom
 # call and our per-row layout cost more than XLA's fused reduction saves: XLA's fusion reads
 # short rows at its full speed, and a backward with few rows leaves our two-kernel reduction of
@@ -64,18 +65,18 @@ KERNEL_PLATFORMS = ("cuda",)
 # the float32 row. The add ops' backward is the plain backward with the residual gradient
 # added in the kernel.
 CROSSOVERS = {
-    ("layernorm", FORWARD, 2): ((256, 1),),
-    ("layernorm", FORWARD, 4): ((128, 1),),
-    ("rmsnorm", FORWARD, 2): ((128, 1),),
-    ("rmsnorm", FORWARD, 4): ((128, 1),),
+    ("layernorm", FORWARD, 2): ((256, 1), (64, 65536)),
+    ("layernorm", FORWARD, 4): ((128, 1), (64, 65536)),
+    ("rmsnorm", FORWARD, 2): ((128, 1), (64, 65536)),
+    ("rmsnorm", FORWARD, 4): ((128, 1), (64, 65536)),
     ("add_layernorm", FORWARD, 2): ((128, 1),),
     ("add_layernorm", FORWARD, 4): ((64, 1),),
     ("add_rmsnorm", FORWARD, 2): ((128, 1),),
     ("add_rmsnorm", FORWARD, 4): ((64, 1),),
-    ("layernorm", BACKWARD, 2): ((256, 1024),),
-    ("layernorm", BACKWARD, 4): ((256, 1024), (128, 65536)),
-    ("rmsnorm", BACKWARD, 2): ((256, 1024),),
-    ("rmsnorm", BACKWARD, 4): ((256, 1024), (128, 65536)),
+    ("layernorm", BACKWARD, 2): ((256, 1024), (64, 65536)),
+    ("layernorm", BACKWARD, 4): ((256, 1024), (64, 65536)),
+    ("rmsnorm", BACKWARD, 2): ((256, 1024), (64, 65536)),
+    ("rmsnorm", BACKWARD, 4): ((256, 1024), (64, 65536)),
 }
 
 

@@ -37,31 +37,39 @@ def _decide(direction, shape, dtype="bfloat16", norm=RMSNORM, **kw):
 # --- the documented table (README "Where each norm runs") ---------------------------------------
 
 @pytest.mark.parametrize("op,direction,dtype,C,rows,ours", [
-    # forward: layernorm bf16 from C 256, fp32 from 128; rmsnorm from 128; the add ops bf16 128, fp32 64
-    ("layernorm", FORWARD, "bfloat16", 128, 262144, False),
+    # forward: layernorm bf16 from C 256, fp32 from 128; rmsnorm from 128; the add ops bf16 128, fp32 64;
+    # layernorm and rmsnorm also from C 64 with >= 65536 rows (the small-row kernels)
+    ("layernorm", FORWARD, "bfloat16", 128, 262144, True),
+    ("layernorm", FORWARD, "bfloat16", 128, 8192, False),
     ("layernorm", FORWARD, "bfloat16", 256, 131072, True),
-    ("layernorm", FORWARD, "float32", 64, 524288, False),
+    ("layernorm", FORWARD, "float32", 64, 524288, True),
+    ("layernorm", FORWARD, "float32", 32, 1048576, False),
     ("layernorm", FORWARD, "float32", 128, 262144, True),
-    ("rmsnorm", FORWARD, "bfloat16", 64, 524288, False),
+    ("rmsnorm", FORWARD, "bfloat16", 64, 524288, True),
+    ("rmsnorm", FORWARD, "bfloat16", 64, 8192, False),
     ("rmsnorm", FORWARD, "bfloat16", 128, 8, True),
     ("rmsnorm", FORWARD, "float16", 128, 8, True),
-    ("rmsnorm", FORWARD, "float32", 64, 524288, False),
+    ("rmsnorm", FORWARD, "float32", 64, 524288, True),
     ("add_layernorm", FORWARD, "bfloat16", 128, 262144, True),
     ("add_layernorm", FORWARD, "float32", 64, 524288, True),
     ("add_layernorm", FORWARD, "float32", 32, 1048576, False),
     ("add_rmsnorm", FORWARD, "bfloat16", 64, 524288, False),
     ("add_rmsnorm", FORWARD, "float64", 64, 524288, True),
-    # backward: C >= 256 with >= 1024 rows; fp32 also C >= 128 with >= 65536 rows
-    ("layernorm", BACKWARD, "bfloat16", 128, 262144, False),
+    # backward: C >= 256 with >= 1024 rows, or C >= 64 with >= 65536 rows (the small-row kernels)
+    ("layernorm", BACKWARD, "bfloat16", 128, 262144, True),
+    ("layernorm", BACKWARD, "bfloat16", 128, 8192, False),
+    ("layernorm", BACKWARD, "bfloat16", 32, 1048576, False),
     ("layernorm", BACKWARD, "bfloat16", 256, 131072, True),
     ("layernorm", BACKWARD, "bfloat16", 4096, 256, False),
     ("layernorm", BACKWARD, "bfloat16", 1024, 1024, True),
     ("layernorm", BACKWARD, "float32", 128, 262144, True),
     ("layernorm", BACKWARD, "float32", 128, 8192, False),
-    ("rmsnorm", BACKWARD, "float32", 64, 524288, False),
+    ("rmsnorm", BACKWARD, "float32", 64, 524288, True),
+    ("rmsnorm", BACKWARD, "bfloat16", 128, 262144, True),
     ("rmsnorm", BACKWARD, "bfloat16", 2048, 16384, True),
     ("add_rmsnorm", BACKWARD, "bfloat16", 2048, 16384, True),
     ("add_rmsnorm", BACKWARD, "bfloat16", 128, 16384, False),
+    ("add_rmsnorm", BACKWARD, "bfloat16", 128, 65536, True),
 ])
 def test_crossovers(op, direction, dtype, C, rows, ours):
     wins, why = dispatch.cuda_kernel_wins(op, direction, rows, C, jnp.dtype(dtype))

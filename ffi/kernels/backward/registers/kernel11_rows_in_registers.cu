@@ -337,7 +337,9 @@ size_t smem_bytes(const Kernel11Config& cfg, int64_t C, size_t acc_bytes) {
 // groups of work, and no more than the workspace has partial slots.
 template <typename T, typename O, bool RESID, int VEC, int NV, bool PREFETCH, Rows R>
 cudaError_t launch_rows(const NormBwdParams& p, const Kernel11Config& cfg, cudaStream_t stream) {
-  if constexpr (!variant(R, NV, PREFETCH) || (R != Rows::kWarps && VEC == 1)) {
+  // One element per access (VEC == 1) has its own variants, for rows of whole warps only.
+  constexpr bool compiled = VEC == 1 ? R == Rows::kWarps : variant(R, NV, PREFETCH);
+  if constexpr (!compiled) {
     return cudaErrorInvalidValue;
   } else {
     return launch_with_partials<T, O>(p, kernel11_rows<T, O, RESID, VEC, NV, PREFETCH, R>, cfg.tpr * cfg.groups,
@@ -388,9 +390,6 @@ cudaError_t launch_variant(const NormBwdParams& p, const Kernel11Config& cfg, cu
   }
 }
 
-// Small rows' sums go in registers where a thread's take at most this many 32-bit registers
-// (2 * NV * VEC accumulators: fp32 and fp64 rows at NV = 2), else in shared memory.
-constexpr int kMaxSumRegisters = 16;
 
 }  // namespace
 
@@ -448,13 +447,15 @@ std::vector<Kernel11Config> kernel11_candidates(Dtype dtype, int64_t C, bool vec
 bool kernel11_pick(Dtype dtype, int64_t C, bool vectorized, const DeviceLimits& lim, Kernel11Config* cfg) {
   const std::vector<Kernel11Config> all = kernel11_candidates(dtype, C, vectorized, lim);
   if (all.empty()) return false;
-  // Small rows (a group of NV = 2 vectors a thread narrower than a warp holds the row): the sums
-  // in registers where they fit kMaxSumRegisters, without prefetching (the registers go to
-  // more warps an SM), else in shared memory, with it.
-  const int acc_regs = dtype == Dtype::kF64 ? 2 : 1;
+  // Small rows (a group narrower than a warp holds the row in NV = 2 vectors a thread): the
+  // sums in registers, except for fp64 (two registers an accumulator: in shared memory, which
+  // leaves the registers to more warps an SM). 16-bit rows prefetch the next row: their 16-byte
+  // vectors carry twice as many elements as fp32's, so a row takes half the vectors and the
+  // next one fits beside it; fp32 and fp64 rows spend those registers on more warps instead.
+  const bool regs = dtype != Dtype::kF64;
+  const bool prefetch = dtype_bytes(dtype) == 2;
   for (const Kernel11Config& c : all) {
-    const bool regs = 2 * c.nv * c.vec * acc_regs <= kMaxSumRegisters;
-    if (c.tpr < 32 && c.nv == 2 && c.reg_sums == regs && c.prefetch == !regs) {
+    if (c.tpr < 32 && c.nv == 2 && c.reg_sums == regs && c.prefetch == prefetch) {
       *cfg = c;
       return true;
     }
