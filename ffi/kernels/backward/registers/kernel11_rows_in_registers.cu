@@ -21,7 +21,8 @@
 // its gradient term is gone), and g_i = (offset + weight_i) * dy_i; the same code, told per launch.
 // Because a thread owns its columns, its shared-memory sums need no atomics and no barriers.
 // At the end the block adds its groups' sums (in group order) and writes them to its partial
-// slot.
+// slot; the slots are then added in slot order (launch_with_partials, backward/launch.cuh: by
+// finalize_partials, or, opted in, by the grid itself after a grid-wide barrier).
 //
 // Small rows (SMALL: a row of a few hundred bytes, held by part of a warp). A group's row sums
 // are shuffles among its own lanes (lanes_sum), with no barrier. Its dbias/dweight sums are in
@@ -32,9 +33,6 @@
 //                 columns, so at the end their sums meet by xor-shuffles across groups (a fixed
 //                 order), and the block adds its warps' sums in warp order.
 // The block is kSmallThreads threads, so that several blocks share an SM.
-//
-// The block's slot the slots are then added in slot order (launch_with_partials, backward/launch.cuh: by
-// finalize_partials, or, opted in, by the grid itself after a grid-wide barrier).
 //
 // Bytes in flight. Memory-bound code is fast only if enough loads are outstanding: each thread
 // issues all 2*NV of its 16-byte loads for a row before using any. With PREFETCH, the loads of
