@@ -57,26 +57,30 @@ KERNEL_PLATFORMS = ("cuda",)
 # Where our CUDA kernels beat XLA's fusion of the same jnp, from the kernel bench on the H200
 # (docs/results/2026-12-03-crossover_h200.txt: every op, bf16 and fp32, C from 32 to 16384 at
 # 64 MB a tensor and at L2-sized shapes; docs/results/2026-12-04-small_rows_h200.txt: the
-# small-row kernels of layernorm and rmsnorm, C from 64 to 512 at 64 MB a tensor). For each (op, direction, element bytes): (C, rows)
-# pairs; our kernel runs when C >= c and rows >= r for one of them. Below, the launch of a custom
+# small-row kernels of layernorm and rmsnorm, C from 64 to 512 at 64 MB a tensor). For each
+# (op, direction, element bytes): (C, rows) pairs; our kernel runs when C >= c and rows >= r for
+# one of them. A pair marked ALIGNED holds only for rows of whole 16-byte vectors (C * itemsize a
+# multiple of 16): the small-row kernels run only those, and other rows of such widths take
+# the whole-warp kernels, which were not measured there. Below, the launch of a custom
 # call and our per-row layout cost more than XLA's fused reduction saves: XLA's fusion reads
 # short rows at its full speed, and a backward with few rows leaves our two-kernel reduction of
 # dweight (partials, then a finalize) a larger share. 16-bit dtypes share the bf16 row, float64
 # the float32 row. The add ops' backward is the plain backward with the residual gradient
 # added in the kernel.
+ALIGNED = "aligned"
 CROSSOVERS = {
-    ("layernorm", FORWARD, 2): ((256, 1), (64, 65536)),
-    ("layernorm", FORWARD, 4): ((128, 1), (64, 65536)),
-    ("rmsnorm", FORWARD, 2): ((128, 1), (64, 65536)),
-    ("rmsnorm", FORWARD, 4): ((128, 1), (64, 65536)),
+    ("layernorm", FORWARD, 2): ((256, 1), (64, 65536, ALIGNED)),
+    ("layernorm", FORWARD, 4): ((128, 1), (64, 65536, ALIGNED)),
+    ("rmsnorm", FORWARD, 2): ((128, 1), (64, 65536, ALIGNED)),
+    ("rmsnorm", FORWARD, 4): ((128, 1), (64, 65536, ALIGNED)),
     ("add_layernorm", FORWARD, 2): ((128, 1),),
     ("add_layernorm", FORWARD, 4): ((64, 1),),
     ("add_rmsnorm", FORWARD, 2): ((128, 1),),
     ("add_rmsnorm", FORWARD, 4): ((64, 1),),
-    ("layernorm", BACKWARD, 2): ((256, 1024), (64, 65536)),
-    ("layernorm", BACKWARD, 4): ((256, 1024), (64, 65536)),
-    ("rmsnorm", BACKWARD, 2): ((256, 1024), (64, 65536)),
-    ("rmsnorm", BACKWARD, 4): ((256, 1024), (64, 65536)),
+    ("layernorm", BACKWARD, 2): ((256, 1024), (64, 65536, ALIGNED)),
+    ("layernorm", BACKWARD, 4): ((256, 1024), (64, 65536, ALIGNED)),
+    ("rmsnorm", BACKWARD, 2): ((256, 1024), (64, 65536, ALIGNED)),
+    ("rmsnorm", BACKWARD, 4): ((256, 1024), (64, 65536, ALIGNED)),
 }
 
 
@@ -114,8 +118,8 @@ def clear_decisions() -> None:
 
 
 def crossovers(op: str, direction: str, dtype) -> tuple:
-    """The (C, rows) pairs from which our CUDA kernel is the faster for `op` ("rmsnorm",
-    "add_layernorm", ...), direction and dtype."""
+    """The (C, rows) pairs (a third element ALIGNED: for 16-byte rows only) from which our CUDA
+    kernel is the faster for `op` ("rmsnorm", "add_layernorm", ...), direction and dtype."""
     bytes_ = min(max(np.dtype(dtype).itemsize, 2), 4)
     if direction == BACKWARD:
         op = op.removeprefix("add_")
@@ -125,10 +129,12 @@ def crossovers(op: str, direction: str, dtype) -> tuple:
 def cuda_kernel_wins(op: str, direction: str, rows: int, C: int, dtype) -> tuple[bool, str]:
     """Whether our CUDA kernel beats XLA's fusion at this shape (the measured crossovers), and why."""
     pairs = crossovers(op, direction, dtype)
-    for c, r in pairs:
-        if C >= c and rows >= r:
+    aligned = C * np.dtype(dtype).itemsize % 16 == 0
+    for c, r, *only in pairs:
+        if C >= c and rows >= r and (aligned or ALIGNED not in only):
             return True, f"C {C} >= {c}, rows {rows} >= {r}: our kernel is faster"
-    need = " or ".join(f"C >= {c} with rows >= {r}" for c, r in pairs)
+    need = " or ".join(f"C >= {c} with rows >= {r}" + (" and 16-byte rows" if ALIGNED in only else "")
+                       for c, r, *only in pairs)
     return False, f"C {C}, rows {rows}: XLA's fusion is faster (ours needs {need})"
 
 

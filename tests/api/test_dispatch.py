@@ -66,6 +66,10 @@ def _decide(direction, shape, dtype="bfloat16", norm=RMSNORM, **kw):
     ("layernorm", BACKWARD, "float32", 128, 8192, False),
     ("rmsnorm", BACKWARD, "float32", 64, 524288, True),
     ("rmsnorm", BACKWARD, "bfloat16", 128, 262144, True),
+    ("rmsnorm", BACKWARD, "bfloat16", 100, 262144, False),   # not 16-byte rows: no small-row kernel
+    ("rmsnorm", BACKWARD, "bfloat16", 260, 262144, True),    # C >= 256: any rows
+    ("rmsnorm", FORWARD, "float32", 66, 524288, False),
+    ("rmsnorm", FORWARD, "float32", 68, 524288, True),
     ("rmsnorm", BACKWARD, "bfloat16", 2048, 16384, True),
     ("add_rmsnorm", BACKWARD, "bfloat16", 2048, 16384, True),
     ("add_rmsnorm", BACKWARD, "bfloat16", 128, 16384, False),
