@@ -31,6 +31,9 @@
 #              rule's pick) for every norm op, forward and backward, bf16 and fp32, over C from 32
 #              to 16384 at about 64 MB a tensor and at L2-sized shapes (CROSS_SHAPES, CROSS_OPS,
 #              CROSS_PEERS override); jax_lnbwd/dispatch.py's table comes from it
+#   small      the small rows (C 32-512; head_dim norms): kernel 11's configurations and the
+#              forward's row groups (tools/tune), then the kernel bench's small-C rows of the
+#              layernorm and rmsnorm ops, forward and backward, bf16 and fp32, with every peer
 #   e2e        the training-step bench
 # PEERS: the forward and l2 stages' --peers (by default every peer but Pallas, to keep the stages
 # short: name it in PEERS to add it).
@@ -141,6 +144,15 @@ for stage in "$@"; do
         --dtypes bfloat16,float32 --kernels 12 --peers "${CROSS_PEERS:-default,xla,copy}" --reps 3 --chain 20 --min-run-ms 10 \
         --shapes "${CROSS_SHAPES:-1048576x32,524288x64,262144x128,131072x256,65536x512,32768x1024,16384x2048,8192x4096,2048x16384,8192x128,2048x512,1024x1024,256x4096}" \
         --no-progress --out "$OUT/crossover" ;;
+    small)
+      tools/tune/build.sh /tmp/lnbwd_tune || status=1
+      for s in "1048576 32" "524288 64" "262144 128" "131072 256" "65536 512"; do
+        for d in bf16 f32; do /tmp/lnbwd_tune/tune sweep $s $d; done
+        for k in "" rms; do /tmp/lnbwd_tune/forward_tune $s bfloat16 $k chain; done
+      done > "$OUT/small_sweep.log" 2>&1
+      grep -E "default|auto|^[a-z]" "$OUT/small_sweep.log"
+      run small python3 -m benchmarks.kernels --op layernorm_fwd,layernorm_bwd,rmsnorm_fwd,rmsnorm_bwd \
+        --dtypes bfloat16,float32 --shapes 524288x64,262144x128,131072x256 --no-progress --out "$OUT/small" ;;
     e2e)
       TAIL=40 run e2e python3 -m benchmarks.e2e ${E2E_ARGS:-} --out "$OUT/e2e" ;;
     *) echo "unknown stage $stage"; status=2 ;;
