@@ -18,6 +18,21 @@ struct Kernel11Config {
   int groups = 1;         // row groups per block
 };
 
+// Threads per block for a variant of rows of whole warps. A block of 1024 threads can have 64
+// registers per thread at most; variants with more row data per thread (NV >= 2) are capped at
+// 512 threads, which lets the compiler use up to 128 registers instead of spilling to local memory.
+constexpr int kMaxThreads = 1024;
+constexpr int max_threads(int nv) { return nv >= 2 ? 512 : kMaxThreads; }
+constexpr int kMaxNamedBarrierGroups = 15;   // barrier ids 1..15; id 0 is __syncthreads()
+// Small rows: groups of kMinRowThreads (common/vec.cuh) to 16 threads (32 is a warp: the plain
+// path), in blocks of kSmallThreads.
+constexpr int kSmallThreads = 256;
+
+// Dynamic shared memory of a configuration's block, in accumulators of acc_bytes (kernel11_config.cu).
+size_t kernel11_smem_bytes(const Kernel11Config& cfg, int64_t C, size_t acc_bytes);
+// Whether a small-row variant (sums in registers or shared memory, NV, prefetch) is compiled
+// (kernel11_rows_in_registers.cu).
+bool kernel11_small_variant(bool reg_sums, int nv, bool prefetch);
 // Every compiled configuration that can hold a row of C in registers (empty: use the wide path).
 std::vector<Kernel11Config> kernel11_candidates(Dtype dtype, int64_t C, bool vectorized, const DeviceLimits& lim);
 // The configuration the default launcher uses; false if no register path fits.

@@ -47,15 +47,6 @@
 namespace lnbwd {
 namespace {
 
-constexpr int kMaxThreads = 1024;
-// Threads per block for a variant. A block of 1024 threads can have 64 registers per thread at
-// most; variants with more row data per thread (NV >= 2) are capped at 512 threads, which lets
-// the compiler use up to 128 registers instead of spilling to local memory.
-constexpr int max_threads(int nv) { return nv >= 2 ? 512 : kMaxThreads; }
-constexpr int kMaxNamedBarrierGroups = 15;   // barrier ids 1..15; id 0 is __syncthreads()
-// Small rows: groups of kMinRowThreads (common/vec.cuh) to 16 threads (32 is a warp: the plain
-// path), in blocks of kSmallThreads.
-constexpr int kSmallThreads = 256;
 // Where a block's row groups live and keep their sums (see the top of this file).
 enum class Rows { kWarps, kSmallShared, kSmallRegs };
 template <Rows R, int NV>
@@ -326,11 +317,6 @@ kernel11_rows(T* __restrict__ dx, acc_t<T>* __restrict__ partials, const T* __re
   }
 }
 
-size_t smem_bytes(const Kernel11Config& cfg, int64_t C, size_t acc_bytes) {
-  if (cfg.tpr < 32 && cfg.reg_sums) return static_cast<size_t>(cfg.tpr) * cfg.groups / 32 * 2 * C * acc_bytes;   // per warp
-  return (static_cast<size_t>(cfg.groups) * 2 * C + static_cast<size_t>(cfg.groups) * 2 * (cfg.tpr / 32) * 2) * acc_bytes;
-}
-
 // Persistent grid: as many blocks as fit on the GPU at once, but no more than there are row
 // groups of work, and no more than the workspace has partial slots.
 template <typename T, typename O, bool RESID, int VEC, int NV, bool PREFETCH, Rows R>
@@ -341,7 +327,7 @@ cudaError_t launch_rows(const NormBwdParams& p, const Kernel11Config& cfg, cudaS
     return cudaErrorInvalidValue;
   } else {
     return launch_with_partials<T, O>(p, kernel11_rows<T, O, RESID, VEC, NV, PREFETCH, R>, cfg.tpr * cfg.groups,
-                                      smem_bytes(cfg, p.C, sizeof(acc_t<T>)), BlocksPerSm::kOccupancy, cfg.groups, 1,
+                                      kernel11_smem_bytes(cfg, p.C, sizeof(acc_t<T>)), BlocksPerSm::kOccupancy, cfg.groups, 1,
                                       stream, cfg.tpr, cfg.groups);
   }
 }
@@ -388,91 +374,10 @@ cudaError_t launch_variant(const NormBwdParams& p, const Kernel11Config& cfg, cu
   }
 }
 
-
 }  // namespace
 
-// The groups' dweight/dbias sums live in shared memory (or, for small rows, in registers): a
-// block has as many groups as the device's opt-in shared memory holds (lim.smem_optin), and a
-// row too wide for one group takes the wide path.
-std::vector<Kernel11Config> kernel11_candidates(Dtype dtype, int64_t C, bool vectorized, const DeviceLimits& lim) {
-  const int item = dtype_bytes(dtype);
-  const int vec = vectorized ? 16 / item : 1;
-  const size_t acc = dtype == Dtype::kF64 ? 8 : 4;
-  std::vector<std::pair<int, bool>> variants;
-  if (vec == 1) {
-    variants = {{2, false}, {4, false}, {8, false}};
-  } else {
-    variants = {{1, true}, {2, true}, {4, false}};
-    if (item <= 4) variants.push_back({3, false});
-  }
-  std::vector<Kernel11Config> out;
-  const int64_t nvec = ceil_div<int64_t>(C, vec);
-  // Small rows: the group narrower than a warp (a power of two from kMinRowThreads) whose
-  // threads hold the row in NV vectors each, where there is one; every compiled variant.
-  if (vec > 1) {
-    for (const Rows r : {Rows::kSmallShared, Rows::kSmallRegs}) {
-      for (auto [nv, prefetch] : {std::pair{2, true}, {2, false}, {4, false}}) {
-        if (!variant(r, nv, prefetch) || ceil_div<int64_t>(nvec, nv) > 16) continue;
-        Kernel11Config cfg;
-        cfg.vec = vec;
-        cfg.nv = nv;
-        cfg.prefetch = prefetch;
-        cfg.reg_sums = r == Rows::kSmallRegs;
-        cfg.tpr = kMinRowThreads;
-        while (cfg.tpr < ceil_div<int64_t>(nvec, nv)) cfg.tpr *= 2;
-        cfg.groups = kSmallThreads / cfg.tpr;
-        if (smem_bytes(cfg, C, acc) <= lim.smem_optin) out.push_back(cfg);
-      }
-    }
-  }
-  for (auto [nv, prefetch] : variants) {
-    Kernel11Config cfg;
-    cfg.vec = vec;
-    cfg.nv = nv;
-    cfg.prefetch = prefetch;
-    const int64_t tpr = 32 * ceil_div<int64_t>(nvec, 32 * nv);
-    const int block_max = max_threads(nv);
-    if (tpr > block_max) continue;
-    cfg.tpr = static_cast<int>(tpr);
-    cfg.groups = cfg.tpr == 32 ? block_max / 32 : std::min(block_max / cfg.tpr, kMaxNamedBarrierGroups);
-    while (cfg.groups > 0 && smem_bytes(cfg, C, acc) > lim.smem_optin) --cfg.groups;
-    if (cfg.groups == 0) continue;
-    out.push_back(cfg);
-  }
-  return out;
-}
-
-bool kernel11_pick(Dtype dtype, int64_t C, bool vectorized, const DeviceLimits& lim, Kernel11Config* cfg) {
-  const std::vector<Kernel11Config> all = kernel11_candidates(dtype, C, vectorized, lim);
-  if (all.empty()) return false;
-  // Small rows (a group narrower than a warp holds the row in NV = 2 vectors a thread): the
-  // sums in registers, except for fp64 (two registers an accumulator: in shared memory, which
-  // leaves the registers to more warps an SM). 16-bit rows prefetch the next row: their 16-byte
-  // vectors carry twice as many elements as fp32's, so a row takes half the vectors and the
-  // next one fits beside it; fp32 and fp64 rows spend those registers on more warps instead.
-  const bool regs = dtype != Dtype::kF64;
-  const bool prefetch = dtype_bytes(dtype) == 2;
-  for (const Kernel11Config& c : all) {
-    if (c.tpr < 32 && c.nv == 2 && c.reg_sums == regs && c.prefetch == prefetch) {
-      *cfg = c;
-      return true;
-    }
-  }
-  // Rows of whole warps. Prefer: at least 70% of the threads' vector slots used; then
-  // prefetching; then more vectors per thread (more bytes in flight per thread, fewer threads
-  // per row to reduce over).
-  const int64_t nvec = ceil_div<int64_t>(C, all[0].vec);
-  auto score = [&](const Kernel11Config& c) {
-    const double util = static_cast<double>(nvec) / (static_cast<double>(c.tpr) * c.nv);
-    return (util >= 0.7 ? 1000.0 : 0.0) + (c.prefetch ? 100.0 : 0.0) + 10.0 * c.nv + util;
-  };
-  bool any = false;
-  for (const Kernel11Config& c : all) {
-    if (c.tpr < 32) continue;
-    if (!any || score(c) > score(*cfg)) *cfg = c;
-    any = true;
-  }
-  return any;
+bool kernel11_small_variant(bool reg_sums, int nv, bool prefetch) {
+  return variant(reg_sums ? Rows::kSmallRegs : Rows::kSmallShared, nv, prefetch);
 }
 
 cudaError_t norm_bwd_kernel11_config(const NormBwdParams& p, const Kernel11Config& cfg, cudaStream_t stream) {
@@ -485,15 +390,6 @@ cudaError_t norm_bwd_kernel11_config(const NormBwdParams& p, const Kernel11Confi
     if (cfg.vec == 1) return launch_variant<T, O, R, 1>(p, cfg, stream);
     return cudaErrorInvalidValue;
   });
-}
-
-cudaError_t norm_bwd_kernel11(const NormBwdParams& p, cudaStream_t stream) {
-  DeviceLimits lim;
-  LNBWD_RETURN_IF_CUDA_ERROR(device_limits(p.device, &lim));
-  const bool vectorized = can_vectorize(p);
-  Kernel11Config cfg;
-  if (kernel11_pick(p.dtype, p.C, vectorized, lim, &cfg)) return norm_bwd_kernel11_config(p, cfg, stream);
-  return norm_bwd_kernel11_wide(p, stream);
 }
 
 }  // namespace lnbwd
