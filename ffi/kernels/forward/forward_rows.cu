@@ -2,13 +2,13 @@
 // for the three passes (mean, variance, output); y is written once.
 //
 // Work split. A block holds `groups` row groups of `tpr` threads, tpr a power of two: rows of
-// a few hundred bytes get part of a warp each (SMALL: 2 to 16 threads, several groups to a warp,
+// a few hundred bytes get part of a warp each (SMALL: 4 to 16 threads, several groups to a warp,
 // whose sums are shuffles among the group's own lanes, lanes_sum), mid-sized rows a warp each
 // (warp shuffles only, no barrier; a block holds several), wide rows a few warps that make up
-// the whole block (the warps' sums meet in shared memory behind __syncthreads). Only barrier 0 is ever used: a block that names more hardware
-// barriers (one per row group) is charged for all of them, and the SM's barriers would then
-// cap the blocks resident below what the registers allow. Thread t
-// of a group holds NV vectors of VEC elements, at columns
+// the whole block (the warps' sums meet in shared memory behind __syncthreads). Only barrier 0
+// is ever used: a block that names more hardware barriers (one per row group) is charged for
+// all of them, and the SM's barriers would then cap the blocks resident below what the
+// registers allow. Thread t of a group holds NV vectors of VEC elements, at columns
 //   col(j) = (j * tpr + t) * VEC,  j = 0..NV-1,
 // so for every j the group's loads are one contiguous, coalesced span of the row. tpr and NV
 // are chosen by norm_fwd_pick (forward_launch.cu): the fewest threads per row that hold
