@@ -28,16 +28,20 @@ def ref64(fn, *arrays, **kw):
     return jax.tree.map(np.asarray, fn(*(None if a is None else jax.device_put(f64(a), cpu) for a in arrays), **kw))
 
 
-def ours_vjp(platform, norm, x, w, b, dy):
+def ours_vjp_traced(norm, x, w, b, dy):
     """y and the gradients of `norm` ("layernorm" or "rmsnorm"), our forward and backward forced."""
     def f(x, w, b):
-        if norm == "layernorm":
-            return jax_lnbwd.layernorm(x, w, b)
-        return jax_lnbwd.rmsnorm(x, w)
+        return jax_lnbwd.layernorm(x, w, b) if norm == "layernorm" else jax_lnbwd.rmsnorm(x, w)
 
     with jax_lnbwd.use_ffi_forward(True), jax_lnbwd.use_ffi_backward(True):
-        fn = jax.jit(lambda x, w, b, dy: (lambda yv: (yv[0], *yv[1](dy)))(jax.vjp(f, x, w, b)))
-        return [np.asarray(o) for o in fn(*put(platform, x, w, b, dy))]
+        y, vjp = jax.vjp(f, x, jnp.asarray(w), jnp.asarray(b))
+        return (y, *vjp(dy))
+
+
+def ours_vjp(platform, norm, x, w, b, dy):
+    """ours_vjp_traced under jit on `platform`, as numpy arrays."""
+    fn = jax.jit(lambda *a: ours_vjp_traced(norm, *a))
+    return [np.asarray(o) for o in fn(*put(platform, x, w, b, dy))]
 
 
 def reference_vjp(norm, x, w, b, dy):
@@ -90,15 +94,6 @@ def test_per_example_dweight_under_vmap(platform, norm):
         want = reference_vjp(norm, x[e], w, b, dy[e])
         for name, g, r in zip(("y", "dx", "dweight", "dbias"), got, want):
             assert_close(name, np.asarray(g)[e], r, "float32")
-
-
-def ours_vjp_traced(norm, x, w, b, dy):
-    def f(x, w, b):
-        return jax_lnbwd.layernorm(x, w, b) if norm == "layernorm" else jax_lnbwd.rmsnorm(x, w)
-
-    with jax_lnbwd.use_ffi_forward(True), jax_lnbwd.use_ffi_backward(True):
-        y, vjp = jax.vjp(f, x, jnp.asarray(w), jnp.asarray(b))
-        return (y, *vjp(dy))
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
