@@ -37,23 +37,7 @@ inline ffi::Error CheckRank(const char* name, const ffi::AnyBuffer& b, size_t ra
   return ffi::Error::Success();
 }
 
-// Expected dims of one buffer: rank 1 (d0,) or rank 2 (d0, d1).
-struct Dims {
-  size_t rank;
-  int64_t d0, d1;
-};
-
-inline bool HasDims(const ffi::AnyBuffer& b, const Dims& want) {
-  const auto dims = b.dimensions();
-  return dims.size() == want.rank && dims[0] == want.d0 && (want.rank == 1 || dims[1] == want.d1);
-}
-
-inline std::string DimsStr(const Dims& d) {
-  return d.rank == 1 ? "(" + std::to_string(d.d0) + ",)" : "(" + std::to_string(d.d0) + ", " + std::to_string(d.d1) + ")";
-}
-
-// Checks every buffer against x's (rows, C) and dtype. Shapes are compared as numbers; text
-// is built only for the error message, so the common path allocates nothing.
+// Checks every buffer against x's (rows, C) and dtype (Dims, HasDims: checks/common.h).
 // allow_f32_weight (targets layernorm v2, rmsnorm): weight may be float32 beside bfloat16/float16
 // x (mixed precision); dweight and dbias then are float32 too. Otherwise all have x's dtype.
 // The handler passes its target's kind: mean and dbias are null for RMSNorm (kRmsNorm), and
@@ -72,9 +56,7 @@ inline ffi::Error CheckNormBwdArgs(NormKind norm, const ffi::AnyBuffer& dy, cons
   if (C > INT32_MAX) return error("'x' has shape " + ShapeStr(x.dimensions()) + " but C must be below 2^31");
 
   const ffi::DataType t = x.element_type();
-  if (t != ffi::DataType::F32 && t != ffi::DataType::BF16 && t != ffi::DataType::F16 && t != ffi::DataType::F64) {
-    return error(std::string("'x' has dtype ") + DtypeName(t) + " but expected float32, bfloat16, float16 or float64");
-  }
+  if (auto e = CheckDataDtype("x", t, op); e.failure()) return e;
   // Segments: dweight/dbias are (S, C); weight is (1, C) or (S, C); S divides rows.
   if (auto e = CheckRank("dweight", dweight, 2, "(segments, C)", op); e.failure()) return e;
   if (auto e = CheckRank("weight", weight, 2, "(1, C) or (segments, C)", op); e.failure()) return e;
@@ -88,7 +70,7 @@ inline ffi::Error CheckNormBwdArgs(NormKind norm, const ffi::AnyBuffer& dy, cons
     return error("'weight' has shape " + ShapeStr(weight.dimensions()) + " but expected 1 or " + std::to_string(S) +
                  " rows");
   }
-  const ffi::DataType stat = t == ffi::DataType::F64 ? ffi::DataType::F64 : ffi::DataType::F32;
+  const ffi::DataType stat = StatsDtype(t);
   // The parameters' dtype (weight, dweight, dbias): x's, or float32 beside 16-bit x (v2).
   const bool sixteen = t == ffi::DataType::BF16 || t == ffi::DataType::F16;
   const bool weight_f32 = allow_f32_weight && sixteen && weight.element_type() == ffi::DataType::F32;

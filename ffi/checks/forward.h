@@ -44,7 +44,7 @@ inline ffi::Error CheckParam(const char* fn, const char* name, const ffi::AnyBuf
                        " rows of x (one parameter row per equal segment of rows)", fn);
   }
   const ffi::DataType t = x.element_type(), pt = p.element_type();
-  if (pt != t && !(pt == ffi::DataType::F32 && Is16Bit(t))) {
+  if (!ParamDtypeAllowed(pt, t)) {
     return ArgError(std::string("'") + name + "' has dtype " + DtypeName(pt) + " but expected " + DtypeName(t) +
                        (Is16Bit(t) ? " or float32" : "") + " for x of dtype " + DtypeName(t), fn);
   }
@@ -62,13 +62,8 @@ inline ffi::Error CheckNormFwdArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer
   if (C < 1) return ArgError("'x' has shape " + ShapeStr(xd) + " but C (the last axis) must be at least 1", fn);
   if (C > INT32_MAX) return ArgError("'x' has shape " + ShapeStr(xd) + " but C must be below 2^31", fn);
   const ffi::DataType t = x.element_type();
-  if (t != ffi::DataType::F32 && t != ffi::DataType::BF16 && t != ffi::DataType::F16 && t != ffi::DataType::F64) {
-    return ArgError(std::string("'x' has dtype ") + DtypeName(t) + " but expected float32, bfloat16, float16 or float64",
-                       fn);
-  }
-  if (!std::isfinite(eps) || eps <= 0.0) {
-    return ArgError("'eps' is " + std::to_string(eps) + " but expected a positive finite number", fn);
-  }
+  if (auto e = CheckDataDtype("x", t, fn); e.failure()) return e;
+  if (auto e = CheckEps(eps, fn); e.failure()) return e;
   if (auto e = CheckParam(fn, "weight", weight, x, &shape->weight_rows); e.failure()) return e;
   shape->bias_rows = 0;
   if (bias != nullptr) {
@@ -80,7 +75,7 @@ inline ffi::Error CheckNormFwdArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer
   }
   shape->param_dtype = shape->weight_rows > 0 ? weight.element_type() : shape->bias_rows > 0 ? bias->element_type() : t;
 
-  const ffi::DataType stat = t == ffi::DataType::F64 ? ffi::DataType::F64 : ffi::DataType::F32;
+  const ffi::DataType stat = StatsDtype(t);
   struct Expect {
     const char* name;
     const ffi::AnyBuffer* buf;   // null: the target has no such output (RMSNorm's mean)

@@ -6,27 +6,22 @@
 // default device limits: a call that fails on the GPU fails here too.
 // RMSNorm is the same code with mean = 0 (xhat = x * rstd, not centered), without the mean's
 // term a (no mean was subtracted) and without dbias, and with g = (offset + weight) * dy.
+// The row's math is cpu::NormBwdRow (cpu_rows.h), which QK-norm's handler runs too.
 #include <cstdint>
-#include <type_traits>
 #include <vector>
 
 #include "checks/backward.h"
-#include "handlers/cpu_floats.h"
+#include "handlers/cpu_rows.h"
 #include "handlers/handlers.h"
 #include "handlers/operands.h"
 
 namespace lnbwd {
 namespace {
 
-// Storage <-> accumulator conversion for each dtype XLA can hand us.
-struct F32 { using S = float; using A = float;
-  static A Load(S v) { return v; } static S Store(A v) { return v; } };
-struct F64 { using S = double; using A = double;
-  static A Load(S v) { return v; } static S Store(A v) { return v; } };
-struct BF16 { using S = uint16_t; using A = float;
-  static A Load(S v) { return Bf16ToFloat(v); } static S Store(A v) { return FloatToBf16(v); } };
-struct F16 { using S = uint16_t; using A = float;
-  static A Load(S v) { return HalfToFloat(v); } static S Store(A v) { return FloatToHalf(v); } };
+using cpu::BF16;
+using cpu::F16;
+using cpu::F32;
+using cpu::F64;
 
 // One segment of rows [r0, r1): dx for its rows, and its sums written to dweight/dbias rows.
 // D is the data's type (dy, x, dx, dresidual), P the parameters' (weight, dweight, dbias): D, or
@@ -40,33 +35,11 @@ void Segment(bool centered, const typename D::S* dy, const typename D::S* x, con
              const typename D::A* rstd, const typename D::S* dres, typename D::S* dx, typename P::S* dw_out,
              typename P::S* db_out, int64_t r0, int64_t r1, int64_t C, typename D::A offset) {
   using A = typename D::A;
-  static_assert(std::is_same_v<A, typename P::A>, "data and parameters accumulate in the same type");
   std::vector<A> dweight(C, A(0)), dbias(C, A(0));
-  auto weight = [&](int64_t i) { return offset != A(0) ? P::Load(w[i]) + offset : P::Load(w[i]); };
   for (int64_t r = r0; r < r1; ++r) {
-    const auto* dy_r = dy + r * C;
-    const auto* x_r = x + r * C;
-    auto* dx_r = dx + r * C;
-    const A m = centered ? mean[r] : A(0), s = rstd[r];
-    // Pass 1: a = mean(g), b = mean(g * xhat), with g = weight * dy and xhat = (x - mean) * rstd.
-    A sum_g = 0, sum_g_xhat = 0;
-    for (int64_t i = 0; i < C; ++i) {
-      const A g = weight(i) * D::Load(dy_r[i]);
-      sum_g += g;
-      sum_g_xhat += g * ((D::Load(x_r[i]) - m) * s);
-    }
-    // RMSNorm subtracted no mean, so dx has no term for its gradient: a = 0.
-    const A a = centered ? sum_g / A(C) : A(0), b = sum_g_xhat / A(C);
-    // Pass 2: dx = (g - a - xhat * b) * rstd (+ dresidual); dweight += dy * xhat; dbias += dy.
-    for (int64_t i = 0; i < C; ++i) {
-      const A d = D::Load(dy_r[i]);
-      const A xhat = (D::Load(x_r[i]) - m) * s;
-      A v = (weight(i) * d - a - xhat * b) * s;
-      if (dres) v += D::Load(dres[r * C + i]);
-      dx_r[i] = D::Store(v);
-      dweight[i] += d * xhat;
-      dbias[i] += d;
-    }
+    cpu::NormBwdRow<D, P>(centered, dy + r * C, x + r * C, w, centered ? mean[r] : A(0), rstd[r],
+                          dres ? dres + r * C : nullptr, dx + r * C, dweight.data(), db_out ? dbias.data() : nullptr,
+                          C, offset);
   }
   for (int64_t i = 0; i < C; ++i) {
     dw_out[i] = P::Store(dweight[i]);

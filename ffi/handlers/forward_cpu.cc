@@ -9,26 +9,25 @@
 // RMSNorm (NormKind::kRmsNorm) is the same code with mean = 0 (no mean taken or written), no
 // bias, and the weight used as offset + weight_i (in the accumulator type):
 // rstd = 1 / sqrt((1/C) sum x_i^2 + eps), y_i = (x_i * rstd) * (offset + w_i).
-#include <cmath>
+// The row's math is cpu::NormFwdRow (cpu_rows.h), which QK-norm's handler runs too.
 #include <cstdint>
 
 #include "checks/forward.h"
-#include "handlers/cpu_floats.h"
+#include "handlers/cpu_rows.h"
 #include "handlers/handlers.h"
 #include "handlers/operands.h"
 
 namespace lnbwd {
 namespace {
 
-// Storage type S of each dtype and its conversion to the accumulator (float, or double).
-struct F32 { using S = float; static float Load(S v) { return v; } static S Store(float v) { return v; } };
-struct F64 { using S = double; static double Load(S v) { return v; } static S Store(double v) { return v; } };
-struct BF16 { using S = uint16_t; static float Load(S v) { return Bf16ToFloat(v); } static S Store(float v) { return FloatToBf16(v); } };
-struct F16 { using S = uint16_t; static float Load(S v) { return HalfToFloat(v); } static S Store(float v) { return FloatToHalf(v); } };
+using cpu::BF16;
+using cpu::F16;
+using cpu::F32;
+using cpu::F64;
 
-// D: x's dtype; Q: the parameters' dtype; A: the accumulator (fp32, or fp64 for fp64 x).
-// residual and s: nullptr (the plain forward), or both (the residual variant). RMSNorm (norm):
-// mean_out and bias null, and offset added to the weight.
+// D: x's dtype; Q: the parameters' dtype (cpu_rows.h); A: the accumulator (fp32, or fp64 for
+// fp64 x). residual and s: nullptr (the plain forward), or both (the residual variant). RMSNorm
+// (norm): mean_out and bias null, and offset added to the weight. Each row: cpu::NormFwdRow.
 template <typename D, typename Q, typename A>
 void Impl(NormKind norm, const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual, const ffi::AnyBuffer& weight,
           const ffi::AnyBuffer* bias, ffi::AnyBuffer& y, ffi::AnyBuffer* s, ffi::AnyBuffer* mean_out,
@@ -62,29 +61,10 @@ void Impl(NormKind norm, const ffi::AnyBuffer& x, const ffi::AnyBuffer* residual
       }
       xr = ss + r * C;
     }
-    A mean = 0;   // RMSNorm: no mean, so the squares below are about 0
-    if (centered) {
-      A sum = 0;
-      for (int64_t i = 0; i < C; ++i) sum += D::Load(xr[i]);
-      mean = sum / static_cast<A>(C);
-    }
-    A squares = 0;
-    for (int64_t i = 0; i < C; ++i) {
-      const A d = static_cast<A>(D::Load(xr[i])) - mean;
-      squares += d * d;
-    }
-    const A rstd = A(1) / std::sqrt(squares / static_cast<A>(C) + eps);
     const auto* wr = shape.weight_rows > 0 ? ws + (r / w_div) * C : nullptr;
     const auto* br = shape.bias_rows > 0 ? bs + (r / b_div) * C : nullptr;
-    for (int64_t i = 0; i < C; ++i) {
-      A v = (static_cast<A>(D::Load(xr[i])) - mean) * rstd;
-      if (wr) {
-        const A w = static_cast<A>(Q::Load(wr[i]));
-        v *= offset != A(0) ? w + offset : w;   // as loaded where there is no offset (-0 stays -0)
-      }
-      if (br) v += static_cast<A>(Q::Load(br[i]));
-      ys[r * C + i] = D::Store(v);
-    }
+    A mean, rstd;
+    cpu::NormFwdRow<D, Q>(centered, xr, wr, br, ys + r * C, C, eps, offset, &mean, &rstd);
     if (centered) means[r] = mean;
     rstds[r] = rstd;
   }
