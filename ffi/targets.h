@@ -28,7 +28,16 @@
   X(LayernormBwdV2, "layernorm_bwd_v2", "jax_lnbwd_layernorm_bwd_v2")                  \
   X(RmsnormBwd, "rmsnorm_bwd", "jax_lnbwd_rmsnorm_bwd_v1")
 
-#define LNBWD_TARGETS(X) LNBWD_FORWARD_TARGETS(X) LNBWD_BACKWARD_TARGETS(X)
+// QK-norm as one op (issue 51): attention's q and k heads normalized over head_dim, q's and k's in
+// one call, separate (q, k) or fused (qkv, v heads passed through), forward and backward. One
+// target serves both norms: the int32 attribute 'norm' carries the NormKind.
+#define LNBWD_QK_TARGETS(X)                                                            \
+  X(QkNormFwd, "qk_norm_fwd", "jax_lnbwd_qk_norm_fwd_v1")                              \
+  X(QkNormFusedFwd, "qk_norm_fused_fwd", "jax_lnbwd_qk_norm_fused_fwd_v1")             \
+  X(QkNormBwd, "qk_norm_bwd", "jax_lnbwd_qk_norm_bwd_v1")                              \
+  X(QkNormFusedBwd, "qk_norm_fused_bwd", "jax_lnbwd_qk_norm_fused_bwd_v1")
+
+#define LNBWD_TARGETS(X) LNBWD_FORWARD_TARGETS(X) LNBWD_BACKWARD_TARGETS(X) LNBWD_QK_TARGETS(X)
 
 namespace lnbwd {
 

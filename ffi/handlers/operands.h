@@ -163,4 +163,105 @@ inline auto RmsnormBwdOperands() {
       .Attr<double>("offset");       // g = (offset + weight) * dy, in the accumulator type (Gemma: 1)
 }
 
+// --- QK-norm (one op for q and k) ----------------------------------------------------------
+// Each head of attention's q and k (D = head_dim values) is one row, normalized over D; one
+// weight (D,) scales every q head, one every k head. The attribute 'norm' holds the NormKind
+// (0 layernorm: centered, no bias, offset 0; 1 rmsnorm: no mean saved, its means are (0,)).
+// "dtype" is the data's (q's, or qkv's); "stat" the statistics' (float32, float64 for float64
+// data); a weight may be float32 beside bfloat16/float16 data (used as float32, never rounded;
+// its gradient is float32 then). The checks: checks/qk_norm.h.
+// The fused form's qkv [tokens, width], width = (q_heads + 2 * kv_heads) * D, holds per token
+// the q heads, then the k heads, then the v heads; row r of the q set (r = token * q_heads +
+// head) is head r % q_heads of token r / q_heads, of the k set head q_heads + r % kv_heads of
+// token r / kv_heads, and the statistics are in that row order. Its result aliases operand 0
+// (the Python caller passes input_output_aliases {0: 0}), so normally it IS that operand's
+// buffer and the v heads are left as they are; where XLA hands over two buffers, the handler
+// first copies operand 0 into the result and then works in place.
+
+// q_out = x̂(q) * (offset + q_weight), k_out likewise, with rmsnorm's x̂ = x * rstd or layernorm's
+// (x - mean) * rstd; statistics in fp32 (fp64), outputs rounded once.
+inline auto QkNormFwdOperands() {
+  return Ffi::Bind()
+      .Arg<AnyBuffer>()   // q [rows_q, D] dtype
+      .Arg<AnyBuffer>()   // k [rows_k, D] dtype (q's dtype and D)
+      .Arg<AnyBuffer>()   // q_weight [0 (absent) or 1, D] dtype, or float32 beside 16-bit data
+      .Arg<AnyBuffer>()   // k_weight [0 (absent) or 1, D] q_weight's dtype when both are present
+      .Ret<AnyBuffer>()   // q_out [rows_q, D] dtype
+      .Ret<AnyBuffer>()   // k_out [rows_k, D] dtype
+      .Ret<AnyBuffer>()   // q_mean [rows_q] stat (layernorm), [0] (rmsnorm)
+      .Ret<AnyBuffer>()   // q_rstd [rows_q] stat
+      .Ret<AnyBuffer>()   // k_mean [rows_k] stat (layernorm), [0] (rmsnorm)
+      .Ret<AnyBuffer>()   // k_rstd [rows_k] stat
+      .Attr<double>("eps")        // added to the variance (mean square), in the statistics' dtype
+      .Attr<double>("offset")     // rmsnorm's, added to both weights (Gemma: 1); 0 for layernorm
+      .Attr<int32_t>("norm");     // NormKind: 0 layernorm, 1 rmsnorm
+}
+
+// The fused form: qkv's q and k heads normalized as qk_norm_fwd does, its v heads unchanged.
+inline auto QkNormFusedFwdOperands() {
+  return Ffi::Bind()
+      .Arg<AnyBuffer>()   // qkv [tokens, (q_heads + 2 * kv_heads) * D] dtype: q, k, v heads per token
+      .Arg<AnyBuffer>()   // q_weight [0 (absent) or 1, D] dtype, or float32 beside 16-bit data
+      .Arg<AnyBuffer>()   // k_weight [0 (absent) or 1, D] q_weight's dtype when both are present
+      .Ret<AnyBuffer>()   // qkv_out [tokens, (q_heads + 2 * kv_heads) * D] dtype: aliases qkv
+      .Ret<AnyBuffer>()   // q_mean [tokens * q_heads] stat (layernorm), [0] (rmsnorm)
+      .Ret<AnyBuffer>()   // q_rstd [tokens * q_heads] stat
+      .Ret<AnyBuffer>()   // k_mean [tokens * kv_heads] stat (layernorm), [0] (rmsnorm)
+      .Ret<AnyBuffer>()   // k_rstd [tokens * kv_heads] stat
+      .Attr<double>("eps")         // added to the variance (mean square), in the statistics' dtype
+      .Attr<double>("offset")      // rmsnorm's, added to both weights (Gemma: 1); 0 for layernorm
+      .Attr<int32_t>("norm")       // NormKind: 0 layernorm, 1 rmsnorm
+      .Attr<int64_t>("q_heads")    // q heads per token, >= 1
+      .Attr<int64_t>("kv_heads");  // k heads (and v heads) per token, >= 1
+}
+
+// The backward, per row with A = fp32 (fp64 for float64 data), xhat = (x - mean) * rstd (rmsnorm:
+// mean = 0) and g = (offset + w) * dy (offset: rmsnorm's):
+//   dx = (g - a - xhat * b) * rstd,  a = mean(g) (layernorm; 0 for rmsnorm),  b = mean(g * xhat);
+//   dweight = the sum over all rows of the set (every token and head) of dy * xhat.
+// No dbias. Every result is written, never accumulated into. The workspace is scratch for the
+// CUDA kernels (sized by qk_launch_plan); the CPU handler does not use it.
+inline auto QkNormBwdOperands() {
+  return Ffi::Bind()
+      .Arg<AnyBuffer>()   // dq_out [rows_q, D] dtype: the cotangent of q_out
+      .Arg<AnyBuffer>()   // dk_out [rows_k, D] dtype: the cotangent of k_out
+      .Arg<AnyBuffer>()   // q [rows_q, D] dtype
+      .Arg<AnyBuffer>()   // k [rows_k, D] dtype
+      .Arg<AnyBuffer>()   // q_weight [1, D] dtype, or float32 beside 16-bit data (ones when absent)
+      .Arg<AnyBuffer>()   // k_weight [1, D] q_weight's dtype (ones when absent)
+      .Arg<AnyBuffer>()   // q_mean [rows_q] stat (layernorm), [0] (rmsnorm)
+      .Arg<AnyBuffer>()   // q_rstd [rows_q] stat
+      .Arg<AnyBuffer>()   // k_mean [rows_k] stat (layernorm), [0] (rmsnorm)
+      .Arg<AnyBuffer>()   // k_rstd [rows_k] stat
+      .Ret<AnyBuffer>()   // dq [rows_q, D] dtype
+      .Ret<AnyBuffer>()   // dk [rows_k, D] dtype
+      .Ret<AnyBuffer>()   // dq_weight [1, D] the weights' dtype: the sum over q's rows
+      .Ret<AnyBuffer>()   // dk_weight [1, D] the weights' dtype: the sum over k's rows
+      .Ret<AnyBuffer>()   // workspace [bytes] uint8: the CUDA kernels' scratch
+      .Attr<double>("offset")    // rmsnorm's, added to both weights (Gemma: 1); 0 for layernorm
+      .Attr<int32_t>("norm");    // NormKind: 0 layernorm, 1 rmsnorm
+}
+
+// The fused form's backward: dqkv's q and k heads as qk_norm_bwd computes them, its v heads
+// dqkv_out's (the result aliases dqkv_out: input_output_aliases {0: 0}).
+inline auto QkNormFusedBwdOperands() {
+  return Ffi::Bind()
+      .Arg<AnyBuffer>()   // dqkv_out [tokens, (q_heads + 2 * kv_heads) * D] dtype: the cotangent of qkv_out
+      .Arg<AnyBuffer>()   // qkv [tokens, (q_heads + 2 * kv_heads) * D] dtype: the forward's input
+      .Arg<AnyBuffer>()   // q_weight [1, D] dtype, or float32 beside 16-bit data (ones when absent)
+      .Arg<AnyBuffer>()   // k_weight [1, D] q_weight's dtype (ones when absent)
+      .Arg<AnyBuffer>()   // q_mean [tokens * q_heads] stat (layernorm), [0] (rmsnorm)
+      .Arg<AnyBuffer>()   // q_rstd [tokens * q_heads] stat
+      .Arg<AnyBuffer>()   // k_mean [tokens * kv_heads] stat (layernorm), [0] (rmsnorm)
+      .Arg<AnyBuffer>()   // k_rstd [tokens * kv_heads] stat
+      .Ret<AnyBuffer>()   // dqkv [tokens, (q_heads + 2 * kv_heads) * D] dtype: aliases dqkv_out
+      .Ret<AnyBuffer>()   // dq_weight [1, D] the weights' dtype: the sum over the q heads of every token
+      .Ret<AnyBuffer>()   // dk_weight [1, D] the weights' dtype: the sum over the k heads of every token
+      .Ret<AnyBuffer>()   // workspace [bytes] uint8: the CUDA kernels' scratch
+      .Attr<double>("offset")      // rmsnorm's, added to both weights (Gemma: 1); 0 for layernorm
+      .Attr<int32_t>("norm")       // NormKind: 0 layernorm, 1 rmsnorm
+      .Attr<int64_t>("q_heads")    // q heads per token, >= 1
+      .Attr<int64_t>("kv_heads");  // k heads (and v heads) per token, >= 1
+}
+
 }  // namespace lnbwd
