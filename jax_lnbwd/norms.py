@@ -5,14 +5,17 @@ A norm normalizes each row of x over its last axis (C elements) and saves fp32 s
   * which FFI targets run it: the fused forward, add_*'s residual-fused forward (without and
     with x's own bias), and the backward's versions;
   * which statistics it saves and which parameters it has (so which gradients the backward
-    returns), and whether the kernels add an offset to the weight (Gemma's zero-centred scale).
+    returns), and whether the kernels add an offset to the weight (Gemma's zero-centred scale);
+  * its kind: C++'s NormKind value, the attribute by which targets that serve both norms (QK_TARGETS)
+    are told which to run.
 The mechanisms (the forward and backward FFI ops in ops/, their vmap, derivative and
 partitioning rules, the tangent-map primitive in tangent.py) take the row as a static
 parameter, so a new norm is a new row plus its reference math and kernels, not a copy of them.
 
 Target names carry a version: they are baked into exported programs, so a new signature gets
 a new name and the old names stay registered. They are written once, in ffi/targets.h; the rows
-below take them from the extension by a version-free key.
+below take them from the extension by a version-free key. QK-norm's targets (QK_TARGETS) serve
+both norms, so they belong to no row: a call passes the row's kind. TARGETS lists them all.
 """
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ _TARGET = _jax_lnbwd.targets()
 @dataclasses.dataclass(frozen=True)
 class Norm:
     name: str                 # the public function, e.g. "layernorm"; errors start with it
+    kind: int                 # C++'s NormKind (ffi/kernels/norm_kind.h): 0 layernorm, 1 rmsnorm; the
+                              # int32 attribute 'norm' of the targets that serve both (QK_TARGETS)
     centered: bool            # x̂ = (x - mean) * rstd (layernorm), or x * rstd (rmsnorm)
     fwd_target: str           # fused forward: x, [params] -> y, stats
     add_fwd_target: str       # add_*'s forward: x, residual, params -> y, s, stats (rmsnorm's takes
@@ -47,6 +52,7 @@ class Norm:
 
 LAYERNORM = Norm(
     name="layernorm",
+    kind=0,
     centered=True,
     fwd_target=_TARGET["layernorm_fwd"],
     add_fwd_target=_TARGET["add_layernorm_fwd"],
@@ -59,6 +65,7 @@ LAYERNORM = Norm(
 
 RMSNORM = Norm(
     name="rmsnorm",
+    kind=1,
     centered=False,
     fwd_target=_TARGET["rmsnorm_fwd"],
     add_fwd_target=_TARGET["add_rmsnorm_fwd"],
@@ -73,6 +80,29 @@ RMSNORM = Norm(
 NORMS = (LAYERNORM, RMSNORM)
 NORMS_BY_NAME = {norm.name: norm for norm in NORMS}   # the public names, e.g. qk_norm's `norm` keyword
 
+
+
+@dataclasses.dataclass(frozen=True)
+class QkTargets:
+    """QK-norm's FFI targets (issue 51: q's and k's heads in one call): one set for both norms,
+    told apart by the int32 attribute `norm` (Norm.kind). The raw calls are ops/qk.py's."""
+    fwd: str          # q, k, weights -> q_out, k_out, statistics
+    fused_fwd: str    # qkv (q, k, v heads per token) -> qkv_out (v heads unchanged), statistics
+    bwd: str          # dq_out, dk_out, q, k, weights, statistics -> dq, dk, dweights, workspace
+    fused_bwd: str    # dqkv_out, qkv, weights, statistics -> dqkv (v heads dqkv_out's), dweights, workspace
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return (self.fwd, self.fused_fwd, self.bwd, self.fused_bwd)
+
+
+QK_TARGETS = QkTargets(
+    fwd=_TARGET["qk_norm_fwd"],
+    fused_fwd=_TARGET["qk_norm_fused_fwd"],
+    bwd=_TARGET["qk_norm_bwd"],
+    fused_bwd=_TARGET["qk_norm_fused_bwd"],
+)
+
 # Every FFI target a program traced with jax_lnbwd may call: what jax.export must be told to
 # allow, e.g. disabled_checks=[export.DisabledSafetyCheck.custom_call(t) for t in TARGETS].
-TARGETS = tuple(t for norm in NORMS for t in norm.targets)
+TARGETS = tuple(t for norm in NORMS for t in norm.targets) + QK_TARGETS.targets
