@@ -7,8 +7,13 @@
   rmsnorm_bwd                       rmsnorm's backward (the kernels of KERNELS that run it: 11, 12)
   rmsnorm_fwd                       rmsnorm's fused forward: y, rstd
   add_rmsnorm_fwd                   s = x + residual and rmsnorm's forward of s, in one kernel
+  qk_norm_fwd, qk_norm_bwd          QK-norm of q and k (jax_lnbwd.qk_norm), forward and backward
+  qk_norm_fused_fwd, _bwd           QK-norm of the fused projection's qkv (jax_lnbwd.qk_norm_fused)
 Op names are ``<norm>_<fwd|bwd>``, as the public functions and FFI targets are named; a new op
-is one more row of ops.OPS. The rmsnorm ops' default GPU shapes are Llama-sized (d 2048-16384).
+is one more row of ops.OPS. ``--op qk_norm`` selects both qk_norm ops, ``--op qk_norm_fused``
+both fused ones. The rmsnorm ops' default GPU shapes are Llama-sized (d 2048-16384). The qk ops
+read a shape ROWSxC as TOKENSxD, D the head_dim, with 32 q heads and 8 k (and v) heads
+(ops_qk_norm.py); their default GPU shapes are 16384 tokens (batch 8 x 2048) of D 64, 128, 256.
 
 The backward part reproduces and extends main() of llm.c's dev/cuda/layernorm_backward.cu.
 For every (op, dtype, shape, impl) the op is first checked against the pure-jnp reference in
@@ -19,8 +24,13 @@ for the backward ``autodiff`` (XLA's VJP of a jnp layernorm, recomputing the sta
 where they import on a CUDA GPU, ``torch`` and ``liger`` (layernorm_bwd and layernorm_fwd:
 aten's native_layer_norm and its backward, Liger's layer_norm_forward and _backward, peers.py,
 only y compared; rmsnorm_fwd and rmsnorm_bwd: torch.nn.functional.rms_norm, its backward by
-autograd, and Liger's RMSNorm, peers_rms.py) and ``pallas`` (JAX's Pallas GPU ``layer_norm``
-and ``rms_norm``, forward and backward: pallas.py); for the add_ ops ``ours-unfus`` (jnp's add, then our fused forward of s). Backward kernels come from jax_lnbwd.KERNELS, so new
+autograd, and Liger's RMSNorm, peers_rms.py; the qk ops: the same, on q and on k) and
+``pallas`` (JAX's Pallas GPU ``layer_norm`` and ``rms_norm``, forward and backward: pallas.py);
+for the add_ ops ``ours-unfus`` (jnp's add, then our fused forward of s); for the qk ops
+``two-calls`` (two jax_lnbwd.rmsnorm calls, our kernels: the two launches a one-launch QK-norm
+saves). The qk ops' ``ours`` is the public function with our kernels forced; their backward
+entries time the public function's pullback (jax.vjp, made outside the chain), given the saved
+residuals: the backward alone (ops_qk_norm.py). Backward kernels come from jax_lnbwd.KERNELS, so new
 ones are benchmarked with no change here. ``--params float32`` gives the forward ops float32
 weight and bias beside 16-bit x (mixed precision).
 
@@ -68,6 +78,11 @@ Each op is credited with the bytes it must move (ops.py), the same for every imp
   rmsnorm_bwd        read dy and x, write dx; read weight, write dweight; read rstd
   rmsnorm_fwd        read x, write y; read weight; write rstd
   add_rmsnorm_fwd    read x and residual, write y and s; read weight; write rstd
+  qk_norm_fwd        read q and k, write q_out and k_out; read both weights; write rstd
+  qk_norm_bwd        read dy and x, write dx, for q and k; read both weights, write both
+                     dweights; read rstd
+  qk_norm_fused_*    as qk_norm's: the q and k heads of qkv only (an in-place kernel leaves the
+                     v heads untouched; an entry that copies them is not credited it)
 A peer that moves more (Pallas's backwards also sum dbias; rms_norm's too) is not credited it.
 The copy peer moves those bytes once at copy speed: per step, one elementwise bitwise NOT of a
 uint32 array of bytes/8 words (reads bytes/2, writes bytes/2; a real read+write pass, where a

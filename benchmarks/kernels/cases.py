@@ -45,6 +45,9 @@ class Impl:
     step: Callable | None  # None: a peer timed elsewhere (copy, torch, liger)
     peer: bool
     tol: dict = dataclasses.field(default_factory=dict)  # output name -> factor (default 1)
+    # A peer that runs our kernels (the qk ops' two-calls): off a GPU, like ours, the C++
+    # reference handlers, so its rows are no kernel timings there either.
+    our_kernels: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,8 @@ from .._term import Progress, paint
 from . import __doc__ as METHOD
 from . import dram, kernel_time
 from .cases import Impl
-from .ops import OPS, resolve
+from .ops import GROUPS, OPS, resolve
+from .ops_qk_norm import SHAPES_NOTE
 from .peers import available_peers, time_torch, torch_step
 from .report import CPU_MARK, format_table, plot
 from .timing import TOLERANCE, copy_step, copy_words, json_safe, time_jax, validate
@@ -25,7 +26,7 @@ from .timing import TOLERANCE, copy_step, copy_words, json_safe, time_jax, valid
 CPU_SHAPES = "256x768,64x1601"
 CPU_CHAIN, GPU_CHAIN = 3, 50
 DTYPES = ("float32", "bfloat16", "float16", "float64")
-PEERS = ("default", "xla", "autodiff", "copy", "torch", "liger", "pallas", "ours-unfus")
+PEERS = ("default", "xla", "autodiff", "copy", "torch", "liger", "pallas", "ours-unfus", "two-calls")
 L2_MB = 60  # the H200's L2
 
 
@@ -113,8 +114,10 @@ def bench_group(op, rows: int, C: int, dtype: str, combos, peers, args, key, pro
                              f"{str(e)[:300]}", "red"))
             log["failures"].append({**where, "error": repr(e)[:1000]})
             continue
-        # On CPU our rows run the C++ reference handlers (one for every kernel id): not kernel timings.
-        out.append({**where, "peer": entry.peer, "kernel_timing": entry.peer or args.on_gpu,
+        # On CPU our rows (and a peer that runs our kernels: two-calls) run the C++ reference
+        # handlers (one for every kernel id): not kernel timings.
+        timing = (entry.peer and not entry.our_kernels) or args.on_gpu
+        out.append({**where, "peer": entry.peer, "kernel_timing": timing,
                     "us": sec * 1e6, "gbps": case.nbytes / sec / 1e9, "bytes": case.nbytes,
                     "errors": json_safe(errs), **extra})
     mark_l2(out, args.l2_mb * 2**20 if args.on_gpu else None, args.dram_gbps if args.on_gpu else None)
@@ -143,7 +146,8 @@ def parse_args(argv, on_gpu: bool):
         return out
 
     intro, method = METHOD.split("\n\n", 1)
-    names = ", ".join(f"{n} ({op.alias})" for n, op in OPS.items())
+    names = (", ".join(f"{n} ({op.alias})" for n, op in OPS.items()) + "; groups: "
+             + ", ".join(f"{g} ({','.join(members)})" for g, members in GROUPS.items()))
     p = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=intro,
                                 epilog="How ops are timed and what each column means: --method.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -158,16 +162,17 @@ def parse_args(argv, on_gpu: bool):
     p.add_argument("--shapes", type=shapes, default=None,
                    help="comma list of ROWSxC (default on GPU: per op, "
                         + "; ".join(f"{n} {op.gpu_shapes}" for n, op in OPS.items())
-                        + f"; on CPU: {CPU_SHAPES})")
+                        + f"; on CPU: {CPU_SHAPES}); {SHAPES_NOTE}")
     p.add_argument("--dtypes", default="bfloat16,float32", help=f"comma list from {','.join(DTYPES)}")
     p.add_argument("--params", choices=("same", "float32"), default="same",
                    help="forward ops: weight/bias in x's dtype, or float32 beside 16-bit x (mixed "
                         "precision; ignored for 32- and 64-bit x); the backward's are x's dtype")
     p.add_argument("--peers", default=None,
                    help=f"comma list from {','.join(PEERS)} (default: all that run); each op takes those "
-                        "that apply: autodiff the backwards, torch and liger layernorm's and rmsnorm's "
-                        "(not the add_ ops), "
-                        "pallas layernorm's and rmsnorm's (JAX's Pallas GPU ops), ours-unfus the add_ ops")
+                        "that apply: autodiff the layernorm and rmsnorm backwards, torch and liger "
+                        "layernorm's, rmsnorm's and the qk ops' (not the add_ ops), "
+                        "pallas layernorm's and rmsnorm's (JAX's Pallas GPU ops), ours-unfus the add_ ops, "
+                        "two-calls the qk ops (two jax_lnbwd.rmsnorm calls, on q and on k)")
     p.add_argument("--reps", type=int, default=7, help="timed runs; the median is reported (default 7)")
     p.add_argument("--chain", type=int, default=None,
                    help=f"op calls per chain (default {GPU_CHAIN} GPU, {CPU_CHAIN} CPU)")

@@ -1,7 +1,7 @@
 """The torch and Liger peers of the kernel bench: CUDA only, imported lazily, timed like the
 JAX entries (the same k-step chain, captured in a CUDA graph, between two CUDA events); which
-peers run here. layernorm_bwd's and layernorm_fwd's are here, rmsnorm's in peers_rms.py, the Pallas
-peer in pallas.py."""
+peers run here. layernorm_bwd's and layernorm_fwd's are here, rmsnorm's and the qk ops' in
+peers_rms.py, the Pallas peer in pallas.py."""
 from __future__ import annotations
 
 import statistics
@@ -30,6 +30,8 @@ def torch_step(op: str, impl: str, *inputs):
     if op == "layernorm_fwd":
         return _layernorm_forward(impl, *inputs)
     from . import peers_rms
+    if op.startswith("qk_norm"):
+        return peers_rms.qk_step(op, impl, *(to_torch(a) for a in inputs))
     return peers_rms.step(op, impl, *(to_torch(a) for a in inputs))
 
 

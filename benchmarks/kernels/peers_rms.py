@@ -1,4 +1,5 @@
-"""The torch and Liger peers of rmsnorm_fwd and rmsnorm_bwd (CUDA only; peers.py times them).
+"""The torch and Liger peers of rmsnorm_fwd and rmsnorm_bwd, and of the qk ops (qk_step: the
+same norms on q and on k); CUDA only, peers.py times them.
 
   torch  torch.nn.functional.rms_norm; the backward by autograd through it
   liger  liger_kernel.ops.rms_norm.LigerRMSNormFunction, the autograd Function of Liger's
@@ -32,13 +33,17 @@ def _liger(x, w):
     return LigerRMSNormFunction.apply(*args)
 
 
+def _norm(impl: str, C: int):
+    """The entry's rmsnorm of rows of C: norm(x, w)."""
+    import torch.nn.functional as F
+    return (lambda x, w: F.rms_norm(x, [C], w, EPS)) if impl == "torch" else _liger
+
+
 def step(op: str, impl: str, x, w, dy=None):
     """(step, state0) for op's torch or Liger entry on CUDA tensors (peers.torch_step)."""
     import torch
-    import torch.nn.functional as F
 
-    C = x.shape[-1]
-    norm = (lambda x, w: F.rms_norm(x, [C], w, EPS)) if impl == "torch" else _liger
+    norm = _norm(impl, x.shape[-1])
     if op == "rmsnorm_fwd":
         def forward(x):
             with torch.no_grad():
@@ -50,3 +55,42 @@ def step(op: str, impl: str, x, w, dy=None):
     def backward(d):
         return torch.autograd.grad(y, (xg, wg), d, retain_graph=True)
     return backward, dy
+
+
+def qk_step(op: str, impl: str, *tensors):
+    """(step, state0) for a qk op's torch or Liger entry (ops_qk_norm.py): the norm applied to q
+    and to k viewed as [tokens * heads, D], one call each; the fused form slices q and k out of
+    qkv and concatenates the results with v. tensors: the Case's torch_inputs, as CUDA tensors.
+    The backward, as step()'s: autograd of one forward graph, retained."""
+    import torch
+
+    from .ops_qk_norm import KV_HEADS, Q_HEADS
+
+    fused = op.startswith("qk_norm_fused")
+    x, *rest = tensors
+    D = x.shape[-1] // (Q_HEADS + 2 * KV_HEADS) if fused else x.shape[-1]
+    norm = _norm(impl, D)
+
+    def qk(q, k, wq, wk):
+        return norm(q.reshape(-1, D), wq).view(q.shape), norm(k.reshape(-1, D), wk).view(k.shape)
+
+    def forward(x, *others):   # (q, k, wq, wk) or (qkv, wq, wk) -> the op's outputs
+        if not fused:
+            return qk(x, *others)
+        heads = x.view(*x.shape[:-1], -1, D)
+        q, k = qk(heads[..., :Q_HEADS, :], heads[..., Q_HEADS:Q_HEADS + KV_HEADS, :], *others)
+        return (torch.cat([q, k, heads[..., Q_HEADS + KV_HEADS:, :]], dim=-2).view(x.shape),)
+
+    if op.endswith("_fwd"):
+        def fwd(x):
+            with torch.no_grad():
+                return forward(x, *rest)
+        return fwd, x
+    n_in = 2 if fused else 3              # the inputs besides x: (wq, wk) or (k, wq, wk)
+    inputs = [a.detach().requires_grad_() for a in (x, *rest[:n_in])]
+    dys = rest[n_in:]                     # (dqkv,) or (dq, dk)
+    ys = forward(*inputs)
+
+    def backward(d):
+        return torch.autograd.grad(ys, inputs, (d, *dys[1:]), retain_graph=True)
+    return backward, dys[0]
