@@ -75,9 +75,10 @@ def _mean_rstd(norm: Norm, stats: tuple, rows_dtype) -> tuple:
 
 def _fwd_weights(q_weight, k_weight, D: int, data_dtype) -> tuple:
     """The forward's weight operands: (1, D) each, or (0, D) for an absent one, in the present
-    one's dtype (the data's when both are absent)."""
+    one's dtype (the data's when both are absent). A weight keeps its own length: one that is
+    not the data's D is the handler's error."""
     present = next((w.dtype for w in (q_weight, k_weight) if w is not None), data_dtype)
-    return tuple(jnp.zeros((0, D), present) if w is None else w.reshape(1, D) for w in (q_weight, k_weight))
+    return tuple(jnp.zeros((0, D), present) if w is None else w.reshape(1, -1) for w in (q_weight, k_weight))
 
 
 def _attributes(norm: Norm, offset: float) -> dict:
@@ -118,7 +119,8 @@ def qk_bwd_call(norm: Norm, dq_out, dk_out, q, k, q_weight, k_weight, q_stats, k
     (rows_q, D), rows_k = q.shape, k.shape[0]
     q_mean, q_rstd = _mean_rstd(norm, q_stats, q.dtype)
     k_mean, k_rstd = _mean_rstd(norm, k_stats, q.dtype)
-    operands = (dq_out, dk_out, q, k, q_weight.reshape(1, D), k_weight.reshape(1, D), q_mean, q_rstd, k_mean, k_rstd)
+    operands = (dq_out, dk_out, q, k, q_weight.reshape(1, -1), k_weight.reshape(1, -1), q_mean, q_rstd, k_mean,
+                k_rstd)
     ws = qk_workspace_bytes(q.dtype, rows_q, rows_k, D)
     results = (((rows_q, D), q.dtype), ((rows_k, D), k.dtype), ((1, D), q_weight.dtype), ((1, D), k_weight.dtype),
                ((ws,), np.uint8))
@@ -136,7 +138,7 @@ def qk_fused_bwd_call(norm: Norm, dqkv_out, qkv, q_weight, k_weight, q_stats, k_
     D = q_weight.shape[-1]
     q_mean, q_rstd = _mean_rstd(norm, q_stats, qkv.dtype)
     k_mean, k_rstd = _mean_rstd(norm, k_stats, qkv.dtype)
-    operands = (dqkv_out, qkv, q_weight.reshape(1, D), k_weight.reshape(1, D), q_mean, q_rstd, k_mean, k_rstd)
+    operands = (dqkv_out, qkv, q_weight.reshape(1, -1), k_weight.reshape(1, -1), q_mean, q_rstd, k_mean, k_rstd)
     ws = qk_workspace_bytes(qkv.dtype, tokens * q_heads, tokens * kv_heads, D)
     results = ((qkv.shape, qkv.dtype), ((1, D), q_weight.dtype), ((1, D), k_weight.dtype), ((ws,), np.uint8))
     dqkv, dq_weight, dk_weight, _ = ffi.call(
