@@ -16,7 +16,13 @@ Gemma code is (separate q/k/v projections, rotary from a gathered float32 sin/co
 attention as einsums with a float32 softmax; Gemma: scaled embeddings, GeGLU, a tied head,
 (1 + weight)), which XLA fuses differently around the norms; their baseline is
 ``public_rmsnorm``, the norm as that code writes it (float32 output), then ``jax_lnbwd_rmsnorm``
-and ``add_rmsnorm``. ``--dump-hlo DIR`` writes each run's optimized HLO there.
+and ``add_rmsnorm``. ``--qk-norm`` gives the public models Qwen3's QK-norm (q and k, after their
+projections, RMS-normalized per head over head_dim before rotary) and runs its two
+implementations against each other: ``qk_flax`` (Flax's two nn.RMSNorm, the baseline) and
+``qk_jax_lnbwd`` (jax_lnbwd.flax.QKNorm), both with public_rmsnorm's add & norms and the same
+parameters (variants_rms.py). The QK-norm is not in layernorm's name scope: the "ln" columns and
+the byte floor still count the add & norms alone, and the QK-norm's difference shows in the step
+time. ``--dump-hlo DIR`` writes each run's optimized HLO there.
 
 How a step is timed
 -------------------

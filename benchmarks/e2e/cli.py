@@ -30,6 +30,9 @@ DEFAULT_VARIANTS = {"layernorm": "flax,jax_lnbwd,add_layernorm",
 # our fused add & norm.
 MODEL_VARIANTS = {"public_llama": "public_rmsnorm,jax_lnbwd_rmsnorm,add_rmsnorm",
                   "public_gemma": "public_rmsnorm,jax_lnbwd_rmsnorm,add_rmsnorm"}
+# With --qk-norm a public-style model runs its QK-norm's two implementations instead (the same add &
+# norms in both, variants_rms.py): Flax's two RMSNorms, the baseline, and jax_lnbwd's QKNorm.
+QK_VARIANTS = "qk_flax,qk_jax_lnbwd"
 # The run's defaults, and --small's: a smoke test of the whole command that a 2-core CPU runs in
 # under a minute (one model in one API at its config.SMALL size, a few steps and rounds, one short
 # trace; each run's compilation is most of it).
@@ -43,8 +46,16 @@ def csv(s: str) -> list[str]:
     return [t.strip() for t in s.split(",") if t.strip()]
 
 
-def default_variants(model: str) -> list[str]:
-    """The variants a model runs when --variants is not given, its baseline first."""
+def has_qk_norm(model: str, qk_norm: bool) -> bool:
+    """Whether the model runs with a QK-norm under --qk-norm (qk_norm): the public-style ones do."""
+    return qk_norm and FULL[model].style == "public"
+
+
+def default_variants(model: str, qk_norm: bool = False) -> list[str]:
+    """The variants a model runs when --variants is not given, its baseline first; qk_norm: with
+    --qk-norm."""
+    if has_qk_norm(model, qk_norm):
+        return csv(QK_VARIANTS)
     return csv(MODEL_VARIANTS.get(model) or DEFAULT_VARIANTS[FULL[model].norm])
 
 
@@ -70,6 +81,12 @@ def parse_args(argv):
                    help="rmsnorm models: normalize with (offset + scale), the scale starting at "
                         "zeros; 1.0 is Gemma's zero-centred scale (default: each model's own, 0 but "
                         "public_gemma's 1)")
+    p.add_argument("--qk-norm", action="store_true",
+                   help="public-style models (public_llama, public_gemma): QK-norm, as Qwen3's: q and k, "
+                        "after their projections and the reshape to heads, each RMS-normalized over head_dim "
+                        f"(scales (head_dim,)) before rotary; their default variants are then {QK_VARIANTS} "
+                        "(Flax's two nn.RMSNorm, the baseline, against jax_lnbwd.flax.QKNorm, both with "
+                        "public_rmsnorm's add & norms); other variants run Flax's QK-norm")
     p.add_argument("--variant-module", action="append", default=[], metavar="MODULE",
                    help="import MODULE first: it registers more variants (see benchmarks/e2e/variants.py)")
     p.add_argument("--small", action="store_true",
@@ -125,7 +142,7 @@ def parse_args(argv):
     # Not given: each model runs its own defaults (default_variants), the union listed here.
     a.variants_given = a.variants is not None
     a.variants = (csv(a.variants) if a.variants_given
-                  else list(dict.fromkeys(v for m in a.models if m in FULL for v in default_variants(m))))
+                  else list(dict.fromkeys(v for m in a.models if m in FULL for v in default_variants(m, a.qk_norm))))
     for name, got, allowed in (("models", a.models, tuple(FULL)), ("apis", a.apis, APIS),
                                ("dtypes", a.dtypes, DTYPES), ("variants", a.variants, tuple(VARIANTS))):
         if not got or any(g not in allowed for g in got):
@@ -155,14 +172,23 @@ def configure(p, a) -> None:
     a.configs = [dataclasses.replace((SMALL if a.small else FULL)[m], attention=a.attention,
                                      dense_bias=FULL[m].dense_bias and not a.no_dense_bias,
                                      offset=(FULL[m].offset if a.offset is None else a.offset)
-                                     if FULL[m].norm == "rmsnorm" else 0.0, **sizes)
+                                     if FULL[m].norm == "rmsnorm" else 0.0,
+                                     qk_norm=has_qk_norm(m, a.qk_norm), **sizes)
                  for m in a.models]
-    a.runs_of = {c.name: [v for v in (a.variants if a.variants_given else default_variants(c.name))
-                          if VARIANTS[v].norm == c.norm] for c in a.configs}
+    if a.qk_norm and not any(c.qk_norm for c in a.configs):
+        p.error("--qk-norm: applies to the public-style models (public_llama, public_gemma) only")
+    qk_only = [v for v in a.variants if VARIANTS[v].qk_norm is not None]
+    if qk_only and not a.qk_norm:
+        p.error(f"--variants {','.join(qk_only)}: QK-norm variants run in a model with a QK-norm: add --qk-norm")
+
+    def runs(v, cfg):  # whether variant v runs in the model cfg
+        return VARIANTS[v].norm == cfg.norm and (VARIANTS[v].qk_norm is None or cfg.qk_norm)
+    a.runs_of = {c.name: [v for v in (a.variants if a.variants_given else default_variants(c.name, c.qk_norm))
+                          if runs(v, c)] for c in a.configs}
     for cfg in a.configs:
         if not a.runs_of[cfg.name]:
             p.error(f"--variants: none for {cfg.name}, a {cfg.norm} model: " +
-                    ", ".join(v for v in VARIANTS if VARIANTS[v].norm == cfg.norm))
+                    ", ".join(v for v in VARIANTS if runs(v, cfg)))
     if a.offset and not any(c.norm == "rmsnorm" for c in a.configs):
         p.error("--offset: applies to rmsnorm models (llama, public_llama, public_gemma) only")
     # The baselines: each model's first variant (with --variants: each norm's first listed).
@@ -203,6 +229,7 @@ def describe(cfg, devices: int) -> str:
             f", {'pre' if cfg.pre_ln else 'post'}-norm {cfg.norm}" +
             (f" (offset {cfg.offset:g})" if cfg.offset else "") +
             (", public-style" if cfg.style == "public" else "") +
+            (", QK-norm" if cfg.qk_norm else "") +
             (", embeddings x sqrt(d)" if cfg.embed_scale else "") + f", {cfg.mlp} MLP" +
             (", rotary" if cfg.rope else "") +
             (", tied head" if cfg.style == "public" and cfg.tied_head else "") +
@@ -294,7 +321,7 @@ def main(argv=None):
                  "rounds": args.rounds, "round_seconds": args.round_seconds, "warmup": args.warmup,
                  "trace": how, "trace_steps": args.trace_steps, "trace_repeats": args.trace_repeats,
                  "matmul_precision": args.matmul_precision, "baseline": args.baselines[0],
-                 "baselines": list(args.baselines), "offset": args.offset,
+                 "baselines": list(args.baselines), "offset": args.offset, "qk_norm": args.qk_norm,
                  "models": [dataclasses.asdict(c) for c in args.configs], "failures": []})
     print(f"jax_lnbwd {meta['jax_lnbwd']} e2e bench  {meta['date']}  device: {meta['device']}  "
           f"jax {meta['jax']}")

@@ -28,6 +28,9 @@ Flax Llama and Gemma code usually is, which makes XLA fuse differently around th
         a head tied to the token embedding, RMSNorm with (1 + weight) (offset 1.0), eps 1e-6.
 
 Each has 13 norms over d_model features (LayerNorm, or RMSNorm for llama and the public models).
+The public models take one more option, QK-norm (``qk_norm``, ``--qk-norm``; Qwen3's): q and k,
+after their projections and the reshape to heads, each RMS-normalized over head_dim (scales of
+shape (head_dim,)) before rotary; 2 x layers more norms, of rows tokens x heads.
 """
 from __future__ import annotations
 
@@ -73,6 +76,9 @@ class ModelConfig:
     # the structure of users' public Flax Llama/Gemma code (those take mlp "swiglu" or "geglu").
     style: str = "own"
     embed_scale: bool = False  # public: the token embeddings times sqrt(d_model) (Gemma)
+    # public: q and k RMS-normalized per head over head_dim before rotary (Qwen3's QK-norm), by
+    # the variant's QK-norm (registry.Variant.qk_norm)
+    qk_norm: bool = False
 
     @property
     def tokens(self) -> int:

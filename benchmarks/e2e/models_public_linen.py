@@ -16,6 +16,11 @@ own code with that structure, so that a step is measured the way such a model wo
   attention   separate q, k, v, o projections (no bias); scores = q.k / sqrt(head_dim) as an
               einsum, a causal jnp.where with the dtype's most negative value, softmax in
               float32, cast back, an einsum with v
+  QK-norm     (config.ModelConfig.qk_norm, --qk-norm; Qwen3's) q and k, reshaped to heads, each
+              RMS-normalized over head_dim by the variant's QK-norm module (submodule qk_norm,
+              scales of shape (head_dim,), output in the compute dtype) before rotary, under
+              jax.named_scope(QK_SCOPE): not LN_SCOPE, so the "ln" columns and the byte floor
+              still count the add & norms alone
   MLP         down(act(gate(x)) * up(x)), separate projections, no bias; act: silu (Llama) or
               tanh-approximated GELU (Gemma); hidden width config.llama_hidden(d_model)
   layer       residual = h; h = attn(input_norm(h)); h = residual + h; residual = h;
@@ -42,6 +47,7 @@ from .config import GATED, ModelConfig
 from .models_linen import INIT, LN_SCOPE
 
 ROPE_BASE = 10000.0
+QK_SCOPE = "e2e_qk_norm"  # the name scope around the QK-norm, in both APIs
 
 
 def rotary_tables(positions: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
@@ -95,6 +101,7 @@ def dense(features: int, dtype, name: str) -> nn.Dense:
 class PublicAttention(nn.Module):
     cfg: ModelConfig
     dtype: Any
+    qk_norm: Callable[..., nn.Module] | None = None  # the QK-norm module (variants_rms.qk_norm_module), or none
 
     @nn.compact
     def __call__(self, x, position_ids):
@@ -102,6 +109,9 @@ class PublicAttention(nn.Module):
         b, t, d = x.shape
         h = cfg.heads
         q, k, v = (dense(d, dt, name)(x).reshape(b, t, h, d // h) for name in ("q_proj", "k_proj", "v_proj"))
+        if self.qk_norm is not None:
+            with jax.named_scope(QK_SCOPE):
+                q, k = self.qk_norm(dtype=dt, epsilon=cfg.epsilon, offset=cfg.offset, name="qk_norm")(q, k)
         sin, cos = gather_rotary(cfg, position_ids)
         q, k = apply_rotary(q, sin, cos, dt), apply_rotary(k, sin, cos, dt)
         return dense(d, dt, "o_proj")(attend(q, k, v, dt).reshape(b, t, d))
@@ -132,22 +142,24 @@ class PublicDecoderLayer(nn.Module):
     cfg: ModelConfig
     add_norm: Callable[..., nn.Module]
     dtype: Any
+    qk_norm: Callable[..., nn.Module] | None = None
 
     @nn.compact
     def __call__(self, x, residual, position_ids):
         cfg, dt = self.cfg, self.dtype
         y, residual = add_and_norm(self.add_norm, cfg, dt, "input_norm", x, residual)
-        x = PublicAttention(cfg, dt, name="self_attn")(y, position_ids)
+        x = PublicAttention(cfg, dt, self.qk_norm, name="self_attn")(y, position_ids)
         y, residual = add_and_norm(self.add_norm, cfg, dt, "post_attention_norm", x, residual)
         return PublicMlp(cfg, dt, name="mlp")(y), residual
 
 
 class PublicDecoder(nn.Module):
     """tokens -> logits, the public-style decoder (the module doc); `add_norm` is the variant's
-    linen module."""
+    linen module, `qk_norm` its QK-norm module where cfg.qk_norm (None: no QK-norm)."""
     cfg: ModelConfig
     add_norm: Callable[..., nn.Module]
     dtype: Any
+    qk_norm: Callable[..., nn.Module] | None = None
 
     @nn.compact
     def __call__(self, tokens):
@@ -160,7 +172,8 @@ class PublicDecoder(nn.Module):
         position_ids = jnp.broadcast_to(jnp.arange(t), (b, t))
         residual = None
         for i in range(cfg.layers):
-            x, residual = PublicDecoderLayer(cfg, self.add_norm, dt, name=f"layers_{i}")(x, residual, position_ids)
+            x, residual = PublicDecoderLayer(cfg, self.add_norm, dt, self.qk_norm, name=f"layers_{i}")(
+                x, residual, position_ids)
         y, _ = add_and_norm(self.add_norm, cfg, dt, "norm", x, residual)
         if cfg.tied_head:  # Gemma
             return embed.attend(y)

@@ -26,6 +26,11 @@ class Variant:
     # The norm it computes: a model (config.ModelConfig.norm) runs the variants of its norm.
     # An rmsnorm variant's modules also take offset= (the models pass cfg.offset).
     norm: str = "layernorm"
+    # The QK-norm it runs in a model that has one (config.ModelConfig.qk_norm, --qk-norm): "flax"
+    # (Flax's two RMSNorms) or "ours" (jax_lnbwd.flax.QKNorm), variants_rms.qk_norm_module. None:
+    # no QK-norm of its own (it then runs Flax's, the baseline's), and it runs in any model;
+    # a variant that names one runs only in models with a QK-norm (the CLI's check).
+    qk_norm: str | None = None
 
 
 VARIANTS: dict[str, Variant] = {}

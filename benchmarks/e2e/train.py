@@ -28,7 +28,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import jax_lnbwd
 
-from . import models_linen, models_nnx, models_public_linen, models_public_nnx
+from . import models_linen, models_nnx, models_public_linen, models_public_nnx, variants_rms
 from .config import ModelConfig, make_batch
 from .variants import Variant
 
@@ -61,21 +61,25 @@ class Run:
 def init(cfg: ModelConfig, api: str, variant: Variant, dtype, inputs, seed: int):
     """(apply(params, inputs) -> logits, float32 params) for one API and variant. The model is
     cfg.style's: "own" models_linen / models_nnx.Transformer, "public" models_public_linen /
-    models_public_nnx.PublicDecoder (no Dense biases, so no x_bias to move)."""
+    models_public_nnx.PublicDecoder (no Dense biases, so no x_bias to move; with cfg.qk_norm the
+    variant's QK-norm, variants_rms.qk_norm_module)."""
     public = cfg.style == "public"
     if public and cfg.dense_bias:
         raise ValueError(f"{cfg.name}: the public-style models have no Dense biases (dense_bias=False)")
     if cfg.style not in ("own", "public"):
         raise ValueError(f"{cfg.name}: style {cfg.style!r}, expected 'own' or 'public'")
+    if cfg.qk_norm and not public:
+        raise ValueError(f"{cfg.name}: QK-norm (qk_norm=True) is an option of the public-style models only")
+    qk = variants_rms.qk_norm_module(api, variant.qk_norm) if cfg.qk_norm else None
     if api == "linen":
-        model = (models_public_linen.PublicDecoder(cfg, variant.linen, dtype) if public else
+        model = (models_public_linen.PublicDecoder(cfg, variant.linen, dtype, qk) if public else
                  models_linen.Transformer(cfg, variant.linen, dtype, x_bias=variant.x_bias))
         params = jax.jit(model.init)(jax.random.key(seed), inputs)["params"]
         return (lambda p, x: model.apply({"params": p}, x)), params
     # nnx, in its functional form: the module's state is a pytree that jit and optax take
     # directly, and the module is rebuilt from it inside the traced step (no per-call Python
     # graph traversal, as nnx.jit would add).
-    model = (models_public_nnx.PublicDecoder(cfg, variant.nnx, dtype, rngs=nnx.Rngs(seed)) if public else
+    model = (models_public_nnx.PublicDecoder(cfg, variant.nnx, dtype, rngs=nnx.Rngs(seed), qk_norm=qk) if public else
              models_nnx.Transformer(cfg, variant.nnx, dtype, rngs=nnx.Rngs(seed), x_bias=variant.x_bias))
     graphdef, params = nnx.split(model)
     return (lambda p, x: nnx.merge(graphdef, p)(x)), params

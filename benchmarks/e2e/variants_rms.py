@@ -23,10 +23,24 @@ dispatch rule's default in a training step is XLA's forward and our backward, ja
 
 With an offset every variant initializes its scale to zeros (so y starts as x * rstd, as with
 offset 0 and ones).
+
+QK-norm (``--qk-norm``: the public-style models normalize q and k per head over head_dim, as
+Qwen3 does; config.ModelConfig.qk_norm). Two variants compare its implementations, both with
+public_rmsnorm's add & norms, so that they differ in the QK-norm only:
+
+  qk_flax       Flax's own nn.RMSNorm twice, as submodules q_norm and k_norm of one module
+                (FlaxQKNorm below; FlaxOffsetRMSNorm with an offset): the baseline
+  qk_jax_lnbwd  jax_lnbwd.flax.QKNorm (nnx: jax_lnbwd.flax.nnx.QKNorm)
+
+Both hold the same parameters under the same names ({'q_norm': {'scale'}, 'k_norm': {'scale'}},
+(head_dim,) each, in the attention's submodule qk_norm), so the two variants share a checkpoint
+layout and start from the same weights. A variant without a QK-norm of its own
+(Variant.qk_norm None: every other one) runs Flax's, the baseline's, in a model that has one.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -116,6 +130,52 @@ class NnxPublicRMSNorm(nnx.Module):
 
     def __call__(self, s):
         return _public_rms(s, self.weight[...], self.offset, self.epsilon, self.dtype)
+
+
+class FlaxQKNorm(nn.Module):
+    """The linen QK-norm baseline: `q, k = FlaxQKNorm()(q, k)`, Flax's nn.RMSNorm over the last
+    axis of q and of k, as submodules named q_norm and k_norm (jax_lnbwd.flax.QKNorm's names and
+    parameters); with an offset FlaxOffsetRMSNorm, Flax's computation with (offset + scale)."""
+    epsilon: float = 1e-6
+    dtype: Any = None
+    offset: float = 0.0
+    scale_init: Callable = nn.initializers.ones
+
+    def setup(self):
+        kw = {"epsilon": self.epsilon, "dtype": self.dtype, "scale_init": self.scale_init}
+        cls = functools.partial(FlaxOffsetRMSNorm, offset=self.offset) if self.offset else nn.RMSNorm
+        self.q_norm = cls(**kw)
+        self.k_norm = cls(**kw)
+
+    def __call__(self, q, k):
+        return self.q_norm(q), self.k_norm(k)
+
+
+class NnxFlaxQKNorm(nnx.Module):
+    """The nnx QK-norm baseline: nnx.RMSNorm (NnxOffsetRMSNorm with an offset) as q_norm and
+    k_norm, each drawing its key as jax_lnbwd.flax.nnx.QKNorm's do."""
+    def __init__(self, num_features: int, *, epsilon: float = 1e-6, dtype=None, offset: float = 0.0,
+                 scale_init=nnx.initializers.ones, rngs: nnx.Rngs):
+        kw = {"epsilon": epsilon, "dtype": dtype, "scale_init": scale_init, "rngs": rngs}
+        cls = functools.partial(NnxOffsetRMSNorm, offset=offset) if offset else nnx.RMSNorm
+        self.q_norm = cls(num_features, **kw)
+        self.k_norm = cls(num_features, **kw)
+
+    def __call__(self, q, k):
+        return self.q_norm(q), self.k_norm(k)
+
+
+def qk_norm_module(api: str, kind: str | None) -> Callable[..., Any]:
+    """The QK-norm of a Variant.qk_norm kind ("ours": jax_lnbwd's QKNorm; "flax" or None: Flax's
+    two RMSNorms), as the public models make it: linen (dtype=, epsilon=, offset=, name=),
+    nnx (head_dim, dtype=, epsilon=, offset=, rngs=); called as `q, k = module(q, k)`. With an
+    offset the scales start at zeros."""
+    cls = ours(api, "QKNorm") if kind == "ours" else FlaxQKNorm if api == "linen" else NnxFlaxQKNorm
+    zeros = nn.initializers.zeros if api == "linen" else nnx.initializers.zeros
+
+    def make(*args, dtype, epsilon: float, offset: float = 0.0, **kw):
+        return cls(*args, dtype=dtype, epsilon=epsilon, **_norm_kwargs(offset, zeros), **kw)
+    return make
 
 
 def half_switch(kind: str) -> Callable[[], Any]:
@@ -209,3 +269,6 @@ register(Variant("jax_lnbwd_rmsnorm_jnp_bwd", linen=linen_rms("ours_jnp_bwd"), n
                  norm="rmsnorm"))
 register(Variant("jax_lnbwd_rmsnorm_ffi_fwd", linen=linen_rms("ours_ffi_fwd"), nnx=nnx_rms("ours_ffi_fwd"),
                  norm="rmsnorm"))
+# The QK-norm pair (--qk-norm): the public baseline's add & norms, Flax's QK-norm against ours.
+register(Variant("qk_flax", linen=linen_rms("public"), nnx=nnx_rms("public"), norm="rmsnorm", qk_norm="flax"))
+register(Variant("qk_jax_lnbwd", linen=linen_rms("public"), nnx=nnx_rms("public"), norm="rmsnorm", qk_norm="ours"))
