@@ -75,6 +75,43 @@ struct DeviceBuf {
   ~DeviceBuf() { cudaFree(ptr); }
 };
 
+// Buffers of values: to and from the device, in its dtype, and how far they are from a reference
+// (the RMSNorm and QK-norm checks).
+// Norm-wise relative error of decoded device values against a reference.
+inline double rel_err_of(const std::vector<double>& got, const std::vector<double>& ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (!std::isfinite(got[i])) return INFINITY;
+    num += (got[i] - ref[i]) * (got[i] - ref[i]);
+    den += ref[i] * ref[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+inline std::vector<double> decode_all(Dtype d, const std::vector<unsigned char>& b) {
+  std::vector<double> out(b.size() / dtype_item_bytes(d));
+  for (size_t i = 0; i < out.size(); ++i) out[i] = decode(d, b.data(), i);
+  return out;
+}
+
+// Host values rounded to what a device buffer of dtype d holds, and that buffer's bytes.
+inline std::vector<double> rounded(Dtype d, std::vector<double> v, std::vector<unsigned char>* bytes) {
+  encode(d, v, *bytes);
+  return decode_all(d, *bytes);
+}
+
+inline DeviceBuf upload(const std::vector<unsigned char>& h) {
+  DeviceBuf b(h.size());
+  CHECK_CUDA(cudaMemcpy(b.ptr, h.data(), h.size(), cudaMemcpyHostToDevice));
+  return b;
+}
+
+inline std::vector<unsigned char> download(const DeviceBuf& b, size_t bytes) {
+  std::vector<unsigned char> h(bytes);
+  CHECK_CUDA(cudaMemcpy(h.data(), b.ptr, bytes, cudaMemcpyDeviceToHost));
+  return h;
+}
+
 // One problem on the device with exact-size buffers, and its float64 CPU reference.
 struct Problem {
   Dtype dtype;

@@ -18,6 +18,7 @@
 #include <nanobind/stl/string.h>
 
 #include "handlers/handlers.h"
+#include "kernels/common/head_rows.h"
 #include "registry.h"
 #include "targets.h"
 #ifndef JAX_LNBWD_WITH_CUDA
@@ -128,6 +129,21 @@ nb::dict DeviceLimitsDict(int device) {
   return d;
 }
 
+// A launch plan's fields (LaunchPlan, kernels/backward/api.h).
+nb::dict PlanFields(const LaunchPlan& plan) {
+  nb::dict d;
+  d["kernel"] = plan.kernel;
+  d["path"] = std::string(plan.path);
+  d["threads"] = plan.threads;
+  d["smem"] = plan.smem;
+  d["cluster"] = plan.cluster;
+  d["blocks"] = plan.blocks;
+  d["slots"] = plan.slots;
+  d["cooperative"] = plan.cooperative;
+  d["workspace_bytes"] = plan.workspace_bytes;
+  return d;
+}
+
 // `op` names the function the user called, for the error: the op whose workspace is planned
 // (e.g. "rmsnorm_bwd"), or launch_plan itself.
 nb::dict PlanDict(int kernel, const std::string& dtype, int64_t rows, int64_t C, int64_t segments, int device,
@@ -143,17 +159,22 @@ nb::dict PlanDict(int kernel, const std::string& dtype, int64_t rows, int64_t C,
     }
     throw std::runtime_error(LaunchFailure(op, kernel, rows, C, dtype, segments, plan, lim, err));
   }
-  nb::dict d;
-  d["kernel"] = plan.kernel;
-  d["path"] = std::string(plan.path);
-  d["threads"] = plan.threads;
-  d["smem"] = plan.smem;
-  d["cluster"] = plan.cluster;
-  d["blocks"] = plan.blocks;
-  d["slots"] = plan.slots;
-  d["cooperative"] = plan.cooperative;
-  d["workspace_bytes"] = plan.workspace_bytes;
-  return d;
+  return PlanFields(plan);
+}
+
+// The launch QK-norm's backward makes for q's rows_q and k's rows_k rows of D (both forms: the
+// fused one's rows are tokens * heads), and its workspace (norm_bwd_sets_workspace_bytes).
+nb::dict QkPlanDict(const std::string& dtype, int64_t rows_q, int64_t rows_k, int64_t D, int device) {
+  LaunchPlan plan;
+  const cudaError_t err = norm_bwd_sets_workspace_bytes(ParseDtype(dtype), rows_q, rows_k, D, device, &plan);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    throw std::runtime_error("qk_norm: no one-launch backward for rows of D=" + std::to_string(D) + " " + dtype +
+                             " (q rows " + std::to_string(rows_q) + ", k rows " + std::to_string(rows_k) +
+                             "): " + cudaGetErrorString(err) + "; rows must be 16-byte aligned and at most " +
+                             std::to_string(kHeadRowsMaxBytes) + " bytes");
+  }
+  return PlanFields(plan);
 }
 #endif
 
@@ -215,5 +236,11 @@ NB_MODULE(_jax_lnbwd, m) {
   // rmsnorm_bwd runs the same launch, so its workspace is sized by this too. A failure names `op`.
   m.def("launch_plan", &lnbwd::PlanDict, nb::arg("kernel"), nb::arg("dtype"), nb::arg("rows"), nb::arg("C"),
         nb::arg("segments"), nb::arg("device"), nb::arg("op") = "launch_plan");
+  // The launch and workspace of QK-norm's one-launch backward (norm_bwd_sets_workspace_bytes).
+  m.def("qk_launch_plan", &lnbwd::QkPlanDict, nb::arg("dtype"), nb::arg("rows_q"), nb::arg("rows_k"), nb::arg("D"),
+        nb::arg("device"));
 #endif
+  // The widest row QK-norm's one-launch kernels hold, in bytes (kernels/common/head_rows.h); they
+  // also need rows of a multiple of 16 bytes. jax_lnbwd runs other rows as two norm calls.
+  m.attr("head_rows_max_bytes") = lnbwd::kHeadRowsMaxBytes;
 }

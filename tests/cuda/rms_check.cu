@@ -26,41 +26,6 @@
 
 namespace {
 
-// Norm-wise relative error of decoded device values against a reference.
-double rel_err_of(const std::vector<double>& got, const std::vector<double>& ref) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    if (!std::isfinite(got[i])) return INFINITY;
-    num += (got[i] - ref[i]) * (got[i] - ref[i]);
-    den += ref[i] * ref[i];
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-}
-
-std::vector<double> decode_all(Dtype d, const std::vector<unsigned char>& b) {
-  std::vector<double> out(b.size() / dtype_item_bytes(d));
-  for (size_t i = 0; i < out.size(); ++i) out[i] = decode(d, b.data(), i);
-  return out;
-}
-
-// Host values rounded to what a device buffer of dtype d holds, and that buffer's bytes.
-std::vector<double> rounded(Dtype d, std::vector<double> v, std::vector<unsigned char>* bytes) {
-  encode(d, v, *bytes);
-  return decode_all(d, *bytes);
-}
-
-DeviceBuf upload(const std::vector<unsigned char>& h) {
-  DeviceBuf b(h.size());
-  CHECK_CUDA(cudaMemcpy(b.ptr, h.data(), h.size(), cudaMemcpyHostToDevice));
-  return b;
-}
-
-std::vector<unsigned char> download(const DeviceBuf& b, size_t bytes) {
-  std::vector<unsigned char> h(bytes);
-  CHECK_CUDA(cudaMemcpy(h.data(), b.ptr, bytes, cudaMemcpyDeviceToHost));
-  return h;
-}
-
 double tolerance(Dtype d) {
   return d == Dtype::kF64 ? 1e-12 : d == Dtype::kF32 ? 1e-5 : d == Dtype::kBF16 ? 1e-2 : 2e-3;
 }

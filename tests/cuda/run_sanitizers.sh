@@ -31,18 +31,23 @@ controls() {
   ctl=$OUT/controls
   mkdir -p "$ctl"
   others=$(find ffi/kernels -name "*.cu" | sort | grep -v kernel11_rows_in_registers.cu)
+  # The planted bugs are in kernel 11's row loop (kernel11_body.cuh): each control is a copy of
+  # kernel11_rows_in_registers.cu that includes a planted copy of the body instead.
+  body=ffi/kernels/backward/registers/kernel11_body.cuh
   # 1) One element past the end of dx: store the last row's vector at col + C (the next row, or
   #    past the buffer for the last row).
-  sed 's|store_cs(reinterpret_cast<V\*>(dx + row \* C + col), dxv);|store_cs(reinterpret_cast<V*>(dx + row * C + col + (row + 1 == rows ? C : 0)), dxv);|' \
-    ffi/kernels/backward/registers/kernel11_rows_in_registers.cu > "$ctl/kernel11_oob.cu"
+  sed 's|store_cs(reinterpret_cast<V\*>(dx + at() + col), dxv);|store_cs(reinterpret_cast<V*>(dx + at() + col + (row + 1 == rows ? C : 0)), dxv);|' \
+    ffi/kernels/backward/registers/kernel11_body.cuh > "$ctl/kernel11_body_oob.cuh"
   # 2) No barrier between posting the warps' row sums and reading them.
-  sed 's|      group_sync(1 + g, tpr);||' ffi/kernels/backward/registers/kernel11_rows_in_registers.cu > "$ctl/kernel11_race.cu"
+  sed 's|      group_sync(1 + g, tpr);||' ffi/kernels/backward/registers/kernel11_body.cuh > "$ctl/kernel11_body_race.cuh"
   # 3) Small rows' shuffles naming the whole warp, while some of its groups have left the row loop.
   sed 's|const unsigned group_lanes = SMALL ? lanes_mask(tpr, lane) : 0xffffffffu;|const unsigned group_lanes = 0xffffffffu;|' \
-    ffi/kernels/backward/registers/kernel11_rows_in_registers.cu > "$ctl/kernel11_mask.cu"
+    ffi/kernels/backward/registers/kernel11_body.cuh > "$ctl/kernel11_body_mask.cuh"
   for planted in oob race mask; do
-    grep -q . "$ctl/kernel11_$planted.cu" && ! cmp -s "$ctl/kernel11_$planted.cu" ffi/kernels/backward/registers/kernel11_rows_in_registers.cu \
+    grep -q . "$ctl/kernel11_body_$planted.cuh" && ! cmp -s "$ctl/kernel11_body_$planted.cuh" "$body" \
       || { echo "control $planted: the planted change did not apply"; continue; }
+    sed "s|#include \"backward/registers/kernel11_body.cuh\"|#include \"kernel11_body_$planted.cuh\"|" \
+      ffi/kernels/backward/registers/kernel11_rows_in_registers.cu > "$ctl/kernel11_$planted.cu"
     build "$ctl/check_$planted" $others "$ctl/kernel11_$planted.cu" || { continue; }
     tool=$(case $planted in oob) echo memcheck ;; race) echo racecheck ;; *) echo synccheck ;; esac)
     if timeout "${LNBWD_SANITIZER_TIMEOUT:-400}" compute-sanitizer --tool "$tool" --error-exitcode 1 "$ctl/check_$planted" 11 > "$ctl/$planted.log" 2>&1; then
@@ -51,7 +56,7 @@ controls() {
       echo "control $planted ($tool): reported: $(grep -Eo '(ERROR|RACECHECK) SUMMARY: .*' "$ctl/$planted.log" | tail -1)"
     fi
   done
-  rm -f "$ctl"/*.cu
+  rm -f "$ctl"/*.cu "$ctl"/*.cuh
 }
 
 status=0

@@ -20,7 +20,7 @@ HAS_SOURCES = (CHECKOUT / "ffi" / "kernels").is_dir()
 needs_sources = pytest.mark.skipif(not HAS_SOURCES, reason="run from outside the source tree")
 SCRIPTS = sorted((CHECKOUT / "tests" / "cuda").glob("run_*sanitizers.sh"))
 # sed 's|PATTERN|REPLACEMENT|' \<newline> FILE  (the scripts' form; a line continuation may sit between)
-SED = re.compile(r"sed '(s\|.*?\|.*?\|)'\s*\\?\s*\n?\s*(ffi/\S+\.cu)")
+SED = re.compile(r"sed '(s\|.*?\|.*?\|)'\s*\\?\s*\n?\s*(ffi/\S+\.(?:cu|cuh|h))\b")
 
 
 def controls():
@@ -45,3 +45,4 @@ def test_every_script_has_controls():
     found = {p.values[1] for p in controls()}
     assert "ffi/kernels/forward/forward_rows.cu" in found
     assert any("backward" in f for f in found)
+    assert "ffi/kernels/common/head_rows.h" in found   # run_qk_sanitizers.sh: the head rows' cursor

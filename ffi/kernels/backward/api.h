@@ -38,6 +38,7 @@
 #include <cuda_runtime_api.h>
 
 #include "common/device_limits.h"   // DeviceLimits, device_limits
+#include "common/head_rows.h"
 #include "dtype.h"
 #include "norm_kind.h"
 
@@ -87,6 +88,9 @@ struct NormBwdParams {
   // accumulator type (offset is ignored for kLayerNorm).
   NormKind norm;
   double offset = 0.0;
+  // The rows' layout: contiguous (heads.heads = 0), or heads inside wider token rows
+  // (common/head_rows.h). Only norm_bwd_sets takes head rows.
+  HeadRows heads;
 };
 
 // The workspace starts with a header of this many bytes (completion flags, zeroed by the
@@ -142,5 +146,19 @@ cudaError_t norm_bwd_kernel11(const NormBwdParams& p, cudaStream_t stream);
 // misaligned rows, rows too wide for the ring in the device's shared memory, GPUs before sm_90,
 // and builds without sm_90 code (CUDA architectures without 90).
 cudaError_t norm_bwd_kernel12(const NormBwdParams& p, cudaStream_t stream);
+
+// QK-norm's backward: two sets of rows (attention's q heads and k heads) in ONE launch of kernel
+// 11's row loop, then the finalize (kernel11_sets.cu). From each of a and b: its set's dx, dy,
+// x, weight ([C]: one weight row each), mean, rstd, rows and heads layout (dy may be dx's own
+// buffer: the fused projection's cotangent, normalized in place). From a only: dtype, C,
+// weight_f32, norm, offset, workspace, device, plan; a.dweight is [2, C], row 0 set a's dweight
+// and row 1 set b's; dbias is null (QK-norm has no bias; layernorm's dbias sums are dropped).
+// Rows must be 16-byte aligned and at most kHeadRowsMaxBytes (common/head_rows.h), no dresidual,
+// one segment: cudaErrorInvalidValue otherwise. Deterministic, as kernel 11.
+cudaError_t norm_bwd_sets(const NormBwdParams& a, const NormBwdParams& b, cudaStream_t stream);
+// The workspace norm_bwd_sets uses for sets of rows_a and rows_b rows of C on `device` (-1: the
+// current one), as norm_bwd_workspace_bytes does for kernel 11.
+cudaError_t norm_bwd_sets_workspace_bytes(Dtype dtype, int64_t rows_a, int64_t rows_b, int64_t C, int device,
+                                          LaunchPlan* plan);
 
 }  // namespace lnbwd

@@ -37,6 +37,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "common/head_rows.h"
 #include "dtype.h"
 #include "norm_kind.h"
 
@@ -84,6 +85,9 @@ struct NormFwdParams {
   // at most max_blocks, so that blocks stride over rows (the standalone checks' grid-stride cases:
   // otherwise only more than 2^31 - 1 row groups would stride).
   int64_t max_blocks = 0;
+  // The rows' layout: contiguous (heads.heads = 0), or heads inside wider token rows
+  // (common/head_rows.h). Only norm_fwd_sets takes head rows; norm_fwd refuses them.
+  HeadRows heads;
 };
 
 // What the launcher runs for a shape: the path, the vector width (elements per access: 16 bytes,
@@ -108,5 +112,16 @@ cudaError_t norm_fwd_pick(const NormFwdParams& p, NormFwdConfig* cfg);
 // Launches the forward on `stream`. cudaErrorInvalidValue for a dtype pair it has no kernel for
 // (the FFI glue refuses those first). rows == 0 launches nothing.
 cudaError_t norm_fwd(const NormFwdParams& p, cudaStream_t stream);
+
+// QK-norm's forward: two sets of rows (attention's q heads and k heads, each set with its own
+// pointers, rows, weight and layout) normalized by ONE launch (forward_sets.cu). The sets must
+// agree in everything else: C, dtypes, norm, eps, offset; no residual; one parameter row (or
+// none) each. Rows must be 16-byte aligned and at most kHeadRowsMaxBytes (common/head_rows.h);
+// cudaErrorInvalidValue otherwise. In place is allowed (y == x: the fused projection's buffer),
+// since each row is read whole before it is written.
+cudaError_t norm_fwd_sets(const NormFwdParams& a, const NormFwdParams& b, cudaStream_t stream);
+// The configuration norm_fwd_sets launches, and the blocks of set a (blocks0).
+cudaError_t norm_fwd_sets_pick(const NormFwdParams& a, const NormFwdParams& b, NormFwdConfig* cfg,
+                               unsigned int* blocks0);
 
 }  // namespace lnbwd

@@ -135,9 +135,65 @@ cudaError_t norm_fwd(const NormFwdParams& p, cudaStream_t stream) {
   }
   if ((p.weight != nullptr && p.weight_rows < 1) || (p.bias != nullptr && p.bias_rows < 1)) return cudaErrorInvalidValue;
   if (p.x_bias != nullptr && (p.x_bias_rows < 1 || p.residual == nullptr)) return cudaErrorInvalidValue;
+  if (p.heads.heads != 0) return cudaErrorInvalidValue;   // head rows: norm_fwd_sets only
   NormFwdConfig cfg;
   LNBWD_FWD_RETURN_IF_ERROR(norm_fwd_pick(p, &cfg));
   return cfg.path == FwdPath::kRegisters ? norm_fwd_rows(p, cfg, stream) : norm_fwd_wide(p, cfg, stream);
+}
+
+// The sets' row group is the register path's pick for their C, held to groups of at most a warp
+// and kFwdSmallMaxNv vectors a thread (the variants forward_rows_sets is compiled for): the rows
+// of at most kHeadRowsMaxBytes. Blocks are dealt in proportion to the sets' rows, so that both
+// sets' blocks finish together; each set gets at least one block when it has rows.
+cudaError_t norm_fwd_sets_pick(const NormFwdParams& a, const NormFwdParams& b, NormFwdConfig* cfg,
+                               unsigned int* blocks0) {
+  const bool same = a.C == b.C && a.dtype == b.dtype && a.param_dtype == b.param_dtype && a.norm == b.norm &&
+                    a.eps == b.eps && a.offset == b.offset;
+  if (!same || a.C < 1 || a.rows < 0 || b.rows < 0) return cudaErrorInvalidValue;
+  for (const NormFwdParams* p : {&a, &b}) {
+    if (p->residual != nullptr || p->s != nullptr || p->x_bias != nullptr || p->weight_rows > 1 ||
+        p->bias_rows > 1 || p->heads.heads < 0 || (p->heads.heads > 0 && p->heads.token_stride < p->C)) {
+      return cudaErrorInvalidValue;
+    }
+    if (!can_vectorize(*p)) return cudaErrorInvalidValue;
+  }
+  if (a.C * item_bytes(a.dtype) > kHeadRowsMaxBytes) return cudaErrorInvalidValue;
+  *cfg = NormFwdConfig{};
+  cfg->vec = 16 / item_bytes(a.dtype);
+  if (!pick_registers(ceil_div<int64_t>(a.C, cfg->vec), cfg->vec, a.norm, 0, cfg) || cfg->tpr > 32 ||
+      cfg->nv > kFwdSmallMaxNv) {
+    return cudaErrorInvalidValue;
+  }
+  int max_grid = 0;
+  LNBWD_FWD_RETURN_IF_ERROR(device_attribute(cudaDevAttrMaxGridDimX, &max_grid));
+  int64_t n0 = ceil_div<int64_t>(a.rows, cfg->rows_per_block);
+  int64_t n1 = ceil_div<int64_t>(b.rows, cfg->rows_per_block);
+  if (n0 + n1 > max_grid) {   // the blocks then stride over their set's rows
+    const int64_t scaled = static_cast<int64_t>(static_cast<double>(max_grid) * n0 / (n0 + n1));
+    n0 = std::clamp<int64_t>(scaled, n0 > 0 ? 1 : 0, max_grid - (n1 > 0 ? 1 : 0));
+    n1 = std::min<int64_t>(n1, max_grid - n0);
+  }
+  if (n0 + n1 == 0) n1 = 1;   // nothing to do; a launch still needs a block (norm_fwd_sets launches none)
+  cfg->blocks = static_cast<unsigned int>(n0 + n1);
+  *blocks0 = static_cast<unsigned int>(n0);
+  return cudaSuccess;
+}
+
+cudaError_t norm_fwd_sets(const NormFwdParams& a, const NormFwdParams& b, cudaStream_t stream) {
+  for (const NormFwdParams* p : {&a, &b}) {
+    if (p->x == nullptr || p->y == nullptr || p->rstd == nullptr) return cudaErrorInvalidValue;
+    if (p->norm == NormKind::kLayerNorm && p->mean == nullptr) return cudaErrorInvalidValue;
+    if (p->norm == NormKind::kRmsNorm && (p->mean != nullptr || p->bias != nullptr)) return cudaErrorInvalidValue;
+    if (p->norm != NormKind::kLayerNorm && p->norm != NormKind::kRmsNorm) return cudaErrorInvalidValue;
+    if ((p->weight != nullptr) != (p->weight_rows == 1) || (p->bias != nullptr) != (p->bias_rows == 1)) {
+      return cudaErrorInvalidValue;
+    }
+  }
+  NormFwdConfig cfg;
+  unsigned int blocks0 = 0;
+  LNBWD_FWD_RETURN_IF_ERROR(norm_fwd_sets_pick(a, b, &cfg, &blocks0));
+  if (a.rows == 0 && b.rows == 0) return cudaSuccess;
+  return norm_fwd_rows_sets(a, b, cfg, blocks0, stream);
 }
 
 }  // namespace lnbwd

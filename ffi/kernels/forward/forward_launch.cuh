@@ -8,6 +8,7 @@
 
 #include <type_traits>
 
+#include "common/head_rows.h"
 #include "forward/api.h"
 #include "forward/forward_math.cuh"
 
@@ -85,9 +86,25 @@ FwdArgs<T, P> fwd_args(const NormFwdParams& p) {
   return a;
 }
 
+// A set's rows as the head-row kernels walk them: contiguous rows are one head a token.
+inline HeadRows head_layout(const NormFwdParams& p) {
+  return p.heads.heads > 0 ? p.heads : HeadRows{1, p.C};
+}
+
+// Two sets of head rows for forward_rows_sets (forward_rows.cu): blocks [0, blocks0) take set 0.
+template <typename T, typename P>
+struct FwdSets {
+  FwdArgs<T, P> set[2];
+  HeadRows heads[2];
+  unsigned int blocks0;
+};
+
 // The two kernels' launchers, for a configuration from norm_fwd_pick.
 cudaError_t norm_fwd_rows(const NormFwdParams& p, const NormFwdConfig& cfg, cudaStream_t stream);
 cudaError_t norm_fwd_wide(const NormFwdParams& p, const NormFwdConfig& cfg, cudaStream_t stream);
+// The sets' launcher (forward_sets.cu picks cfg and blocks0; a's configuration serves both).
+cudaError_t norm_fwd_rows_sets(const NormFwdParams& a, const NormFwdParams& b, const NormFwdConfig& cfg,
+                               unsigned int blocks0, cudaStream_t stream);
 
 // Limits of the register path, written once (forward_launch.cu's pick reads them, the kernels'
 // __launch_bounds__ and variant lists are built from them).

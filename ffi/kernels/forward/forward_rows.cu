@@ -41,6 +41,7 @@
 #include <algorithm>
 #include <type_traits>
 
+#include "common/head_rows.h"
 #include "forward/forward_launch.cuh"
 
 namespace lnbwd {
@@ -48,8 +49,13 @@ namespace {
 
 // The kernel's body; the three kernels below differ in their register budget (and the lean one
 // in x's cache policy, STREAM_X).
-template <NormKind K, typename T, typename P, int VEC, int NV, bool RES, bool SMALL, bool STREAM_X = false>
-__device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tpr, int groups) {
+// block and blocks: this block's index among the blocks that share a's rows, and their count
+// (blockIdx.x and gridDim.x, except in forward_rows_sets, whose grid serves two sets of rows).
+// HEADS: a's rows are heads inside wider token rows (common/head_rows.cuh), laid out by `heads`.
+template <NormKind K, typename T, typename P, int VEC, int NV, bool RES, bool SMALL, bool STREAM_X = false,
+          bool HEADS = false>
+__device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tpr, int groups, unsigned block,
+                                                  unsigned blocks, const HeadRows& heads = {}) {
   using A = acc_t<T>;
   using V = Packed<T, VEC>;
   // tpr is a power of two (norm_fwd_pick): a shift and a mask, not a division, stand before
@@ -103,9 +109,18 @@ __device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tp
   using Pass3 = std::integral_constant<int, 3>;
 
   int64_t parity = 0;   // the block's rows so far, mod 2 (RMSNorm's buffer, above)
-  for (int64_t row = static_cast<int64_t>(blockIdx.x) * groups + g; row < a.rows;
-       row += static_cast<int64_t>(gridDim.x) * groups, parity ^= 1) {
-    const V* x = reinterpret_cast<const V*>(a.x + row * C) + t;
+  // The row's first element: row * C, or for head rows the cursor's (advanced at the loop's end).
+  CursorOf<HEADS> cursor;
+  if constexpr (HEADS) {
+    cursor = HeadCursor(heads, static_cast<int64_t>(block) * groups + g, static_cast<int64_t>(blocks) * groups);
+  }
+  for (int64_t row = static_cast<int64_t>(block) * groups + g; row < a.rows;
+       row += static_cast<int64_t>(blocks) * groups, parity ^= 1) {
+    auto at = [&] {
+      if constexpr (HEADS) return cursor.at(heads, C);
+      else return row * C;
+    };
+    const V* x = reinterpret_cast<const V*>(a.x + at()) + t;
     // x is read once: ld.global.cg caches it in L2 at normal priority and not in L1, so L1 holds
     // only the parameters that every row reads again. The lean kernel (STREAM_X: 7 vectors a
     // thread, the fewest warps an SM holds) loads it evict-first instead (ld.global.cs): the one
@@ -117,13 +132,13 @@ __device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tp
     }
     if constexpr (RES) {
       // The residual's loads go out before any use of x's; then the row is s, stored once.
-      const V* r = reinterpret_cast<const V*>(a.residual + row * C) + t;
+      const V* r = reinterpret_cast<const V*>(a.residual + at()) + t;
       V rv[NV];
 #pragma unroll
       for (int j = 0; j < NV; ++j, r += tpr) {
         if (in_row(j)) rv[j] = load_cg(r);
       }
-      V* sp = reinterpret_cast<V*>(a.s + row * C) + t;
+      V* sp = reinterpret_cast<V*>(a.s + at()) + t;
       const P* xb = param_row(a.x_bias, row, a.x_bias_div, C);   // x's own bias, or nullptr
 #pragma unroll
       for (int j = 0; j < NV; ++j, sp += tpr) {
@@ -159,7 +174,7 @@ __device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tp
     // Pass 3: y, one 16-byte store per vector.
     const P* w = param_row(a.weight, row, a.weight_div, C);
     const P* b = param_row(a.bias, row, a.bias_div, C);
-    V* y = reinterpret_cast<V*>(a.y + row * C) + t;
+    V* y = reinterpret_cast<V*>(a.y + at()) + t;
 #pragma unroll
     for (int j = 0; j < NV; ++j, y += tpr) {
       if (in_row(j)) *y = normalize<K, T, P, VEC>(wide(Pass3{}, xv[j]), mean, rstd, w, b, col(j), a.offset);
@@ -168,6 +183,7 @@ __device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tp
       if constexpr (K == NormKind::kLayerNorm) a.mean[row] = mean;
       a.rstd[row] = rstd;
     }
+    if constexpr (HEADS) cursor = cursor.next(heads);
   }
 }
 
@@ -180,12 +196,12 @@ __device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tp
 //   forward_rows_small groups narrower than a warp, in blocks of kFwdBlockThreads.
 template <NormKind K, typename T, typename P, int VEC, int NV, bool RES>
 __global__ void __launch_bounds__(kFwdMaxRowThreads) forward_rows(FwdArgs<T, P> a, int tpr, int groups) {
-  forward_rows_body<K, T, P, VEC, NV, RES, false>(a, tpr, groups);
+  forward_rows_body<K, T, P, VEC, NV, RES, false>(a, tpr, groups, blockIdx.x, gridDim.x);
 }
 
 template <NormKind K, typename T, typename P, int VEC, int NV, bool RES>
 __global__ void __launch_bounds__(kFwdBlockThreads) forward_rows_small(FwdArgs<T, P> a, int tpr, int groups) {
-  forward_rows_body<K, T, P, VEC, NV, RES, true>(a, tpr, groups);
+  forward_rows_body<K, T, P, VEC, NV, RES, true>(a, tpr, groups, blockIdx.x, gridDim.x);
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && \
@@ -197,7 +213,7 @@ __global__ void __launch_bounds__(kFwdBlockThreads) forward_rows_small(FwdArgs<T
 
 template <NormKind K, typename T, typename P, int VEC, int NV>
 __global__ void LNBWD_FWD_LEAN_REGS forward_rows_lean(FwdArgs<T, P> a, int tpr, int groups) {
-  forward_rows_body<K, T, P, VEC, NV, false, false, true>(a, tpr, groups);
+  forward_rows_body<K, T, P, VEC, NV, false, false, true>(a, tpr, groups, blockIdx.x, gridDim.x);
 }
 
 // The widest register rows (the plain variants whose pick takes kFwdMaxRowThreads threads a row:
@@ -206,7 +222,23 @@ __global__ void LNBWD_FWD_LEAN_REGS forward_rows_lean(FwdArgs<T, P> a, int tpr, 
 // flight while that block sums its row and stores it.
 template <NormKind K, typename T, typename P, int VEC, int NV>
 __global__ void __launch_bounds__(kFwdMaxRowThreads, 2) forward_rows_pair(FwdArgs<T, P> a, int tpr, int groups) {
-  forward_rows_body<K, T, P, VEC, NV, false, false>(a, tpr, groups);
+  forward_rows_body<K, T, P, VEC, NV, false, false>(a, tpr, groups, blockIdx.x, gridDim.x);
+}
+
+// Two sets of head rows (QK-norm's q heads and k heads, common/head_rows.h) in one grid: blocks
+// [0, blocks0) walk set 0's rows and the others set 1's, each set as forward_rows walks its rows.
+// The sets share C, the dtypes and the norm, so one row group serves both (norm_fwd_sets deals
+// the blocks to the sets in proportion to their rows). The branch is uniform per block.
+template <NormKind K, typename T, typename P, int VEC, int NV, bool SMALL>
+__global__ void __launch_bounds__(SMALL ? kFwdBlockThreads : kFwdMaxRowThreads)
+forward_rows_sets(FwdSets<T, P> s, int tpr, int groups) {
+  if (blockIdx.x < s.blocks0) {
+    forward_rows_body<K, T, P, VEC, NV, false, SMALL, false, true>(s.set[0], tpr, groups, blockIdx.x, s.blocks0,
+                                                                   s.heads[0]);
+  } else {
+    forward_rows_body<K, T, P, VEC, NV, false, SMALL, false, true>(s.set[1], tpr, groups, blockIdx.x - s.blocks0,
+                                                                   gridDim.x - s.blocks0, s.heads[1]);
+  }
 }
 
 template <NormKind K, typename T, typename P, int VEC, int NV, bool RES>
@@ -259,6 +291,35 @@ cudaError_t launch_nv(const FwdArgs<T, P>& a, const NormFwdConfig& cfg, cudaStre
   return cudaErrorInvalidValue;
 }
 
+// The sets' variants: 16-byte vectors, NV 1 to kFwdSmallMaxNv, groups of up to a warp (the
+// configurations norm_fwd_sets picks).
+template <NormKind K, typename T, typename P, int VEC>
+cudaError_t launch_sets(const FwdSets<T, P>& s, const NormFwdConfig& cfg, cudaStream_t stream) {
+  static_assert(kFwdSmallMaxNv == 4, "the variant list below covers NV = 1..4");
+  static_assert(32 * kFwdSmallMaxNv * 16 >= kHeadRowsMaxBytes, "a warp's group holds the widest head row");
+  if constexpr (VEC == 1) {
+    return cudaErrorInvalidValue;
+  } else {
+  if (cfg.tpr > 32) return cudaErrorInvalidValue;
+  const unsigned int blocks = cfg.blocks;
+  auto go = [&](auto nv, auto small) -> cudaError_t {
+    forward_rows_sets<K, T, P, VEC, decltype(nv)::value, decltype(small)::value>
+        <<<blocks, cfg.threads, 0, stream>>>(s, cfg.tpr, cfg.rows_per_block);
+    return cudaGetLastError();
+  };
+  auto with_nv = [&](auto small) -> cudaError_t {
+    switch (cfg.nv) {
+      case 1: return go(std::integral_constant<int, 1>{}, small);
+      case 2: return go(std::integral_constant<int, 2>{}, small);
+      case 3: return go(std::integral_constant<int, 3>{}, small);
+      case 4: return go(std::integral_constant<int, 4>{}, small);
+    }
+    return cudaErrorInvalidValue;
+  };
+  return cfg.tpr < 32 ? with_nv(std::true_type{}) : with_nv(std::false_type{});
+  }
+}
+
 }  // namespace
 
 cudaError_t norm_fwd_rows(const NormFwdParams& p, const NormFwdConfig& cfg, cudaStream_t stream) {
@@ -268,6 +329,26 @@ cudaError_t norm_fwd_rows(const NormFwdParams& p, const NormFwdConfig& cfg, cuda
     using P = decltype(pt);
     constexpr NormKind K = decltype(kind)::value;
     return launch_nv<K, T, P, decltype(vec)::value, decltype(res)::value>(fwd_args<T, P>(p), cfg, stream);
+  });
+}
+
+cudaError_t norm_fwd_rows_sets(const NormFwdParams& a, const NormFwdParams& b, const NormFwdConfig& cfg,
+                               unsigned int blocks0, cudaStream_t stream) {
+  if (cfg.path != FwdPath::kRegisters) return cudaErrorInvalidValue;
+  return dispatch_fwd_variant(a, cfg, [&](auto kind, auto t, auto pt, auto vec, auto res) -> cudaError_t {
+    using T = decltype(t);
+    using P = decltype(pt);
+    if constexpr (decltype(res)::value) {
+      return cudaErrorInvalidValue;   // the sets have no residual variant
+    } else {
+      FwdSets<T, P> s;
+      s.set[0] = fwd_args<T, P>(a);
+      s.set[1] = fwd_args<T, P>(b);
+      s.heads[0] = head_layout(a);
+      s.heads[1] = head_layout(b);
+      s.blocks0 = blocks0;
+      return launch_sets<decltype(kind)::value, T, P, decltype(vec)::value>(s, cfg, stream);
+    }
   });
 }
 

@@ -6,6 +6,10 @@
 #include <vector>
 
 #include "backward/api.h"
+#include "common/head_rows.h"
+#ifdef __CUDACC__
+#include "common/vec.cuh"
+#endif
 
 namespace lnbwd {
 
@@ -35,9 +39,34 @@ size_t kernel11_smem_bytes(const Kernel11Config& cfg, int64_t C, size_t acc_byte
 bool kernel11_small_variant(bool reg_sums, int nv, bool prefetch);
 // Every compiled configuration that can hold a row of C in registers (empty: use the wide path).
 std::vector<Kernel11Config> kernel11_candidates(Dtype dtype, int64_t C, bool vectorized, const DeviceLimits& lim);
-// The configuration the default launcher uses; false if no register path fits.
-bool kernel11_pick(Dtype dtype, int64_t C, bool vectorized, const DeviceLimits& lim, Kernel11Config* cfg);
+// The configuration the default launcher uses; false if no register path fits. max_tpr: the
+// widest row group allowed (kernel11_sets.cu's head rows: a warp).
+bool kernel11_pick(Dtype dtype, int64_t C, bool vectorized, const DeviceLimits& lim, Kernel11Config* cfg,
+                   int max_tpr = kMaxThreads);
 cudaError_t norm_bwd_kernel11_config(const NormBwdParams& p, const Kernel11Config& cfg, cudaStream_t stream);
+// QK-norm's two sets of head rows in one launch, with configuration cfg (kernel11_sets.cu).
+cudaError_t norm_bwd_sets_config(const NormBwdParams& a, const NormBwdParams& b, const Kernel11Config& cfg,
+                                 cudaStream_t stream);
+
+#ifdef __CUDACC__
+// One set of rows for kernel11_sets: its own buffers, rows and layout (common/head_rows.h).
+template <typename T, typename O>
+struct BwdSet {
+  T* dx;
+  const T* dy;
+  const T* x;
+  const O* weight;
+  const stat_t<T>* mean;   // rstd for RMSNorm (read, multiplied by 0)
+  const stat_t<T>* rstd;
+  int64_t rows;
+  HeadRows heads;
+};
+template <typename T, typename O>
+struct BwdSets {
+  BwdSet<T, O> set[2];
+  int blocks0;   // blocks [0, blocks0) walk set 0's rows
+};
+#endif
 // Rows too wide for registers: two streaming passes per row (kernel11_wide_rows.cu).
 cudaError_t norm_bwd_kernel11_wide(const NormBwdParams& p, cudaStream_t stream);
 

@@ -69,7 +69,8 @@ std::vector<Kernel11Config> kernel11_candidates(Dtype dtype, int64_t C, bool vec
   return out;
 }
 
-bool kernel11_pick(Dtype dtype, int64_t C, bool vectorized, const DeviceLimits& lim, Kernel11Config* cfg) {
+bool kernel11_pick(Dtype dtype, int64_t C, bool vectorized, const DeviceLimits& lim, Kernel11Config* cfg,
+                   int max_tpr) {
   const std::vector<Kernel11Config> all = kernel11_candidates(dtype, C, vectorized, lim);
   if (all.empty()) return false;
   // Small rows (a group narrower than a warp holds the row in NV = 2 vectors a thread): the
@@ -95,7 +96,7 @@ bool kernel11_pick(Dtype dtype, int64_t C, bool vectorized, const DeviceLimits& 
   };
   bool any = false;
   for (const Kernel11Config& c : all) {
-    if (c.tpr < 32) continue;
+    if (c.tpr < 32 || c.tpr > max_tpr) continue;
     if (!any || score(c) > score(*cfg)) *cfg = c;
     any = true;
   }
