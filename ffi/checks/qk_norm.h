@@ -309,7 +309,7 @@ inline ffi::Error CheckQkNormFusedFwdArgs(const ffi::AnyBuffer& qkv, const ffi::
 // Target qk_norm_bwd: dq_out and q [rows_q, D], dk_out and k [rows_k, D], all of one dtype and
 // D; the weights (1, D), one dtype (the data's, or float32 beside 16-bit data); the saved
 // q_mean, q_rstd [rows_q] and k_mean, k_rstd [rows_k] (means (0,) for rmsnorm); dq, dk like q
-// and k; dq_weight, dk_weight (1, D) of the weights' dtype; workspace [bytes] uint8 (its size
+// and k; dweights (2, D) of the weights' dtype (q's row, then k's); workspace [bytes] uint8 (its size
 // is the CUDA handler's to check); offset finite (0 for layernorm); norm a NormKind value.
 inline ffi::Error CheckQkNormBwdArgs(const ffi::AnyBuffer& dq_out, const ffi::AnyBuffer& dk_out,
                                      const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
@@ -317,8 +317,8 @@ inline ffi::Error CheckQkNormBwdArgs(const ffi::AnyBuffer& dq_out, const ffi::An
                                      const ffi::AnyBuffer& q_mean, const ffi::AnyBuffer& q_rstd,
                                      const ffi::AnyBuffer& k_mean, const ffi::AnyBuffer& k_rstd,
                                      const ffi::AnyBuffer& dq, const ffi::AnyBuffer& dk,
-                                     const ffi::AnyBuffer& dq_weight, const ffi::AnyBuffer& dk_weight,
-                                     const ffi::AnyBuffer& workspace, double offset, int32_t norm_attr,
+                                     const ffi::AnyBuffer& dweights, const ffi::AnyBuffer& workspace,
+                                     double offset, int32_t norm_attr,
                                      QkShape* shape) {
   const char* fn = "qk_norm_bwd";
   QkShape s{};
@@ -338,8 +338,7 @@ inline ffi::Error CheckQkNormBwdArgs(const ffi::AnyBuffer& dq_out, const ffi::An
       {"k_rstd", k_rstd, {1, s.rows_k, 0}, stat, false, "(k's rows)"},
       {"dq", dq, {2, s.rows_q, s.D}, t, false, "(q's shape)"},
       {"dk", dk, {2, s.rows_k, s.D}, t, false, "(k's shape)"},
-      {"dq_weight", dq_weight, {2, 1, s.D}, pt, false, "(q_weight's shape)"},
-      {"dk_weight", dk_weight, {2, 1, s.D}, pt, false, "(k_weight's shape)"},
+      {"dweights", dweights, {2, 2, s.D}, pt, false, "(q's and k's dweight rows)"},
   };
   auto context = [&] {
     return std::string(" for ") + NormName(s.norm) + " of q with shape " + ShapeStr(q.dimensions()) +
@@ -354,15 +353,15 @@ inline ffi::Error CheckQkNormBwdArgs(const ffi::AnyBuffer& dq_out, const ffi::An
 
 // Target qk_norm_fused_bwd: dqkv_out and qkv [tokens, (q_heads + 2 * kv_heads) * D] of one
 // dtype; the weights (1, D) as qk_norm_bwd's; the saved q_mean, q_rstd [tokens * q_heads] and
-// k_mean, k_rstd [tokens * kv_heads] (means (0,) for rmsnorm); dqkv like qkv; dq_weight,
-// dk_weight (1, D) of the weights' dtype; workspace [bytes] uint8; offset and norm as
+// k_mean, k_rstd [tokens * kv_heads] (means (0,) for rmsnorm); dqkv like qkv; dweights
+// (2, D) of the weights' dtype (q's row, then k's); workspace [bytes] uint8; offset and norm as
 // qk_norm_bwd's; q_heads, kv_heads >= 1.
 inline ffi::Error CheckQkNormFusedBwdArgs(const ffi::AnyBuffer& dqkv_out, const ffi::AnyBuffer& qkv,
                                           const ffi::AnyBuffer& q_weight, const ffi::AnyBuffer& k_weight,
                                           const ffi::AnyBuffer& q_mean, const ffi::AnyBuffer& q_rstd,
                                           const ffi::AnyBuffer& k_mean, const ffi::AnyBuffer& k_rstd,
-                                          const ffi::AnyBuffer& dqkv, const ffi::AnyBuffer& dq_weight,
-                                          const ffi::AnyBuffer& dk_weight, const ffi::AnyBuffer& workspace,
+                                          const ffi::AnyBuffer& dqkv, const ffi::AnyBuffer& dweights,
+                                          const ffi::AnyBuffer& workspace,
                                           double offset, int32_t norm_attr, int64_t q_heads, int64_t kv_heads,
                                           QkShape* shape) {
   const char* fn = "qk_norm_fused_bwd";
@@ -380,8 +379,7 @@ inline ffi::Error CheckQkNormFusedBwdArgs(const ffi::AnyBuffer& dqkv_out, const 
       QkMean("k_mean", k_mean, s.rows_k, s.norm, t, "(tokens * kv_heads)"),
       {"k_rstd", k_rstd, {1, s.rows_k, 0}, stat, false, "(tokens * kv_heads)"},
       {"dqkv", dqkv, {2, s.tokens, s.width}, t, false, "(qkv's shape)"},
-      {"dq_weight", dq_weight, {2, 1, s.D}, pt, false, "(q_weight's shape)"},
-      {"dk_weight", dk_weight, {2, 1, s.D}, pt, false, "(k_weight's shape)"},
+      {"dweights", dweights, {2, 2, s.D}, pt, false, "(q's and k's dweight rows)"},
   };
   auto context = [&] {
     return std::string(" for ") + NormName(s.norm) + " of qkv with shape " + ShapeStr(qkv.dimensions()) +

@@ -235,8 +235,7 @@ inline auto QkNormBwdOperands() {
       .Arg<AnyBuffer>()   // k_rstd [rows_k] stat
       .Ret<AnyBuffer>()   // dq [rows_q, D] dtype
       .Ret<AnyBuffer>()   // dk [rows_k, D] dtype
-      .Ret<AnyBuffer>()   // dq_weight [1, D] the weights' dtype: the sum over q's rows
-      .Ret<AnyBuffer>()   // dk_weight [1, D] the weights' dtype: the sum over k's rows
+      .Ret<AnyBuffer>()   // dweights [2, D] the weights' dtype: row 0 the sum over q's rows, row 1 over k's
       .Ret<AnyBuffer>()   // workspace [bytes] uint8: the CUDA kernels' scratch
       .Attr<double>("offset")    // rmsnorm's, added to both weights (Gemma: 1); 0 for layernorm
       .Attr<int32_t>("norm");    // NormKind: 0 layernorm, 1 rmsnorm
@@ -255,8 +254,8 @@ inline auto QkNormFusedBwdOperands() {
       .Arg<AnyBuffer>()   // k_mean [tokens * kv_heads] stat (layernorm), [0] (rmsnorm)
       .Arg<AnyBuffer>()   // k_rstd [tokens * kv_heads] stat
       .Ret<AnyBuffer>()   // dqkv [tokens, (q_heads + 2 * kv_heads) * D] dtype: aliases dqkv_out
-      .Ret<AnyBuffer>()   // dq_weight [1, D] the weights' dtype: the sum over the q heads of every token
-      .Ret<AnyBuffer>()   // dk_weight [1, D] the weights' dtype: the sum over the k heads of every token
+      .Ret<AnyBuffer>()   // dweights [2, D] the weights' dtype: row 0 the sum over the q heads of every
+                          //   token, row 1 over the k heads
       .Ret<AnyBuffer>()   // workspace [bytes] uint8: the CUDA kernels' scratch
       .Attr<double>("offset")      // rmsnorm's, added to both weights (Gemma: 1); 0 for layernorm
       .Attr<int32_t>("norm")       // NormKind: 0 layernorm, 1 rmsnorm

@@ -164,13 +164,13 @@ ffi::Error QkNormFusedFwdCpu(ffi::AnyBuffer qkv, ffi::AnyBuffer q_weight, ffi::A
 ffi::Error QkNormBwdCpu(ffi::AnyBuffer dq_out, ffi::AnyBuffer dk_out, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::AnyBuffer q_weight, ffi::AnyBuffer k_weight, ffi::AnyBuffer q_mean, ffi::AnyBuffer q_rstd,
                         ffi::AnyBuffer k_mean, ffi::AnyBuffer k_rstd, ffi::Result<ffi::AnyBuffer> dq,
-                        ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dq_weight,
-                        ffi::Result<ffi::AnyBuffer> dk_weight, ffi::Result<ffi::AnyBuffer> workspace, double offset,
+                        ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dweights,
+                        ffi::Result<ffi::AnyBuffer> workspace, double offset,
                         int32_t norm) {
   const char* fn = "qk_norm_bwd";
   QkShape shape;
   if (auto e = CheckQkNormBwdArgs(dq_out, dk_out, q, k, q_weight, k_weight, q_mean, q_rstd, k_mean, k_rstd, *dq, *dk,
-                                  *dq_weight, *dk_weight, *workspace, offset, norm, &shape);
+                                  *dweights, *workspace, offset, norm, &shape);
       e.failure()) {
     return e;
   }
@@ -185,9 +185,9 @@ ffi::Error QkNormBwdCpu(ffi::AnyBuffer dq_out, ffi::AnyBuffer dk_out, ffi::AnyBu
     const A off = centered ? A(0) : static_cast<A>(offset);
     const RowLayout at = Separate(shape);
     BwdSet<D, P>(centered, Data<const S>(dq_out), Data<const S>(q), Data<S>(*dq), at, shape.rows_q,
-                 Data<const PS>(q_weight), Data<const A>(q_mean), Data<const A>(q_rstd), off, Data<PS>(*dq_weight));
+                 Data<const PS>(q_weight), Data<const A>(q_mean), Data<const A>(q_rstd), off, Data<PS>(*dweights));
     BwdSet<D, P>(centered, Data<const S>(dk_out), Data<const S>(k), Data<S>(*dk), at, shape.rows_k,
-                 Data<const PS>(k_weight), Data<const A>(k_mean), Data<const A>(k_rstd), off, Data<PS>(*dk_weight));
+                 Data<const PS>(k_weight), Data<const A>(k_mean), Data<const A>(k_rstd), off, Data<PS>(*dweights) + shape.D);
   });
 }
 
@@ -197,13 +197,12 @@ ffi::Error QkNormBwdCpu(ffi::AnyBuffer dq_out, ffi::AnyBuffer dk_out, ffi::AnyBu
 ffi::Error QkNormFusedBwdCpu(ffi::AnyBuffer dqkv_out, ffi::AnyBuffer qkv, ffi::AnyBuffer q_weight,
                              ffi::AnyBuffer k_weight, ffi::AnyBuffer q_mean, ffi::AnyBuffer q_rstd,
                              ffi::AnyBuffer k_mean, ffi::AnyBuffer k_rstd, ffi::Result<ffi::AnyBuffer> dqkv,
-                             ffi::Result<ffi::AnyBuffer> dq_weight, ffi::Result<ffi::AnyBuffer> dk_weight,
-                             ffi::Result<ffi::AnyBuffer> workspace, double offset, int32_t norm, int64_t q_heads,
+                             ffi::Result<ffi::AnyBuffer> dweights, ffi::Result<ffi::AnyBuffer> workspace, double offset, int32_t norm, int64_t q_heads,
                              int64_t kv_heads) {
   const char* fn = "qk_norm_fused_bwd";
   QkShape shape;
   if (auto e = CheckQkNormFusedBwdArgs(dqkv_out, qkv, q_weight, k_weight, q_mean, q_rstd, k_mean, k_rstd, *dqkv,
-                                       *dq_weight, *dk_weight, *workspace, offset, norm, q_heads, kv_heads, &shape);
+                                       *dweights, *workspace, offset, norm, q_heads, kv_heads, &shape);
       e.failure()) {
     return e;
   }
@@ -219,9 +218,9 @@ ffi::Error QkNormFusedBwdCpu(ffi::AnyBuffer dqkv_out, ffi::AnyBuffer qkv, ffi::A
     S* g = Data<S>(*dqkv);
     const S* x = Data<const S>(qkv);
     BwdSet<D, P>(centered, g, x, g, FusedQ(shape), shape.rows_q, Data<const PS>(q_weight), Data<const A>(q_mean),
-                 Data<const A>(q_rstd), off, Data<PS>(*dq_weight));
+                 Data<const A>(q_rstd), off, Data<PS>(*dweights));
     BwdSet<D, P>(centered, g, x, g, FusedK(shape), shape.rows_k, Data<const PS>(k_weight), Data<const A>(k_mean),
-                 Data<const A>(k_rstd), off, Data<PS>(*dk_weight));
+                 Data<const A>(k_rstd), off, Data<PS>(*dweights) + shape.D);
   });
 }
 

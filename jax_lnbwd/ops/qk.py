@@ -115,18 +115,17 @@ def qk_fused_fwd_call(norm: Norm, qkv, q_weight, k_weight, q_heads: int, kv_head
 def qk_bwd_call(norm: Norm, dq_out, dk_out, q, k, q_weight, k_weight, q_stats, k_stats, offset: float = 0.0):
     """(dq, dk, dq_weight, dk_weight): the backward of qk_fwd_call given the cotangents dq_out,
     dk_out and the saved statistics; the weights (D,) are required, and their gradients (D,),
-    in the weights' dtype, are the sums over all of their set's rows."""
+    in the weights' dtype, are the sums over all of their set's rows. The target returns the two
+    as one (2, D) array: the CUDA kernels' one finalize pass writes both rows."""
     (rows_q, D), rows_k = q.shape, k.shape[0]
     q_mean, q_rstd = _mean_rstd(norm, q_stats, q.dtype)
     k_mean, k_rstd = _mean_rstd(norm, k_stats, q.dtype)
     operands = (dq_out, dk_out, q, k, q_weight.reshape(1, -1), k_weight.reshape(1, -1), q_mean, q_rstd, k_mean,
                 k_rstd)
     ws = qk_workspace_bytes(q.dtype, rows_q, rows_k, D)
-    results = (((rows_q, D), q.dtype), ((rows_k, D), k.dtype), ((1, D), q_weight.dtype), ((1, D), k_weight.dtype),
-               ((ws,), np.uint8))
-    dq, dk, dq_weight, dk_weight, _ = ffi.call(QK_TARGETS.bwd, operands, results, op="qk_norm_bwd",
-                                               **_attributes(norm, offset))
-    return dq, dk, dq_weight.reshape(D), dk_weight.reshape(D)
+    results = (((rows_q, D), q.dtype), ((rows_k, D), k.dtype), ((2, D), q_weight.dtype), ((ws,), np.uint8))
+    dq, dk, dweights, _ = ffi.call(QK_TARGETS.bwd, operands, results, op="qk_norm_bwd", **_attributes(norm, offset))
+    return dq, dk, dweights[0], dweights[1]
 
 
 def qk_fused_bwd_call(norm: Norm, dqkv_out, qkv, q_weight, k_weight, q_stats, k_stats, q_heads: int,
@@ -140,8 +139,8 @@ def qk_fused_bwd_call(norm: Norm, dqkv_out, qkv, q_weight, k_weight, q_stats, k_
     k_mean, k_rstd = _mean_rstd(norm, k_stats, qkv.dtype)
     operands = (dqkv_out, qkv, q_weight.reshape(1, -1), k_weight.reshape(1, -1), q_mean, q_rstd, k_mean, k_rstd)
     ws = qk_workspace_bytes(qkv.dtype, tokens * q_heads, tokens * kv_heads, D)
-    results = ((qkv.shape, qkv.dtype), ((1, D), q_weight.dtype), ((1, D), k_weight.dtype), ((ws,), np.uint8))
-    dqkv, dq_weight, dk_weight, _ = ffi.call(
+    results = ((qkv.shape, qkv.dtype), ((2, D), q_weight.dtype), ((ws,), np.uint8))
+    dqkv, dweights, _ = ffi.call(
         QK_TARGETS.fused_bwd, operands, results, op="qk_norm_fused_bwd", aliases={0: 0},
         q_heads=np.int64(q_heads), kv_heads=np.int64(kv_heads), **_attributes(norm, offset))
-    return dqkv, dq_weight.reshape(D), dk_weight.reshape(D)
+    return dqkv, dweights[0], dweights[1]

@@ -200,16 +200,15 @@ def test_fused_unaliased(platform, norm):
     fwd_types = (jax.ShapeDtypeStruct(qkv.shape, qkv.dtype), jax.ShapeDtypeStruct((mean_q,), stat),
                  jax.ShapeDtypeStruct((rows_q,), stat), jax.ShapeDtypeStruct((mean_k,), stat),
                  jax.ShapeDtypeStruct((rows_k,), stat))
-    bwd_types = (jax.ShapeDtypeStruct(qkv.shape, qkv.dtype), jax.ShapeDtypeStruct((1, 16), np.float32),
-                 jax.ShapeDtypeStruct((1, 16), np.float32),
+    bwd_types = (jax.ShapeDtypeStruct(qkv.shape, qkv.dtype), jax.ShapeDtypeStruct((2, 16), np.float32),
                  jax.ShapeDtypeStruct((qk_workspace_bytes("bfloat16", rows_q, rows_k, 16),), np.uint8))
 
     def unaliased(qkv, dqkv_out, qw, kw):
         out, qm, qr, km, kr = jax.ffi.ffi_call(QK_TARGETS.fused_fwd, fwd_types)(
             qkv, qw[None], kw[None], eps=np.float64(EPS), **attrs)
-        dqkv, dqw, dkw, _ = jax.ffi.ffi_call(QK_TARGETS.fused_bwd, bwd_types)(
+        dqkv, dweights, _ = jax.ffi.ffi_call(QK_TARGETS.fused_bwd, bwd_types)(
             dqkv_out, qkv, qw[None], kw[None], qm, qr, km, kr, **attrs)
-        return out, dqkv, dqw[0], dkw[0]
+        return out, dqkv, dweights[0], dweights[1]
 
     def aliased(qkv, dqkv_out, qw, kw):
         out, q_stats, k_stats = qk_fused_fwd_call(norm, qkv, qw, kw, q_heads, kv_heads, EPS)
