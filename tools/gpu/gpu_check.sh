@@ -34,6 +34,10 @@
 #   small      the small rows (C 32-512; head_dim norms): kernel 11's configurations and the
 #              forward's row groups (tools/tune), then the kernel bench's small-C rows of the
 #              layernorm and rmsnorm ops, forward and backward, bf16 and fp32, with every peer
+#   qk         QK-norm's one-launch kernels: tests/cuda/qk_check.cu plainly and under the four
+#              sanitizers with its control (run_qk_sanitizers.sh), the QK-norm tests on the GPU,
+#              and the kernel bench's qk_norm ops (separate and fused, forward and backward, bf16
+#              and fp32) with every peer
 #   e2e        the training-step bench
 # PEERS: the forward and l2 stages' --peers (by default every peer but Pallas, to keep the stages
 # short: name it in PEERS to add it).
@@ -153,6 +157,11 @@ for stage in "$@"; do
       grep -E "default|auto|^[a-z]" "$OUT/small_sweep.log"
       run small python3 -m benchmarks.kernels --op layernorm_fwd,layernorm_bwd,rmsnorm_fwd,rmsnorm_bwd \
         --dtypes bfloat16,float32 --shapes 524288x64,262144x128,131072x256 --no-progress --out "$OUT/small" ;;
+    qk)
+      run qk_sanitize tests/cuda/run_qk_sanitizers.sh "$OUT/qk_sanitizers"
+      run qk_tests python3 -m pytest -q -m gpu -n "${JOBS:-4}" -k "qk" tests
+      run qk_bench python3 -m benchmarks.kernels --op qk_norm,qk_norm_fused --dtypes bfloat16,float32 \
+        --reps 3 --min-run-ms 10 --no-progress --out "$OUT/qk" ;;
     e2e)
       TAIL=40 run e2e python3 -m benchmarks.e2e ${E2E_ARGS:-} --out "$OUT/e2e" ;;
     *) echo "unknown stage $stage"; status=2 ;;
