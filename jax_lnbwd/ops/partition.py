@@ -55,14 +55,20 @@ class ShardingFallbackWarning(UserWarning):
     """A jax_lnbwd op gathers an input because it cannot use its sharding as it is."""
 
 
-def partly_manual(op: str, gathered: str) -> bool:
+def in_partly_manual() -> bool:
     """Whether we are inside a shard_map over some mesh axes with the others automatic
-    (shard_map(..., axis_names=...)); warns if so. custom_partitioning cannot name the automatic
-    axes there, so the caller runs the plain FFI call and XLA gathers `gathered` along them.
-    op: e.g. "the layernorm backward"; gathered: e.g. "dy and x"."""
+    (shard_map(..., axis_names=...)), where custom_partitioning cannot name the automatic axes."""
     mesh = jax.sharding.get_abstract_mesh()
-    if not (mesh.manual_axes and set(mesh.manual_axes) != set(mesh.axis_names)):
+    return bool(mesh.manual_axes) and set(mesh.manual_axes) != set(mesh.axis_names)
+
+
+def partly_manual(op: str, gathered: str) -> bool:
+    """in_partly_manual(), with a warning if so: the caller runs the plain FFI call there, and
+    XLA gathers `gathered` along the automatic axes.
+    op: e.g. "the layernorm backward"; gathered: e.g. "dy and x"."""
+    if not in_partly_manual():
         return False
+    mesh = jax.sharding.get_abstract_mesh()
     them = "them" if " and " in gathered else "it"
     warnings.warn(f"jax_lnbwd: inside a shard_map over mesh axes {mesh.manual_axes} of "
                   f"{mesh.axis_names}, {op} gathers {gathered} along the others; "
