@@ -23,6 +23,13 @@ asks `decide` once, when it is traced, and runs what it answers through `run`:
      bench, CROSSOVERS below); jnp on every other platform (XLA's CPU code is faster than our
      C++ reference handler, which exists for tests and forcing).
 
+QK-norm (qk_norm, qk_norm_fused) asks first whether it runs as one op for q's and k's heads or
+as two norm calls (`qk_one_op`): the one op where some direction would run it (the switches'
+"ffi"; its crossovers are not measured yet, so never in "auto") and nothing refuses it
+(`qk_refusal`: dtypes, row bytes, sharding). The one op's forward and backward then ask `decide`
+as op "qk_norm" (or "qk_norm_fused"), with q's and k's rows together and head_dim as C; two
+calls ask it as the norm each one is.
+
 When the rule leaves every platform to jnp in both directions (no CUDA handler in this build, or a
 shape below both crossovers), the public functions return the jnp reference differentiated by JAX
 (`whole_jnp`): the very program plain jnp code makes, with no custom_jvp around it.
@@ -44,7 +51,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from . import config
+from . import _jax_lnbwd, config
 from .norms import Norm
 
 FORWARD, BACKWARD = "forward", "backward"
@@ -81,7 +88,17 @@ CROSSOVERS = {
     ("layernorm", BACKWARD, 4): ((256, 1024), (64, 65536, ALIGNED)),
     ("rmsnorm", BACKWARD, 2): ((256, 1024), (64, 65536, ALIGNED)),
     ("rmsnorm", BACKWARD, 4): ((256, 1024), (64, 65536, ALIGNED)),
+    # QK-norm as one op (qk_autodiff.py: q's and k's heads in one call; C is head_dim, rows
+    # are q's and k's heads together). Not measured on the GPU yet: no pairs, so mode "auto"
+    # keeps the two-call path (each call then dispatched as rmsnorm/layernorm is, by the rows
+    # above) and only mode "ffi" runs the one op. qk_norm_fused shares these rows (QK_ROWS).
+    ("qk_norm", FORWARD, 2): (),
+    ("qk_norm", FORWARD, 4): (),
+    ("qk_norm", BACKWARD, 2): (),
+    ("qk_norm", BACKWARD, 4): (),
 }
+# Ops that take another op's rows: the fused QK-norm's one op is the separate one's, in place.
+QK_ROWS = {"qk_norm_fused": "qk_norm"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,16 +136,19 @@ def clear_decisions() -> None:
 
 def crossovers(op: str, direction: str, dtype) -> tuple:
     """The (C, rows) pairs (a third element ALIGNED: for 16-byte rows only) from which our CUDA
-    kernel is the faster for `op` ("rmsnorm", "add_layernorm", ...), direction and dtype."""
+    kernel is the faster for `op` ("rmsnorm", "add_layernorm", "qk_norm", ...), direction and
+    dtype; none where it has not been measured (QK-norm's one op)."""
     bytes_ = min(max(np.dtype(dtype).itemsize, 2), 4)
     if direction == BACKWARD:
         op = op.removeprefix("add_")
-    return CROSSOVERS[(op, direction, bytes_)]
+    return CROSSOVERS[(QK_ROWS.get(op, op), direction, bytes_)]
 
 
 def cuda_kernel_wins(op: str, direction: str, rows: int, C: int, dtype) -> tuple[bool, str]:
     """Whether our CUDA kernel beats XLA's fusion at this shape (the measured crossovers), and why."""
     pairs = crossovers(op, direction, dtype)
+    if not pairs:
+        return False, f"{op} {direction}: not measured on the GPU yet (no crossovers): XLA's fusion runs"
     aligned = C * np.dtype(dtype).itemsize % 16 == 0
     for c, r, *only in pairs:
         if C >= c and rows >= r and (aligned or ALIGNED not in only):
@@ -138,10 +158,11 @@ def cuda_kernel_wins(op: str, direction: str, rows: int, C: int, dtype) -> tuple
     return False, f"C {C}, rows {rows}: XLA's fusion is faster (ours needs {need})"
 
 
-def _call(norm: Norm, add: bool, x_shape) -> tuple[str, int, int]:
-    """(the public op's name, rows, C) of a call on x of x_shape."""
+def _call(norm: Norm, add: bool, x_shape, op: str | None = None) -> tuple[str, int, int]:
+    """(the public op's name, rows, C) of a call on x of x_shape (`op`: an op that is not the norm's
+    own, QK-norm's)."""
     C = int(x_shape[-1]) if len(x_shape) else 1
-    return ("add_" if add else "") + norm.name, int(np.prod(x_shape[:-1], dtype=np.int64)), C
+    return op or ("add_" if add else "") + norm.name, int(np.prod(x_shape[:-1], dtype=np.int64)), C
 
 
 def mode(direction: str) -> str:
@@ -150,15 +171,17 @@ def mode(direction: str) -> str:
 
 
 def decide(norm: Norm, direction: str, x_shape, dtype, *, add: bool = False, mode_: str | None = None,
-           differentiated: bool = False, explicitly_sharded: bool = False, cuda_built: bool = True) -> Decision:
+           differentiated: bool = False, explicitly_sharded: bool = False, cuda_built: bool = True,
+           op: str | None = None) -> Decision:
     """Where our kernel runs this call (see the module doc), recorded in decisions().
 
     mode_: the switches' mode the call captured when it was traced (a backward is traced after
     the forward that asked for it, outside any `with` block around that forward; None: now).
     differentiated: a forward computed under autodiff (a training step's), whose statistics a
-    backward will use."""
+    backward will use. op: the op when it is not the norm's own ("qk_norm", "qk_norm_fused":
+    x_shape is then (rows of q and k together, head_dim))."""
     mode_ = mode(direction) if mode_ is None else mode_
-    op, rows, C = _call(norm, add, x_shape)
+    op, rows, C = _call(norm, add, x_shape, op)
     if mode_ == "ffi":
         platforms, why = EVERY, "forced: use_ffi_*(True), JAX_LNBWD_*=ffi or an explicit kernel"
     elif mode_ in ("xla", "jnp"):
@@ -209,3 +232,50 @@ def run(decision: Decision, ours, jnp_path, *args):
     if not decision.platforms:
         return jnp_path(*args)
     return jax.lax.platform_dependent(*args, **{p: ours for p in decision.platforms}, default=jnp_path)
+
+
+# --- QK-norm: one op for q's and k's heads, or a norm call for each -----------------------------
+
+def qk_refusal(q_dtype, k_dtype, weight_dtypes, D: int, *, explicitly_sharded: bool, partly_manual: bool) -> str | None:
+    """Why QK-norm cannot run as one op here, or None where it can: the one op's conditions, the
+    same on every platform (the CPU handler's too), so that the rule is one. Refused, the two
+    norm calls run instead, whatever the mode.
+      * q and k of one dtype, and the present weights (`weight_dtypes`, None for an absent one) of
+        one dtype: the call takes one of each (an absent weight is ones of the present one's dtype);
+      * rows of whole 16-byte vectors (D * itemsize a multiple of 16) of at most
+        head_rows_max_bytes bytes: the CUDA kernels' limits (ffi/kernels/common/head_rows.h);
+      * not under Explicit mesh axes (the call's results would be typed without a sharding), nor
+        inside a shard_map over only some mesh axes (custom_partitioning cannot name the others).
+    The one op has no custom_partitioning rule yet: under a sharded jit XLA would gather its
+    inputs onto every device. The two-call path, the default, keeps the norms' partitioning
+    rules (ops/partition.py): rows and heads stay sharded."""
+    row_bytes, most = D * np.dtype(q_dtype).itemsize, _jax_lnbwd.head_rows_max_bytes
+    present = {np.dtype(w) for w in weight_dtypes if w is not None}
+    if np.dtype(q_dtype) != np.dtype(k_dtype):
+        return f"q is {np.dtype(q_dtype)} but k is {np.dtype(k_dtype)}"
+    if len(present) > 1:
+        return f"the weights have two dtypes ({', '.join(sorted(map(str, present)))})"
+    if row_bytes % 16 or row_bytes > most:
+        return f"a head's row is {row_bytes} bytes (the one op takes multiples of 16 up to {most})"
+    if explicitly_sharded:
+        return "Explicit mesh axes"
+    if partly_manual:
+        return "inside a shard_map over only some mesh axes"
+    return None
+
+
+def qk_one_op(op: str, rows: int, D: int, dtype, *, refusal: str | None, bwd_mode: str, cuda_built: bool) -> bool:
+    """Whether QK-norm (`op`: "qk_norm" or "qk_norm_fused") runs as its one op (qk_autodiff.py),
+    whose forward and backward then ask `decide` for their own direction, or as two norm calls,
+    each dispatched as rmsnorm/layernorm is. The one op where some platform would run it in some
+    direction (the switches' "ffi", or a crossover on CUDA: none measured yet) and nothing
+    refuses it (qk_refusal); a refusal there is recorded as one decision, direction "both". The
+    off switch (mode "xla") is two calls, each the jnp reference. rows: q's and k's together."""
+    if bwd_mode == "xla":
+        return False
+    kernel_somewhere = any(p != "cuda" or cuda_built for p in KERNEL_PLATFORMS)
+    wanted = [d for d, m in ((FORWARD, mode(FORWARD)), (BACKWARD, bwd_mode))
+              if m == "ffi" or (m == "auto" and kernel_somewhere and cuda_kernel_wins(op, d, rows, D, dtype)[0])]
+    if wanted and refusal is not None:
+        _LOG.append(Decision(op, "both", rows, D, str(np.dtype(dtype)), NONE, f"two norm calls: {refusal}"))
+    return bool(wanted) and refusal is None
