@@ -10,25 +10,43 @@ Each head's D values are one row of the norm, and one weight (D,) scales every h
 with rmsnorm's x̂ = x * rsqrt(mean(x²) + eps), or layernorm's (x - mean) * rsqrt(var + eps)
 (norm="layernorm": no bias, no offset). Hq may differ from Hk (grouped-query attention).
 
-q and k are normalized by the rmsnorm (or layernorm) op, one call each, so both forms have
-everything those ops have: jit, grad and jvp to any order, vmap, scan, checkpoint, jax.export,
-sharding over rows and over a head axis (heads are rows to the op). dq_weight and dk_weight
-are summed over all rows and heads, in fp32 when the weights are fp32.
+Two paths compute it, with the same numbers (statistics in fp32, outputs rounded once):
+  * two norm calls (the default): q and k are normalized by the rmsnorm (or layernorm) op, one
+    call each, each dispatched as that op is (dispatch.py: our kernel on CUDA above its
+    crossovers, XLA's jnp elsewhere), so both forms have everything those ops have: jit, grad
+    and jvp to any order, vmap, scan, checkpoint, jax.export, sharding over rows and over a
+    head axis (heads are rows to the op). qk_norm_fused splits the heads, normalizes q and k,
+    and concatenates the three back: where the norm is our kernel (a custom call, which reads
+    a contiguous operand) the q and k slices and the concatenation are copies around the calls.
+  * one op (issue 51, qk_autodiff.py and qk_tangent.py): ONE FFI call per direction for q's and
+    k's heads together (one kernel launch on the GPU); qk_norm_fused's reads and writes the
+    fused projection in place (its v heads untouched), with no slices or concatenation. It runs
+    where the dispatch rule says (dispatch.qk_one_op): its crossovers are not measured on the
+    GPU yet, so only when a switch forces our kernels (use_ffi_forward(True),
+    use_ffi_backward(True), JAX_LNBWD_FORWARD/BACKWARD=ffi), on every platform (the CPU runs
+    the C++ handler), in the forced direction; the other direction then runs as two calls would.
+    It has jit, grad and jvp to any order, vmap (shared weights: the batch is more rows, still
+    one call; per-example weights: our norm's op per set), scan, checkpoint and jax.export, but
+    no partitioning rule yet: under a sharded jit XLA gathers its inputs. Where it cannot run
+    (dispatch.qk_refusal: q and k of two dtypes, weights of two dtypes, a head's row not a
+    multiple of 16 bytes or over the kernels' limit, Explicit mesh axes, a shard_map over only
+    some mesh axes) the two calls run instead, whatever the switches, and decisions() says why.
+dq_weight and dk_weight are summed over all rows and heads, in fp32 when the weights are fp32.
+The off switch (use_xla_backward(True)) makes both forms the jnp reference per set.
 
-qk_norm_fused takes the fused projection's output [..., (Hq + 2·Hk)·D], heads in the order q,
-k, v, and returns the same array with the q and k heads normalized and v unchanged. It splits
-the heads, normalizes q and k, and concatenates the three back. Where the norm is our kernel (a
-custom call, which reads a contiguous operand) the q and k slices and the concatenation are
-copies around the two calls; a kernel that reads q and k in place in the fused array needs none.
+Errors: arguments are checked at trace time, before either path is chosen, and every message
+names the public function (qk_norm or qk_norm_fused) and the argument, e.g.
+    qk_norm: 'k_weight' has shape (1, 8) but expected (8,)
+The one op's handlers check again at run time (ffi/checks/qk_norm.h), naming the target.
 
 The norm kind is the public keyword's string ("rmsnorm", "layernorm"), converted to its row
 (norms.RMSNORM, norms.LAYERNORM) here, at the boundary.
 """
 from __future__ import annotations
 
-import jax.numpy as jnp
+import jax
 
-from . import _checks
+from . import _checks, autodiff, qk_autodiff
 from .layernorm import layernorm
 from .norms import RMSNORM, Norm
 from .rmsnorm import rmsnorm
@@ -43,7 +61,12 @@ def qk_norm(q, k, q_weight, k_weight, *, eps: float = 1e-6, offset: float = 0.0,
     are static Python floats; offset (Gemma's zero-centred scale: 1.0) is rmsnorm's, added to
     both weights. norm is "rmsnorm" or "layernorm" (no bias). Outputs have q's and k's dtypes.
     """
-    return _normalize("qk_norm", q, k, q_weight, k_weight, eps, offset, norm)
+    fn = "qk_norm"
+    norm, eps, offset = _check(fn, q, k, q_weight, k_weight, eps, offset, norm)
+    s = qk_autodiff.settings(fn, norm, eps, offset, q, q_weight, k_weight)
+    if qk_autodiff.one_op_runs(fn, q, k, q_weight, k_weight, q, k):
+        return qk_autodiff.normalize(s, *autodiff.vary_all(q, k, q_weight, k_weight))
+    return _two_calls(norm, q, k, q_weight, k_weight, eps, offset)
 
 
 def qk_norm_fused(qkv, q_weight, k_weight, *, q_heads: int, kv_heads: int, eps: float = 1e-6,
@@ -57,15 +80,18 @@ def qk_norm_fused(qkv, q_weight, k_weight, *, q_heads: int, kv_heads: int, eps: 
     q_heads = _checks.head_count(fn, "q_heads", q_heads)
     kv_heads = _checks.head_count(fn, "kv_heads", kv_heads)
     D = _checks.fused_head_dim(fn, qkv, q_heads, kv_heads)
-    heads = qkv.reshape(qkv.shape[:-1] + (q_heads + 2 * kv_heads, D))
-    q, k, v = (heads[..., :q_heads, :], heads[..., q_heads:q_heads + kv_heads, :],
-               heads[..., q_heads + kv_heads:, :])
-    q, k = _normalize(fn, q, k, q_weight, k_weight, eps, offset, norm)
-    return jnp.concatenate([q, k, v], axis=-2).reshape(qkv.shape)
+    # q's and k's heads as the checks and the rule see them (shapes only: nothing is sliced yet).
+    q, k = (jax.ShapeDtypeStruct(qkv.shape[:-1] + (h, D), qkv.dtype) for h in (q_heads, kv_heads))
+    norm, eps, offset = _check(fn, q, k, q_weight, k_weight, eps, offset, norm)
+    s = qk_autodiff.settings(fn, norm, eps, offset, q, q_weight, k_weight, q_heads, kv_heads)
+    if qk_autodiff.one_op_runs(fn, q, k, q_weight, k_weight, qkv):
+        return qk_autodiff.normalize(s, *autodiff.vary_all(qkv, q_weight, k_weight))[0]
+    q, k, v = s.split(qkv)
+    return s.join(*_two_calls(norm, q, k, q_weight, k_weight, eps, offset), v)[0]
 
 
-def _normalize(fn, q, k, q_weight, k_weight, eps, offset, norm):
-    """Both forms' checks, named for `fn`, then one norm call for q and one for k."""
+def _check(fn, q, k, q_weight, k_weight, eps, offset, norm) -> tuple[Norm, float, float]:
+    """Both forms' checks, named for `fn`: (the norm's row, eps, offset)."""
     norm = _checks.norm_kind(fn, norm)
     eps = _checks.eps(fn, eps)
     _checks.heads(fn, "q", q)
@@ -77,6 +103,11 @@ def _normalize(fn, q, k, q_weight, k_weight, eps, offset, norm):
     offset = _checks.offset(fn, offset, k_weight, "k_weight")
     if not norm.offset and offset != 0.0:
         raise ValueError(f"{fn}: offset={offset!r} is rmsnorm's; norm={norm.name!r} takes none (pass offset=0)")
+    return norm, eps, offset
+
+
+def _two_calls(norm, q, k, q_weight, k_weight, eps, offset):
+    """One norm call for q and one for k, each dispatched as that norm is."""
     if norm is RMSNORM:
         return rmsnorm(q, q_weight, eps=eps, offset=offset), rmsnorm(k, k_weight, eps=eps, offset=offset)
     return layernorm(q, q_weight, None, eps=eps), layernorm(k, k_weight, None, eps=eps)
