@@ -87,15 +87,6 @@ class QkSettings:
         return (heads.reshape(heads.shape[:-2] + (-1,)),)
 
 
-def per_set(s: QkSettings, f, cts, data, weights, q_stats, k_stats) -> tuple:
-    """(*the form's cotangents, dq_weight, dk_weight) from f(dy, x, weight, stats) -> (dx, dweight, ...),
-    a norm's backward, run once per set; the v heads' cotangent passes through."""
-    (cq, ck, cv), (q, k, _) = s.split(*cts), s.split(*data)
-    dq, dq_weight, *_ = f(cq, q, weights[0], q_stats)
-    dk, dk_weight, *_ = f(ck, k, weights[1], k_stats)
-    return (*s.join(dq, dk, cv), dq_weight, dk_weight)
-
-
 def one_op(local, reference_fn, two_calls, weights: tuple[int, ...], fold: bool):
     """local(*arrays), a bare one-op call on arrays whose leading axes are rows, as a function
     that vmap and differentiation reach (ops/forward.py's wrappers, for the one op):
@@ -158,8 +149,13 @@ def _bwd_local(s: QkSettings, *args) -> tuple:
 
 
 def _bwd_per_set(s: QkSettings, f, *args) -> tuple:
-    cts, data, weights, q_stats, k_stats = _unpack_bwd(s, args)
-    return per_set(s, f, cts, data, weights, q_stats, k_stats)
+    """The same from f(dy, x, weight, stats) -> (dx, dweight, ...), a norm's backward, once per set;
+    the v heads' cotangent passes through."""
+    cts, data, (q_weight, k_weight), q_stats, k_stats = _unpack_bwd(s, args)
+    (cq, ck, cv), (q, k, _) = s.split(*cts), s.split(*data)
+    dq, dq_weight, *_ = f(cq, q, q_weight, q_stats)
+    dk, dk_weight, *_ = f(ck, k, k_weight, k_stats)
+    return (*s.join(dq, dk, cv), dq_weight, dk_weight)
 
 
 def _norm_bwd(s: QkSettings, *, dispatched: bool):

@@ -229,18 +229,22 @@ def test_vmap_shared_weights_is_more_rows(form):
     assert_same(got, want, "float32")
 
 
+@pytest.mark.parametrize("norm", NORMS)
 @pytest.mark.parametrize("form", FORMS)
-def test_vmap_per_example_weights(form):
-    """Per-example weights: the values under vmap and the per-example gradients (vmap of grad)."""
+def test_vmap_per_example_weights(form, norm):
+    """Per-example weights: the values under vmap, the per-example gradients (vmap of grad: the
+    backward batched) and the gradient of the batch's loss (grad of vmap: the tangent map batched)."""
     data, _, _, cts = make(form, lead=(3, 2), seed=5)
     rng = np.random.default_rng(6)
     qws, kws = (1 + 0.1 * rng.standard_normal((2, 3, 32))).astype(np.float32)
+    argnums = tuple(range(len(data) + 2))
 
     def run():
-        fn = form_fn(form)
+        fn = form_fn(form, norm=norm)
         values = jax.jit(jax.vmap(fn))(*data, qws, kws)
-        per_example = jax.vmap(jax.grad(loss(fn, [c[0] for c in cts]), argnums=tuple(range(len(data) + 2))))
-        return values, jax.jit(per_example)(*data, qws, kws)
+        per_example = jax.vmap(jax.grad(loss(fn, [c[0] for c in cts]), argnums=argnums))
+        of_batch = jax.grad(loss(jax.vmap(fn), cts), argnums=argnums)
+        return values, jax.jit(per_example)(*data, qws, kws), jax.jit(of_batch)(*data, qws, kws)
 
     want = run()
     with forced():
@@ -402,6 +406,7 @@ def test_transpose_in_data_is_refused():
     _, q_rstd = reference.rmsnorm_fwd(q, qw)
     _, k_rstd = reference.rmsnorm_fwd(k, kw)
     f = lambda q: qk_tangent.tangent_map(s, (q, k), (qw, kw), (q_rstd,), (k_rstd,), (q, k), (qw, kw))  # noqa: E731
-    with pytest.raises(ValueError, match=r"the qk_norm tangent map is linear in dq, dk, dq_weight and dk_weight "
-                                         r"only; it cannot be transposed in q, k, q_weight, k_weight, q_rstd or k_rstd"):
+    with pytest.raises(ValueError, match=r"the qk_norm tangent map is linear in dq, dk, dq_weight and "
+                                         r"dk_weight only; it cannot be transposed in q, k, q_weight, "
+                                         r"k_weight, q_rstd or k_rstd"):
         jax.linear_transpose(f, q)([q, k])
