@@ -74,7 +74,7 @@ class QkSettings:
         if not self.q_heads:
             return (*data, None)
         (qkv,) = data
-        q_lead, k_lead, D = self.head_shapes(qkv)
+        *_, D = self.head_shapes(qkv)
         heads = qkv.reshape(qkv.shape[:-1] + (self.q_heads + 2 * self.kv_heads, D))
         hq, hk = self.q_heads, self.q_heads + self.kv_heads
         return heads[..., :hq, :], heads[..., hq:hk, :], heads[..., hk:, :]
