@@ -29,7 +29,9 @@ forward applies it only to a weight it has, while the backward adds it to the on
 
 These are the bare calls: no argument checks in Python (the handlers' checks, ffi/checks/
 qk_norm.h, raise at run time, naming the target's function), and no batching, partitioning or
-derivative rules yet; qk_norm.py does not call them yet. The targets are norms.QK_TARGETS.
+derivative rules: the one-op path of the public functions (qk_autodiff.py, qk_tangent.py) wraps
+them with batching and derivative rules; there is no partitioning rule yet. The targets are
+norms.QK_TARGETS.
 """
 from __future__ import annotations
 
