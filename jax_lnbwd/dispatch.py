@@ -246,9 +246,10 @@ def qk_refusal(q_dtype, k_dtype, weight_dtypes, D: int, *, explicitly_sharded: b
         head_rows_max_bytes bytes: the CUDA kernels' limits (ffi/kernels/common/head_rows.h);
       * not under Explicit mesh axes (the call's results would be typed without a sharding), nor
         inside a shard_map over only some mesh axes (custom_partitioning cannot name the others).
-    The one op has no custom_partitioning rule yet: under a sharded jit XLA would gather its
-    inputs onto every device. The two-call path, the default, keeps the norms' partitioning
-    rules (ops/partition.py): rows and heads stay sharded."""
+    A sharded jit is no refusal: the one op has a custom_partitioning rule (ops/partition.py:
+    qk_partitioned), so rows and heads stay sharded as with the two calls (the norms' rules):
+    each device runs it on its own heads and the backward's weight gradients take one psum;
+    a sharded D (or fused width) is gathered with a ShardingFallbackWarning, as the norms' C is."""
     row_bytes, most = D * np.dtype(q_dtype).itemsize, _jax_lnbwd.head_rows_max_bytes
     present = {np.dtype(w) for w in weight_dtypes if w is not None}
     if np.dtype(q_dtype) != np.dtype(k_dtype):

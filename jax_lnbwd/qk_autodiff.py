@@ -12,7 +12,9 @@ qk_norm and qk_norm_fused are `normalize`, a jax.custom_jvp over the form's data
 So under jax.grad the lowered program holds one custom call per direction when both are forced.
 The one op is made batchable and differentiable by qk_tangent.one_op: under vmap with shared
 weights the batch axis is more rows (still one call); with per-example weights each set runs
-our norm's own op (two calls, per-example weights).
+our norm's own op (two calls, per-example weights). Inside it the bare call is partitioned
+(ops/partition.py: qk_partitioned): under a sharded jit each device runs it on its own heads,
+the forward with no communication.
 
 An absent weight is ones (its tangent zeros) in the present weight's dtype, the data's when both
 are absent: the one op takes one weight dtype (autodiff.fill_params does the same for one norm).
@@ -97,7 +99,8 @@ def fwd_op(s: QkSettings):
     norm, eps, offset = s.per_set.norm, s.per_set.eps, s.per_set.offset
     ref = functools.partial(_fwd_per_set, s, lambda x, w: reference.norm_fwd(norm, x, w, None, eps, offset))
     two_calls = functools.partial(_fwd_per_set, s, lambda x, w: forward_op.norm_fwd_op(norm, x, w, None, eps, offset))
-    return one_op(functools.partial(_fwd_local, s), ref, two_calls, (s.n_data, s.n_data + 1), fold=True)
+    local = partition.qk_partitioned(functools.partial(_fwd_local, s), len(norm.stats), bool(s.q_heads), False, s.fn)
+    return one_op(local, ref, two_calls, (s.n_data, s.n_data + 1), fold=True)
 
 
 def forward(s: QkSettings, *args, differentiated: bool = False) -> tuple:

@@ -26,8 +26,12 @@ Two paths compute it, with the same numbers (statistics in fp32, outputs rounded
     use_ffi_backward(True), JAX_LNBWD_FORWARD/BACKWARD=ffi), on every platform (the CPU runs
     the C++ handler), in the forced direction; the other direction then runs as two calls would.
     It has jit, grad and jvp to any order, vmap (shared weights: the batch is more rows, still
-    one call; per-example weights: our norm's op per set), scan, checkpoint and jax.export, but
-    no partitioning rule yet: under a sharded jit XLA gathers its inputs. Where it cannot run
+    one call; per-example weights: our norm's op per set), scan, checkpoint and jax.export, and
+    a partitioning rule (ops/partition.py: qk_partitioned): under a sharded jit q and k may be
+    split over their token and head axes (qk_norm_fused's projection over its tokens only),
+    each device runs the op on its own heads with no communication, and the backward adds the
+    weight gradients with one psum; a sharded D (the fused form: a sharded width, where q, k
+    and v heads interleave) is gathered with a ShardingFallbackWarning. Where it cannot run
     (dispatch.qk_refusal: q and k of two dtypes, weights of two dtypes, a head's row not a
     multiple of 16 bytes or over the kernels' limit, Explicit mesh axes, a shard_map over only
     some mesh axes) the two calls run instead, whatever the switches, and decisions() says why.

@@ -22,7 +22,9 @@ sees is what tangent.py describes for the norms:
   * derivatives of the map itself: linear in its tangents, the jnp JVP of the formula in the rest
     (tangent._jvp). It refuses to be transposed in data, weights or stats (tangent._transpose).
 The one op itself is made batchable and differentiable by `one_op` (below), which the forward
-(qk_autodiff.py) uses too.
+(qk_autodiff.py) uses too; the bare call inside it is partitioned (ops/partition.py:
+qk_partitioned): under a sharded jit each device runs the backward on its own heads and the
+weight gradients, its partial sums, are added with one psum over the axes that split them.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from . import autodiff, dispatch, reference, tangent
-from .ops import backward as backward_op, ffi
+from .ops import backward as backward_op, ffi, partition
 from .ops.qk import qk_bwd_call, qk_fused_bwd_call
 
 
@@ -174,7 +176,8 @@ def bwd_op(s: QkSettings):
     ref = functools.partial(_bwd_per_set, s, lambda dy, x, w, stats: reference.norm_bwd(norm, dy, x, w, stats, offset))
     two_calls = functools.partial(_bwd_per_set, s, _norm_bwd(s, dispatched=False))
     n = s.n_data
-    return one_op(functools.partial(_bwd_local, s), ref, two_calls, (2 * n, 2 * n + 1), fold=False)
+    local = partition.qk_partitioned(functools.partial(_bwd_local, s), len(norm.stats), bool(s.q_heads), True, s.fn)
+    return one_op(local, ref, two_calls, (2 * n, 2 * n + 1), fold=False)
 
 
 def _rows(s: QkSettings, *data) -> tuple[int, int]:

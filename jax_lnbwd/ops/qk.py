@@ -30,7 +30,8 @@ forward applies it only to a weight it has, while the backward adds it to the on
 These are the bare calls: no argument checks in Python (the handlers' checks, ffi/checks/
 qk_norm.h, raise at run time, naming the target's function), and no batching, partitioning or
 derivative rules: the one-op path of the public functions (qk_autodiff.py, qk_tangent.py) wraps
-them with batching and derivative rules; there is no partitioning rule yet. The targets are
+them with batching and derivative rules, and with a partitioning rule (ops/partition.py:
+qk_partitioned: each device runs them on its own heads, D whole). The targets are
 norms.QK_TARGETS.
 """
 from __future__ import annotations

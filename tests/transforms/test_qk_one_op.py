@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import re
 import warnings
 
 import jax
@@ -340,15 +341,32 @@ def test_shard_map_over_all_axes(form):
     assert_same(got, want, "float32")
 
 
-def test_sharded_jit_is_right():
-    """Under a sharded jit the one op has no partitioning rule (XLA gathers its inputs), but the
-    numbers are the two calls'."""
-    data, qw, kw, cts = make("qk_norm", lead=(8, 3), seed=13)
-    act, rep = NamedSharding(_mesh(), P(("a", "b"))), NamedSharding(_mesh(), P())
-    f = lambda: jax.grad(loss(form_fn("qk_norm"), cts), argnums=(0, 1, 2, 3))  # noqa: E731
+SHARDINGS = {   # (data specs, the form) on the (4, 2) mesh ("a", "b"), lead (8, 4)
+    "rows": ((P(("a", "b")), P(("a", "b"))), "qk_norm"),
+    "rows and heads": ((P("a", None, "b"), P("a", None, "b")), "qk_norm"),
+    "q and k apart": ((P("a", "b"), P(None, None, "b")), "qk_norm"),   # each set's sums counted once
+    "fused rows": ((P("a", "b"),), "qk_norm_fused"),
+}
+
+
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("case", list(SHARDINGS))
+def test_sharded_jit_is_right(case, norm):
+    """Under a sharded jit the one op is partitioned (ops/partition.py: qk_partitioned): one call
+    per direction on each device's heads, no gather, the numbers the two calls'."""
+    specs, form = SHARDINGS[case]
+    data, qw, kw, cts = make(form, lead=(8, 4), seed=13)
+    n = len(data)
+    act, rep = tuple(NamedSharding(_mesh(), spec) for spec in specs), NamedSharding(_mesh(), P())
+    f = lambda: jax.grad(loss(form_fn(form, norm=norm), cts), argnums=tuple(range(n + 2)))  # noqa: E731
     want = jax.jit(f())(*data, qw, kw)
-    with forced():
-        got = jax.jit(f(), in_shardings=(act, act, rep, rep))(*data, qw, kw)
+    with forced(), warnings.catch_warnings():
+        warnings.simplefilter("error", jax_lnbwd.ShardingFallbackWarning)
+        jitted = jax.jit(f(), in_shardings=(*act, rep, rep))
+        got = jitted(*data, qw, kw)
+        text = jitted.lower(*data, qw, kw).compile().as_text()
+    assert set(one_op_targets(form)) <= set(re.findall(r'custom_call_target="([^"]+)"', text))
+    assert not re.search(r"\b(all-gather|all-to-all|collective-permute)(-start)?\(", text)
     assert_same(got, want, "float32")
 
 
