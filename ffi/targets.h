@@ -28,7 +28,7 @@
   X(LayernormBwdV2, "layernorm_bwd_v2", "jax_lnbwd_layernorm_bwd_v2")                  \
   X(RmsnormBwd, "rmsnorm_bwd", "jax_lnbwd_rmsnorm_bwd_v1")
 
-// QK-norm as one op (issue 51): attention's q and k heads normalized over head_dim, q's and k's in
+// QK-norm as one op: attention's q and k heads normalized over head_dim, q's and k's in
 // one call, separate (q, k) or fused (qkv, v heads passed through), forward and backward. One
 // target serves both norms: the int32 attribute 'norm' carries the NormKind.
 #define LNBWD_QK_TARGETS(X)                                                            \

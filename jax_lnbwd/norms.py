@@ -84,7 +84,7 @@ NORMS_BY_NAME = {norm.name: norm for norm in NORMS}   # the public names, e.g. q
 
 @dataclasses.dataclass(frozen=True)
 class QkTargets:
-    """QK-norm's FFI targets (issue 51: q's and k's heads in one call): one set for both norms,
+    """QK-norm's FFI targets (q's and k's heads in one call): one set for both norms,
     told apart by the int32 attribute `norm` (Norm.kind). The raw calls are ops/qk.py's."""
     fwd: str          # q, k, weights -> q_out, k_out, statistics
     fused_fwd: str    # qkv (q, k, v heads per token) -> qkv_out (v heads unchanged), statistics

@@ -18,7 +18,7 @@ Two paths compute it, with the same numbers (statistics in fp32, outputs rounded
     head axis (heads are rows to the op). qk_norm_fused splits the heads, normalizes q and k,
     and concatenates the three back: where the norm is our kernel (a custom call, which reads
     a contiguous operand) the q and k slices and the concatenation are copies around the calls.
-  * one op (issue 51, qk_autodiff.py and qk_tangent.py): ONE FFI call per direction for q's and
+  * one op (qk_autodiff.py and qk_tangent.py): ONE FFI call per direction for q's and
     k's heads together (one kernel launch on the GPU); qk_norm_fused's reads and writes the
     fused projection in place (its v heads untouched), with no slices or concatenation. It runs
     where the dispatch rule says (dispatch.qk_one_op): its crossovers are not measured on the

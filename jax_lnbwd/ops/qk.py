@@ -1,4 +1,4 @@
-"""QK-norm's FFI ops, bare: one call normalizes every head of q and of k (issue 51).
+"""QK-norm's FFI ops, bare: one call normalizes every head of q and of k.
 
     q_out, k_out, q_stats, k_stats = qk_fwd_call(norm, q, k, q_weight, k_weight, eps, offset)
     qkv_out, q_stats, k_stats = qk_fused_fwd_call(norm, qkv, q_weight, k_weight, q_heads, kv_heads, eps, offset)
