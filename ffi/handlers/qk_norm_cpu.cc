@@ -103,6 +103,51 @@ T* Data(const ffi::AnyBuffer& b) {
   return b.element_count() > 0 ? static_cast<T*>(b.untyped_data()) : nullptr;
 }
 
+// Both sets' forward, for both forms: set i (0: q, 1: k) has its rows read at x[i] and written
+// at y[i] (y[i] == x[i]: in place), laid out by at[i], with weight w[i] and statistics mean[i]
+// (rmsnorm's (0,) placeholder is not written) and rstd[i].
+using Two = const ffi::AnyBuffer* const (&)[2];
+ffi::Error Forward(const QkShape& s, ffi::DataType t, const char* data_name, const char* fn,
+                   const void* const (&x)[2], void* const (&y)[2], const RowLayout (&at)[2], Two w, Two mean,
+                   Two rstd, double eps, double offset) {
+  const bool centered = s.norm == NormKind::kLayerNorm;
+  const int64_t rows[2] = {s.rows_q, s.rows_k};
+  return DispatchQk(t, s, data_name, fn, [&](auto d, auto p) {
+    using D = decltype(d);
+    using P = decltype(p);
+    using S = typename D::S;
+    using A = typename D::A;
+    const A e = static_cast<A>(eps), off = centered ? A(0) : static_cast<A>(offset);
+    for (int i = 0; i < 2; ++i) {
+      FwdSet<D, P>(centered, static_cast<const S*>(x[i]), static_cast<S*>(y[i]), at[i], rows[i],
+                   Data<const typename P::S>(*w[i]), e, off, centered ? Data<A>(*mean[i]) : nullptr,
+                   Data<A>(*rstd[i]));
+    }
+  });
+}
+
+// Both sets' backward, for both forms: set i's dx written at dx[i] from dy[i] and x[i] (dx[i] ==
+// dy[i]: in place), laid out by at[i]; its weight gradient into row i of dweights [2, D].
+ffi::Error Backward(const QkShape& s, ffi::DataType t, const char* data_name, const char* fn,
+                    const void* const (&dy)[2], const void* const (&x)[2], void* const (&dx)[2],
+                    const RowLayout (&at)[2], Two w, Two mean, Two rstd, ffi::AnyBuffer& dweights, double offset) {
+  const bool centered = s.norm == NormKind::kLayerNorm;
+  const int64_t rows[2] = {s.rows_q, s.rows_k};
+  return DispatchQk(t, s, data_name, fn, [&](auto d, auto p) {
+    using D = decltype(d);
+    using P = decltype(p);
+    using S = typename D::S;
+    using PS = typename P::S;
+    using A = typename D::A;
+    const A off = centered ? A(0) : static_cast<A>(offset);
+    for (int i = 0; i < 2; ++i) {
+      BwdSet<D, P>(centered, static_cast<const S*>(dy[i]), static_cast<const S*>(x[i]), static_cast<S*>(dx[i]), at[i],
+                   rows[i], Data<const PS>(*w[i]), Data<const A>(*mean[i]), Data<const A>(*rstd[i]), off,
+                   Data<PS>(dweights) + i * s.D);
+    }
+  });
+}
+
 ffi::Error QkNormFwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer q_weight, ffi::AnyBuffer k_weight,
                         ffi::Result<ffi::AnyBuffer> q_out, ffi::Result<ffi::AnyBuffer> k_out,
                         ffi::Result<ffi::AnyBuffer> q_mean, ffi::Result<ffi::AnyBuffer> q_rstd,
@@ -115,20 +160,9 @@ ffi::Error QkNormFwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer q_wei
       e.failure()) {
     return e;
   }
-  const bool centered = shape.norm == NormKind::kLayerNorm;
-  return DispatchQk(q.element_type(), shape, "q", fn, [&](auto d, auto p) {
-    using D = decltype(d);
-    using P = decltype(p);
-    using S = typename D::S;
-    using PS = typename P::S;
-    using A = typename D::A;
-    const A e = static_cast<A>(eps), off = centered ? A(0) : static_cast<A>(offset);
-    const RowLayout at = Separate(shape);
-    FwdSet<D, P>(centered, Data<const S>(q), Data<S>(*q_out), at, shape.rows_q, Data<const PS>(q_weight), e, off,
-                 centered ? Data<A>(*q_mean) : nullptr, Data<A>(*q_rstd));
-    FwdSet<D, P>(centered, Data<const S>(k), Data<S>(*k_out), at, shape.rows_k, Data<const PS>(k_weight), e, off,
-                 centered ? Data<A>(*k_mean) : nullptr, Data<A>(*k_rstd));
-  });
+  return Forward(shape, q.element_type(), "q", fn, {q.untyped_data(), k.untyped_data()},
+                 {q_out->untyped_data(), k_out->untyped_data()}, {Separate(shape), Separate(shape)},
+                 {&q_weight, &k_weight}, {&*q_mean, &*k_mean}, {&*q_rstd, &*k_rstd}, eps, offset);
 }
 
 // The fused form: qkv_out is qkv (aliased) or a copy of it, normalized in place.
@@ -145,28 +179,17 @@ ffi::Error QkNormFusedFwdCpu(ffi::AnyBuffer qkv, ffi::AnyBuffer q_weight, ffi::A
     return e;
   }
   CopyIfNotAliased(qkv, *qkv_out);
-  const bool centered = shape.norm == NormKind::kLayerNorm;
-  return DispatchQk(qkv.element_type(), shape, "qkv", fn, [&](auto d, auto p) {
-    using D = decltype(d);
-    using P = decltype(p);
-    using S = typename D::S;
-    using PS = typename P::S;
-    using A = typename D::A;
-    const A e = static_cast<A>(eps), off = centered ? A(0) : static_cast<A>(offset);
-    S* out = Data<S>(*qkv_out);
-    FwdSet<D, P>(centered, out, out, FusedQ(shape), shape.rows_q, Data<const PS>(q_weight), e, off,
-                 centered ? Data<A>(*q_mean) : nullptr, Data<A>(*q_rstd));
-    FwdSet<D, P>(centered, out, out, FusedK(shape), shape.rows_k, Data<const PS>(k_weight), e, off,
-                 centered ? Data<A>(*k_mean) : nullptr, Data<A>(*k_rstd));
-  });
+  void* out = qkv_out->untyped_data();
+  return Forward(shape, qkv.element_type(), "qkv", fn, {out, out}, {out, out}, {FusedQ(shape), FusedK(shape)},
+                 {&q_weight, &k_weight}, {&*q_mean, &*k_mean}, {&*q_rstd, &*k_rstd}, eps, offset);
 }
 
+// The workspace is the CUDA kernels' scratch: unused here.
 ffi::Error QkNormBwdCpu(ffi::AnyBuffer dq_out, ffi::AnyBuffer dk_out, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::AnyBuffer q_weight, ffi::AnyBuffer k_weight, ffi::AnyBuffer q_mean, ffi::AnyBuffer q_rstd,
                         ffi::AnyBuffer k_mean, ffi::AnyBuffer k_rstd, ffi::Result<ffi::AnyBuffer> dq,
                         ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dweights,
-                        ffi::Result<ffi::AnyBuffer> workspace, double offset,
-                        int32_t norm) {
+                        ffi::Result<ffi::AnyBuffer> workspace, double offset, int32_t norm) {
   const char* fn = "qk_norm_bwd";
   QkShape shape;
   if (auto e = CheckQkNormBwdArgs(dq_out, dk_out, q, k, q_weight, k_weight, q_mean, q_rstd, k_mean, k_rstd, *dq, *dk,
@@ -174,21 +197,10 @@ ffi::Error QkNormBwdCpu(ffi::AnyBuffer dq_out, ffi::AnyBuffer dk_out, ffi::AnyBu
       e.failure()) {
     return e;
   }
-  // The workspace is the CUDA kernels' scratch: unused here.
-  const bool centered = shape.norm == NormKind::kLayerNorm;
-  return DispatchQk(q.element_type(), shape, "q", fn, [&](auto d, auto p) {
-    using D = decltype(d);
-    using P = decltype(p);
-    using S = typename D::S;
-    using PS = typename P::S;
-    using A = typename D::A;
-    const A off = centered ? A(0) : static_cast<A>(offset);
-    const RowLayout at = Separate(shape);
-    BwdSet<D, P>(centered, Data<const S>(dq_out), Data<const S>(q), Data<S>(*dq), at, shape.rows_q,
-                 Data<const PS>(q_weight), Data<const A>(q_mean), Data<const A>(q_rstd), off, Data<PS>(*dweights));
-    BwdSet<D, P>(centered, Data<const S>(dk_out), Data<const S>(k), Data<S>(*dk), at, shape.rows_k,
-                 Data<const PS>(k_weight), Data<const A>(k_mean), Data<const A>(k_rstd), off, Data<PS>(*dweights) + shape.D);
-  });
+  return Backward(shape, q.element_type(), "q", fn, {dq_out.untyped_data(), dk_out.untyped_data()},
+                  {q.untyped_data(), k.untyped_data()}, {dq->untyped_data(), dk->untyped_data()},
+                  {Separate(shape), Separate(shape)}, {&q_weight, &k_weight}, {&q_mean, &k_mean}, {&q_rstd, &k_rstd},
+                  *dweights, offset);
 }
 
 // The fused form: dqkv is dqkv_out (aliased) or a copy of it, its q and k heads replaced in place
@@ -197,8 +209,8 @@ ffi::Error QkNormBwdCpu(ffi::AnyBuffer dq_out, ffi::AnyBuffer dk_out, ffi::AnyBu
 ffi::Error QkNormFusedBwdCpu(ffi::AnyBuffer dqkv_out, ffi::AnyBuffer qkv, ffi::AnyBuffer q_weight,
                              ffi::AnyBuffer k_weight, ffi::AnyBuffer q_mean, ffi::AnyBuffer q_rstd,
                              ffi::AnyBuffer k_mean, ffi::AnyBuffer k_rstd, ffi::Result<ffi::AnyBuffer> dqkv,
-                             ffi::Result<ffi::AnyBuffer> dweights, ffi::Result<ffi::AnyBuffer> workspace, double offset, int32_t norm, int64_t q_heads,
-                             int64_t kv_heads) {
+                             ffi::Result<ffi::AnyBuffer> dweights, ffi::Result<ffi::AnyBuffer> workspace,
+                             double offset, int32_t norm, int64_t q_heads, int64_t kv_heads) {
   const char* fn = "qk_norm_fused_bwd";
   QkShape shape;
   if (auto e = CheckQkNormFusedBwdArgs(dqkv_out, qkv, q_weight, k_weight, q_mean, q_rstd, k_mean, k_rstd, *dqkv,
@@ -207,21 +219,10 @@ ffi::Error QkNormFusedBwdCpu(ffi::AnyBuffer dqkv_out, ffi::AnyBuffer qkv, ffi::A
     return e;
   }
   CopyIfNotAliased(dqkv_out, *dqkv);
-  const bool centered = shape.norm == NormKind::kLayerNorm;
-  return DispatchQk(qkv.element_type(), shape, "qkv", fn, [&](auto d, auto p) {
-    using D = decltype(d);
-    using P = decltype(p);
-    using S = typename D::S;
-    using PS = typename P::S;
-    using A = typename D::A;
-    const A off = centered ? A(0) : static_cast<A>(offset);
-    S* g = Data<S>(*dqkv);
-    const S* x = Data<const S>(qkv);
-    BwdSet<D, P>(centered, g, x, g, FusedQ(shape), shape.rows_q, Data<const PS>(q_weight), Data<const A>(q_mean),
-                 Data<const A>(q_rstd), off, Data<PS>(*dweights));
-    BwdSet<D, P>(centered, g, x, g, FusedK(shape), shape.rows_k, Data<const PS>(k_weight), Data<const A>(k_mean),
-                 Data<const A>(k_rstd), off, Data<PS>(*dweights) + shape.D);
-  });
+  void* g = dqkv->untyped_data();
+  const void* x = qkv.untyped_data();
+  return Backward(shape, qkv.element_type(), "qkv", fn, {g, g}, {x, x}, {g, g}, {FusedQ(shape), FusedK(shape)},
+                  {&q_weight, &k_weight}, {&q_mean, &k_mean}, {&q_rstd, &k_rstd}, *dweights, offset);
 }
 
 }  // namespace
