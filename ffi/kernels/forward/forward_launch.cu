@@ -121,14 +121,22 @@ cudaError_t norm_fwd_pick(const NormFwdParams& p, NormFwdConfig* cfg) {
   return cudaSuccess;
 }
 
+namespace {
+
+// The buffers every launch reads and writes, and that they agree with p.norm (the kernels'
+// template parameter K): layernorm writes mean, RMSNorm has neither mean nor bias.
+bool buffers_ok(const NormFwdParams& p) {
+  if (p.x == nullptr || p.y == nullptr || p.rstd == nullptr) return false;
+  if (p.norm == NormKind::kLayerNorm) return p.mean != nullptr;
+  if (p.norm == NormKind::kRmsNorm) return p.mean == nullptr && p.bias == nullptr;
+  return false;   // not a kind
+}
+
+}  // namespace
+
 cudaError_t norm_fwd(const NormFwdParams& p, cudaStream_t stream) {
   if (p.rows == 0) return cudaSuccess;   // nothing to read or write
-  if (p.x == nullptr || p.y == nullptr || p.rstd == nullptr) return cudaErrorInvalidValue;
-  // p.norm is the kind (the kernels' template parameter K); the buffers must agree with it:
-  // layernorm writes mean, RMSNorm has neither mean nor bias.
-  if (p.norm == NormKind::kLayerNorm && p.mean == nullptr) return cudaErrorInvalidValue;
-  if (p.norm == NormKind::kRmsNorm && (p.mean != nullptr || p.bias != nullptr)) return cudaErrorInvalidValue;
-  if (p.norm != NormKind::kLayerNorm && p.norm != NormKind::kRmsNorm) return cudaErrorInvalidValue;
+  if (!buffers_ok(p)) return cudaErrorInvalidValue;
   if ((p.residual == nullptr) != (p.s == nullptr)) return cudaErrorInvalidValue;   // the variant needs both
   for (int64_t prows : {p.weight_rows, p.bias_rows, p.x_bias_rows}) {
     if (prows < 0 || (prows > 0 && p.rows % prows != 0)) return cudaErrorInvalidValue;
@@ -181,10 +189,7 @@ cudaError_t norm_fwd_sets_pick(const NormFwdParams& a, const NormFwdParams& b, N
 
 cudaError_t norm_fwd_sets(const NormFwdParams& a, const NormFwdParams& b, cudaStream_t stream) {
   for (const NormFwdParams* p : {&a, &b}) {
-    if (p->x == nullptr || p->y == nullptr || p->rstd == nullptr) return cudaErrorInvalidValue;
-    if (p->norm == NormKind::kLayerNorm && p->mean == nullptr) return cudaErrorInvalidValue;
-    if (p->norm == NormKind::kRmsNorm && (p->mean != nullptr || p->bias != nullptr)) return cudaErrorInvalidValue;
-    if (p->norm != NormKind::kLayerNorm && p->norm != NormKind::kRmsNorm) return cudaErrorInvalidValue;
+    if (p->rows > 0 && !buffers_ok(*p)) return cudaErrorInvalidValue;   // a set of no rows needs none
     if ((p->weight != nullptr) != (p->weight_rows == 1) || (p->bias != nullptr) != (p->bias_rows == 1)) {
       return cudaErrorInvalidValue;
     }
