@@ -77,5 +77,6 @@ embeddings), models_public_linen.py, models_public_nnx.py (the public-style deco
 registry.py (what a variant is, and the hook for more), variants.py (the LayerNorm
 variants), variants_rms.py (the RMSNorm variants), train.py (the step and its timing), trace/
 (collection, attribution and kinds), report.py (table and plot), floor.py (the byte floor),
-breakdown.py (--kernels), cli.py (options and the run).
+breakdown.py (--kernels), cli.py (options and the run), output.py (the printed table and
+the --out files).
 """
