@@ -10,8 +10,8 @@ one row of the norm: TOKENS * (Q_HEADS + KV_HEADS) rows of D.
 Entries (the same four for every op):
   ours       the public function (qk_norm, qk_norm_fused) with our kernels forced
              (jax_lnbwd.use_ffi_forward(True), use_ffi_backward(True)): what the other ops call
-             ours, our kernel, on every platform. Today it runs two rmsnorm calls; the one-launch
-             kernel, when it lands behind the same functions, is timed here with no change.
+             ours, our kernel, on every platform: the one op, q's and k's heads in one launch
+             each way.
   default    the public function under the dispatch rule (jax_lnbwd/dispatch.py): what a user
              gets, our kernel or XLA's fusion per direction and shape (--peers default)
   two-calls  a peer: two jax_lnbwd.rmsnorm calls, on q and on k, our kernels forced as in ours

@@ -7,17 +7,22 @@
 # report.
 # Needs a GPU (sm_90), nvcc and compute-sanitizer.
 #   [LNBWD_SANITIZER_TIMEOUT=900] tests/cuda/run_qk_sanitizers.sh [OUT_DIR]
+# The two binaries can be compiled on a machine without a GPU and run on one:
+#   QK_STEP=build tests/cuda/run_qk_sanitizers.sh DIR   (nvcc only; writes DIR's binaries)
+#   QK_STEP=run tests/cuda/run_qk_sanitizers.sh DIR     (runs DIR's binaries, compiles nothing)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:-/tmp/qk_sanitizers}
+STEP=${QK_STEP:-all}
 mkdir -p "$OUT/obj"
 NVCC=(nvcc -O3 -lineinfo -std=c++17 -arch=sm_90 -Iffi/kernels -Iffi -Icuda_harness)
 TIMEOUT=${LNBWD_SANITIZER_TIMEOUT:-900}
 source tests/cuda/control_report.sh
 
+ctl=$OUT/controls
+if [ "$STEP" != run ]; then
 # The control's headers: a copy of ffi/kernels with the cursor's carry removed. Only the sets'
 # kernels use the cursor, so only their files are compiled again.
-ctl=$OUT/controls
 rm -rf "$ctl" && mkdir -p "$ctl/kernels"
 cp -r ffi/kernels/. "$ctl/kernels/"
 sed 's|if (n.head >= h.heads) {|if (false) {|' ffi/kernels/common/head_rows.h > "$ctl/kernels/common/head_rows.h"
@@ -42,6 +47,9 @@ for pid in "${pids[@]}"; do wait "$pid" || exit 2; done
 "${NVCC[@]}" "$OUT"/obj/*.o -o "$OUT/qk_check" || exit 2
 "${NVCC[@]}" $(ls "$OUT"/obj/*.o | grep -v -e '/forward_rows.cu.o$' -e '/kernel11_sets.cu.o$') "$ctl"/*.o \
   -o "$ctl/qk_check_no_carry" || exit 2
+rm -rf "$ctl/kernels" "$OUT/obj" "$ctl"/*.o
+[ "$STEP" = build ] && exit 0
+fi
 "$OUT/qk_check" | tail -5 || exit 1
 
 status=0
@@ -67,5 +75,4 @@ wait
 cat "$OUT"/{memcheck,racecheck,synccheck,initcheck}.result "$ctl/no_carry.result"
 grep -q FAILED "$OUT"/*.result && status=1
 grep -q ": reported: " "$ctl/no_carry.result" || status=1
-rm -rf "$ctl/kernels"
 exit $status
