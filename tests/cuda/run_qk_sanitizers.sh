@@ -2,9 +2,11 @@
 # Runs the QK-norm standalone check (tests/cuda/qk_check.cu: the one-launch forward and backward
 # over two sets of head rows, both layouts, exact-size cudaMalloc buffers, poisoned outputs)
 # plainly and under compute-sanitizer's four tools, and one positive control: a scratch copy of
-# common/head_rows.h whose cursor forgets the carry from one token to the next, so that rows walk
-# past their token's heads and the last tokens' rows past the buffer's end, which memcheck must
-# report.
+# common/head_rows.h whose head_row_offset is one head on (it counts heads from 1, not 0), so that every row is read and
+# written one head further on and the last token's last head past its buffer's end (the separate
+# layout's buffers are exactly q's and k's rows), which memcheck must report. (A cursor that
+# forgets its carry would not do: it lands on other rows inside the buffer, which the plain check
+# sees and memcheck cannot.)
 # Needs a GPU (sm_90), nvcc and compute-sanitizer.
 #   [LNBWD_SANITIZER_TIMEOUT=900] tests/cuda/run_qk_sanitizers.sh [OUT_DIR]
 # The two binaries can be compiled on a machine without a GPU and run on one:
@@ -21,13 +23,14 @@ source tests/cuda/control_report.sh
 
 ctl=$OUT/controls
 if [ "$STEP" != run ]; then
-# The control's headers: a copy of ffi/kernels with the cursor's carry removed. Only the sets'
-# kernels use the cursor, so only their files are compiled again.
+# The control's headers: a copy of ffi/kernels whose head rows are one head off. Only the sets'
+# kernels use head rows, so only their files are compiled again.
 rm -rf "$ctl" && mkdir -p "$ctl/kernels"
 cp -r ffi/kernels/. "$ctl/kernels/"
-sed 's|if (n.head >= h.heads) {|if (false) {|' ffi/kernels/common/head_rows.h > "$ctl/kernels/common/head_rows.h"
+sed 's|return th.token \* h.token_stride + static_cast<int64_t>(th.head) \* C;|return th.token * h.token_stride + static_cast<int64_t>(th.head + 1) * C;|' \
+  ffi/kernels/common/head_rows.h > "$ctl/kernels/common/head_rows.h"
 if cmp -s "$ctl/kernels/common/head_rows.h" ffi/kernels/common/head_rows.h; then
-  echo "control no_carry: the planted change did not apply"; exit 2
+  echo "control head_off_by_one: the planted change did not apply"; exit 2
 fi
 sets=(forward/forward_rows.cu backward/registers/kernel11_sets.cu)
 
@@ -46,7 +49,7 @@ done
 for pid in "${pids[@]}"; do wait "$pid" || exit 2; done
 "${NVCC[@]}" "$OUT"/obj/*.o -o "$OUT/qk_check" || exit 2
 "${NVCC[@]}" $(ls "$OUT"/obj/*.o | grep -v -e '/forward_rows.cu.o$' -e '/kernel11_sets.cu.o$') "$ctl"/*.o \
-  -o "$ctl/qk_check_no_carry" || exit 2
+  -o "$ctl/qk_check_head_off" || exit 2
 rm -rf "$ctl/kernels" "$OUT/obj" "$ctl"/*.o
 [ "$STEP" = build ] && exit 0
 fi
@@ -65,14 +68,14 @@ sanitize() {   # sanitize TOOL: one line of result (the four run side by side)
     echo "$tool: FAILED (exit $?, see $OUT/$tool.log)"
   fi
 }
-control() {   # the planted walk past the rows must be reported
-  timeout "$TIMEOUT" compute-sanitizer --tool memcheck "$ctl/qk_check_no_carry" > "$ctl/no_carry.log" 2>&1
-  control_report no_carry memcheck "$ctl/no_carry.log"
+control() {   # the planted walk past the buffer's end must be reported
+  timeout "$TIMEOUT" compute-sanitizer --tool memcheck "$ctl/qk_check_head_off" > "$ctl/head_off.log" 2>&1
+  control_report head_off_by_one memcheck "$ctl/head_off.log"
 }
 for tool in memcheck racecheck synccheck initcheck; do sanitize "$tool" > "$OUT/$tool.result" & done
-control > "$ctl/no_carry.result" &
+control > "$ctl/head_off.result" &
 wait
-cat "$OUT"/{memcheck,racecheck,synccheck,initcheck}.result "$ctl/no_carry.result"
+cat "$OUT"/{memcheck,racecheck,synccheck,initcheck}.result "$ctl/head_off.result"
 grep -q FAILED "$OUT"/*.result && status=1
-grep -q ": reported: " "$ctl/no_carry.result" || status=1
+grep -q ": reported: " "$ctl/head_off.result" || status=1
 exit $status

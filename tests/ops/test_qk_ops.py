@@ -4,7 +4,8 @@ offset, head_dim D from 1 to 256 and grouped-query head counts, against the jnp 
 per head in float64 (the backward against jax.vjp of them); the fused form against the separate
 one (bit for bit), its v heads passed through untouched, with and without the aliasing; and the
 handlers' errors, which name the target's function. Every case runs on the CPU (the C++
-handlers) and, where there is one, on the GPU (the CUDA kernels).
+handlers) and, where there is one, on the GPU (the CUDA kernels), where rows the kernels do not
+take (not a multiple of 16 bytes: D = 1, 17) must fail with an error that says so.
 """
 from __future__ import annotations
 
@@ -29,10 +30,19 @@ NORMS = [pytest.param(RMSNORM, id="rmsnorm"), pytest.param(LAYERNORM, id="layern
 # common head_dims, one head each, grouped-query (4:2, 32:8) and multi-query (64:1); single tokens.
 CASES = [(3, 1, 1, 1), (2, 4, 2, 17), (1, 32, 8, 64), (2, 64, 1, 80), (1, 4, 2, 256)]
 SMALL_CASES = [CASES[1], CASES[4]]
+# Absent weights and the offset: an odd D and one the GPU kernels take (16-byte rows in every dtype).
+EDGE_CASES = [CASES[1], (2, 4, 2, 24)]
 
 # (data dtype, weights' dtype): each dtype, and float32 weights beside bfloat16 data.
 DTYPES = [("float32", "float32"), ("bfloat16", "bfloat16"), ("float16", "float16"), ("float64", "float64"),
           ("bfloat16", "float32")]
+
+
+def gpu_takes(D: int, dtype: str) -> bool:
+    """Whether the CUDA targets take rows of D elements of dtype: 16-byte multiples, at most
+    head_rows_max_bytes (common/head_rows.h); the CPU handlers take any D."""
+    row_bytes = D * np.dtype(np_dtype(dtype)).itemsize
+    return row_bytes % 16 == 0 and row_bytes <= _jax_lnbwd.head_rows_max_bytes
 
 
 def case_id(case) -> str:
@@ -102,6 +112,13 @@ def check(platform, norm, case, dtype, weight_dtype, *, has_weights=True, offset
     qkv, dqkv_out, q_weight, k_weight = make(case, dtype, weight_dtype, seed)
     if not has_weights:
         q_weight = k_weight = np.ones(D, np_dtype(weight_dtype))
+    if platform == "gpu" and not gpu_takes(D, dtype):
+        # The CUDA kernels take rows of a multiple of 16 bytes up to head_rows_max_bytes (the
+        # public functions run other rows as two norm calls): the bare call fails, naming why.
+        with pytest.raises(jax.errors.JaxRuntimeError, match=r"qk_norm(_fused)?_fwd: .* multiple of 16 bytes"):
+            jax.block_until_ready(both_forms(norm, q_heads, kv_heads, offset, has_weights,
+                                             *put(platform, qkv, dqkv_out, q_weight, k_weight)))
+        return
     got = both_forms(norm, q_heads, kv_heads, offset, has_weights, *put(platform, qkv, dqkv_out, q_weight, k_weight))
     (qkv_out, q_stats, k_stats), (q_out, k_out, q_stats2, k_stats2), fused_bwd, separate_bwd = jax.tree.map(
         np.asarray, got)
@@ -173,16 +190,18 @@ def test_head_shapes(platform, norm, case):
 @pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("norm", NORMS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_absent_weights(platform, norm, dtype):
+@pytest.mark.parametrize("case", EDGE_CASES, ids=case_id)
+def test_absent_weights(platform, norm, dtype, case):
     """No weights: the forward gets (0, D) operands, the backward ones (and their gradients)."""
-    check(platform, norm, CASES[1], dtype, dtype, has_weights=False, seed=2)
+    check(platform, norm, case, dtype, dtype, has_weights=False, seed=2)
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("dtype,weight_dtype", [("float32", "float32"), ("bfloat16", "float32")], ids=lambda d: d)
-def test_rmsnorm_offset(platform, dtype, weight_dtype):
+@pytest.mark.parametrize("case", EDGE_CASES, ids=case_id)
+def test_rmsnorm_offset(platform, dtype, weight_dtype, case):
     """Gemma's zero-centred scale: y = x̂ * (1 + w); its gradient has no offset in it."""
-    check(platform, RMSNORM, CASES[1], dtype, weight_dtype, offset=1.0, seed=3)
+    check(platform, RMSNORM, case, dtype, weight_dtype, offset=1.0, seed=3)
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)

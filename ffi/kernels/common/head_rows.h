@@ -13,10 +13,9 @@
 // kernels that take head rows (forward_rows_sets, kernel11_sets) see contiguous rows as one head
 // a token, token_stride = C.
 //
-// A kernel's thread walks rows r, r + stride, r + 2 stride, ... (stride = rows per grid step),
-// so HeadCursor keeps (token, head) and adds (stride / heads, stride % heads) with a carry: one
-// 64-bit division per thread at the start, none per row (a division per row would cost a
-// small row's thread as many instructions as a third of its loads and sums).
+// The forward's threads take about one row each and compute its offset (head_row_offset); kernel
+// 11's threads walk rows r, r + stride, r + 2 stride, ... (stride = rows per grid step) with a
+// HeadCursor, which adds a fixed step per row and divides only once.
 #pragma once
 
 #include <cstdint>
@@ -38,30 +37,58 @@ struct HeadRows {
 // The cursor a kernel holds for its rows: a HeadCursor for head rows, nothing for contiguous ones
 // (no variable at all, so that their code is what it was before head rows existed).
 struct NoCursor {};
-struct HeadCursor;
+
+// Row r's token and head: r / heads and r % heads. No division for contiguous rows (one head a
+// token); 32 bits where r and heads fit (a 64-bit division is a long subroutine that costs a
+// small row's thread as much as its loads, and registers).
+struct TokenHead {
+  int64_t token;
+  int head;
+};
+__device__ __forceinline__ TokenHead token_head(const HeadRows& h, int64_t row) {
+  if (h.heads == 1) return {row, 0};
+  const int64_t token = ((row | h.heads) >> 31) == 0
+                            ? static_cast<int64_t>(static_cast<uint32_t>(row) / static_cast<uint32_t>(h.heads))
+                            : row / h.heads;
+  return {token, static_cast<int>(row - token * h.heads)};
+}
+
+// The element offset of row r: token * token_stride + head * C. The forward, whose threads take
+// about one row each, asks this per row.
+__device__ __forceinline__ int64_t head_row_offset(const HeadRows& h, int C, int64_t row) {
+  const TokenHead th = token_head(h, row);
+  return th.token * h.token_stride + static_cast<int64_t>(th.head) * C;
+}
+
+// The cursor of a thread that walks many rows (kernel 11's persistent grid): the row's offset and
+// head, moved by a fixed step of (stride / heads) tokens and (stride % heads) heads, plus one token
+// when the heads carry past `heads`. Per row one 64-bit add, one 32-bit add and a compare; the
+// divisions are once per thread.
 struct HeadCursor {
-  int64_t token = 0;
-  int64_t head = 0;
-  int64_t step_tokens = 0;   // stride / heads
-  int64_t step_heads = 0;    // stride % heads
+  int64_t offset = 0;      // the row's first element
+  int64_t step = 0;        // stride / heads tokens and stride % heads heads further on
+  int head = 0;            // the row's head, < heads
+  int step_heads = 0;      // stride % heads
 
   HeadCursor() = default;
-  __device__ __forceinline__ HeadCursor(const HeadRows& h, int64_t row, int64_t stride) {
-    token = row / h.heads;
-    head = row - token * h.heads;
-    step_tokens = stride / h.heads;
-    step_heads = stride - step_tokens * h.heads;
+  __device__ __forceinline__ HeadCursor(const HeadRows& h, int C, int64_t row, int64_t stride) {
+    const TokenHead steps = token_head(h, stride);
+    offset = head_row_offset(h, C, row);
+    head = token_head(h, row).head;
+    step_heads = steps.head;
+    step = steps.token * h.token_stride + static_cast<int64_t>(steps.head) * C;
   }
   // The element offset of the cursor's row.
-  __device__ __forceinline__ int64_t at(const HeadRows& h, int C) const { return token * h.token_stride + head * C; }
-  // The cursor of the row `stride` further on.
-  __device__ __forceinline__ HeadCursor next(const HeadRows& h) const {
+  __device__ __forceinline__ int64_t at() const { return offset; }
+  // The cursor of the row `stride` further on: past the last head, the next token's heads
+  // (token_stride on from the token's first head, heads * C on from the head past its last).
+  __device__ __forceinline__ HeadCursor next(const HeadRows& h, int C) const {
     HeadCursor n = *this;
-    n.token += step_tokens;
+    n.offset += step;
     n.head += step_heads;
     if (n.head >= h.heads) {
-      n.head -= h.heads;
-      ++n.token;
+      n.head -= static_cast<int>(h.heads);
+      n.offset += h.token_stride - h.heads * C;
     }
     return n;
   }

@@ -51,7 +51,7 @@ namespace {
 // in x's cache policy, STREAM_X).
 // block and blocks: this block's index among the blocks that share a's rows, and their count
 // (blockIdx.x and gridDim.x, except in forward_rows_sets, whose grid serves two sets of rows).
-// HEADS: a's rows are heads inside wider token rows (common/head_rows.cuh), laid out by `heads`.
+// HEADS: a's rows are heads inside wider token rows (common/head_rows.h), laid out by `heads`.
 template <NormKind K, typename T, typename P, int VEC, int NV, bool RES, bool SMALL, bool STREAM_X = false,
           bool HEADS = false>
 __device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tpr, int groups, unsigned block,
@@ -109,15 +109,11 @@ __device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tp
   using Pass3 = std::integral_constant<int, 3>;
 
   int64_t parity = 0;   // the block's rows so far, mod 2 (RMSNorm's buffer, above)
-  // The row's first element: row * C, or for head rows the cursor's (advanced at the loop's end).
-  CursorOf<HEADS> cursor;
-  if constexpr (HEADS) {
-    cursor = HeadCursor(heads, static_cast<int64_t>(block) * groups + g, static_cast<int64_t>(blocks) * groups);
-  }
   for (int64_t row = static_cast<int64_t>(block) * groups + g; row < a.rows;
        row += static_cast<int64_t>(blocks) * groups, parity ^= 1) {
+    // The row's first element: row * C, or the head row's (a thread has about one row: no cursor).
     auto at = [&] {
-      if constexpr (HEADS) return cursor.at(heads, C);
+      if constexpr (HEADS) return head_row_offset(heads, C, row);
       else return row * C;
     };
     const V* x = reinterpret_cast<const V*>(a.x + at()) + t;
@@ -183,7 +179,6 @@ __device__ __forceinline__ void forward_rows_body(const FwdArgs<T, P>& a, int tp
       if constexpr (K == NormKind::kLayerNorm) a.mean[row] = mean;
       a.rstd[row] = rstd;
     }
-    if constexpr (HEADS) cursor = cursor.next(heads);
   }
 }
 

@@ -167,13 +167,13 @@ __device__ __forceinline__ void kernel11_body(T* __restrict__ dx, acc_t<T>* __re
   // The element offset of `row` and of the row `stride` on (head rows: by the cursor, advanced
   // at the end of each row).
   CursorOf<HEADS> cursor;
-  if constexpr (HEADS) cursor = HeadCursor(heads, row, stride);
+  if constexpr (HEADS) cursor = HeadCursor(heads, C, row, stride);
   auto at = [&] {
-    if constexpr (HEADS) return cursor.at(heads, C);
+    if constexpr (HEADS) return cursor.at();
     else return row * C;
   };
   auto next_at = [&] {
-    if constexpr (HEADS) return cursor.next(heads).at(heads, C);
+    if constexpr (HEADS) return cursor.next(heads, C).at();
     else return (row + stride) * C;
   };
   V dyv[NV], xv[NV];
@@ -293,7 +293,7 @@ __device__ __forceinline__ void kernel11_body(T* __restrict__ dx, acc_t<T>* __re
       m = next_m;
       s = next_s;
     }
-    if constexpr (HEADS) cursor = cursor.next(heads);
+    if constexpr (HEADS) cursor = cursor.next(heads, C);
   }
 
   // A block's last groups can have one row fewer than its first group. They pass the missing

@@ -7,6 +7,7 @@
 // rows gets at least one block. The configuration is kernel 11's pick for C, held to row groups
 // of at most a warp (the head rows' widest is kHeadRowsMaxBytes).
 #include <algorithm>
+#include <climits>
 
 #include "backward/launch.cuh"
 #include "backward/partials_finalize.h"
@@ -162,7 +163,7 @@ bool sets_ok(const NormBwdParams& a, const NormBwdParams& b) {
   }
   if (a.C < 1 || a.C * dtype_bytes(a.dtype) > kHeadRowsMaxBytes || a.dbias != nullptr) return false;
   for (const NormBwdParams* p : {&a, &b}) {
-    if (p->rows < 0 || p->dresidual != nullptr || p->heads.heads < 0 ||
+    if (p->rows < 0 || p->dresidual != nullptr || p->heads.heads < 0 || p->heads.heads > INT32_MAX ||
         (p->heads.heads > 0 && p->heads.token_stride < p->C) || rms != (p->mean == nullptr)) {
       return false;
     }
