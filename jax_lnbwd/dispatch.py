@@ -25,7 +25,7 @@ asks `decide` once, when it is traced, and runs what it answers through `run`:
 
 QK-norm (qk_norm, qk_norm_fused) asks first whether it runs as one op for q's and k's heads or
 as two norm calls (`qk_one_op`): the one op where some direction would run it (the switches'
-"ffi"; its crossovers are not measured yet, so never in "auto") and nothing refuses it
+"ffi", or in "auto" its crossovers: qk_norm_fused's in 16-bit dtypes) and nothing refuses it
 (`qk_refusal`: dtypes, row bytes, sharding). The one op's forward and backward then ask `decide`
 as op "qk_norm" (or "qk_norm_fused"), with q's and k's rows together and head_dim as C; two
 calls ask it as the norm each one is.
@@ -88,17 +88,28 @@ CROSSOVERS = {
     ("layernorm", BACKWARD, 4): ((256, 1024), (64, 65536, ALIGNED)),
     ("rmsnorm", BACKWARD, 2): ((256, 1024), (64, 65536, ALIGNED)),
     ("rmsnorm", BACKWARD, 4): ((256, 1024), (64, 65536, ALIGNED)),
-    # QK-norm as one op (qk_autodiff.py: q's and k's heads in one call; C is head_dim, rows
-    # are q's and k's heads together). Not measured on the GPU yet: no pairs, so mode "auto"
-    # keeps the two-call path (each call then dispatched as rmsnorm/layernorm is, by the rows
-    # above) and only mode "ffi" runs the one op. qk_norm_fused shares these rows (QK_ROWS).
+    # QK-norm as one op (qk_autodiff.py: q's and k's heads in one call; C is head_dim, rows are
+    # q's and k's heads together), against the two-call path (each call dispatched as
+    # rmsnorm/layernorm is, by the rows above) and XLA's fusion, bf16 at 16384 tokens of 32 q and
+    # 8 kv heads, D = 64, 128, 256 (docs/results/2026-12-05-qk_norm_h200.txt):
+    #   * qk_norm_fused: the one op normalizes q and k in place in the fused projection, where two
+    #     calls slice q and k out and concatenate them back: 3x the two calls and 2x XLA's
+    #     fusion, both directions. From D >= 64 with the small-row norms' 65536 rows;
+    #   * qk_norm (q and k apart): two calls of our small-row kernels are as fast forward and
+    #     10-17% faster backward: never the one op in "auto" (NEVER_FASTER);
+    #   * 4-byte dtypes: not measured, no pairs.
+    # Without pairs mode "auto" keeps the two calls; mode "ffi" always runs the one op.
     ("qk_norm", FORWARD, 2): (),
     ("qk_norm", FORWARD, 4): (),
     ("qk_norm", BACKWARD, 2): (),
     ("qk_norm", BACKWARD, 4): (),
+    ("qk_norm_fused", FORWARD, 2): ((64, 65536, ALIGNED),),
+    ("qk_norm_fused", FORWARD, 4): (),
+    ("qk_norm_fused", BACKWARD, 2): ((64, 65536, ALIGNED),),
+    ("qk_norm_fused", BACKWARD, 4): (),
 }
-# Ops that take another op's rows: the fused QK-norm's one op is the separate one's, in place.
-QK_ROWS = {"qk_norm_fused": "qk_norm"}
+# Rows measured where our kernel was never the faster (every other empty row: not measured).
+NEVER_FASTER = {("qk_norm", FORWARD, 2), ("qk_norm", BACKWARD, 2)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,18 +148,24 @@ def clear_decisions() -> None:
 def crossovers(op: str, direction: str, dtype) -> tuple:
     """The (C, rows) pairs (a third element ALIGNED: for 16-byte rows only) from which our CUDA
     kernel is the faster for `op` ("rmsnorm", "add_layernorm", "qk_norm", ...), direction and
-    dtype; none where it has not been measured (QK-norm's one op)."""
+    dtype; none where it was never the faster (NEVER_FASTER) or has not been measured."""
+    return CROSSOVERS[_row(op, direction, dtype)]
+
+
+def _row(op: str, direction: str, dtype) -> tuple[str, str, int]:
+    """The CROSSOVERS key of op, direction and dtype: the add ops' backward is the plain one's;
+    16-bit dtypes share the 2-byte row, float64 the 4-byte one."""
     bytes_ = min(max(np.dtype(dtype).itemsize, 2), 4)
-    if direction == BACKWARD:
-        op = op.removeprefix("add_")
-    return CROSSOVERS[(QK_ROWS.get(op, op), direction, bytes_)]
+    return op.removeprefix("add_") if direction == BACKWARD else op, direction, bytes_
 
 
 def cuda_kernel_wins(op: str, direction: str, rows: int, C: int, dtype) -> tuple[bool, str]:
     """Whether our CUDA kernel beats XLA's fusion at this shape (the measured crossovers), and why."""
     pairs = crossovers(op, direction, dtype)
     if not pairs:
-        return False, f"{op} {direction}: not measured on the GPU yet (no crossovers): XLA's fusion runs"
+        if _row(op, direction, dtype) in NEVER_FASTER:
+            return False, f"{op} {direction}: measured on the GPU and never the faster: the other path runs"
+        return False, f"{op} {direction}: not measured on the GPU yet (no crossovers): the other path runs"
     aligned = C * np.dtype(dtype).itemsize % 16 == 0
     for c, r, *only in pairs:
         if C >= c and rows >= r and (aligned or ALIGNED not in only):
@@ -269,7 +286,7 @@ def qk_one_op(op: str, rows: int, D: int, dtype, *, refusal: str | None, bwd_mod
     """Whether QK-norm (`op`: "qk_norm" or "qk_norm_fused") runs as its one op (qk_autodiff.py),
     whose forward and backward then ask `decide` for their own direction, or as two norm calls,
     each dispatched as rmsnorm/layernorm is. The one op where some platform would run it in some
-    direction (the switches' "ffi", or a crossover on CUDA: none measured yet) and nothing
+    direction (the switches' "ffi", or a crossover on CUDA) and nothing
     refuses it (qk_refusal); a refusal there is recorded as one decision, direction "both". The
     off switch (mode "xla") is two calls, each the jnp reference. rows: q's and k's together."""
     if bwd_mode == "xla":

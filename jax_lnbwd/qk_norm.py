@@ -21,10 +21,12 @@ Two paths compute it, with the same numbers (statistics in fp32, outputs rounded
   * one op (qk_autodiff.py and qk_tangent.py): ONE FFI call per direction for q's and
     k's heads together (one kernel launch on the GPU); qk_norm_fused's reads and writes the
     fused projection in place (its v heads untouched), with no slices or concatenation. It runs
-    where the dispatch rule says (dispatch.qk_one_op): its crossovers are not measured on the
-    GPU yet, so only when a switch forces our kernels (use_ffi_forward(True),
-    use_ffi_backward(True), JAX_LNBWD_FORWARD/BACKWARD=ffi), on every platform (the CPU runs
-    the C++ handler), in the forced direction; the other direction then runs as two calls would.
+    where the dispatch rule says (dispatch.qk_one_op): on CUDA by default for qk_norm_fused in
+    16-bit dtypes with D >= 64 and at least 65536 rows of q's and k's heads (measured: 3x the
+    two calls, 2x XLA; qk_norm's two calls are as fast or faster, so it keeps them), and when a
+    switch forces our kernels (use_ffi_forward(True), use_ffi_backward(True),
+    JAX_LNBWD_FORWARD/BACKWARD=ffi) on every platform (the CPU runs the C++ handler), in the
+    forced direction; the other direction then runs as it is dispatched.
     It has jit, grad and jvp to any order, vmap (shared weights: the batch is more rows, still
     one call; per-example weights: our norm's op per set), scan, checkpoint and jax.export, and
     a partitioning rule (ops/partition.py: qk_partitioned): under a sharded jit q and k may be

@@ -27,7 +27,7 @@ TOL = {"float64": 1e-12, "float32": 1e-6, "bfloat16": 1e-2}
 
 @pytest.fixture(autouse=True)
 def _auto(monkeypatch):
-    """The package's defaults: both switches "auto", the measured crossovers (QK's: none)."""
+    """The package's defaults: both switches "auto", the measured crossovers."""
     for var in (config.FORWARD_ENV_VAR, config.BACKWARD_ENV_VAR):
         monkeypatch.setenv(var, "auto")
         monkeypatch.setitem(config._overrides, var, None)
