@@ -4,6 +4,8 @@
 #   tools/gpu/gpu_check.sh STAGE...
 # Stages:
 #   build      pip install the package (no build isolation: the machine's jax and its CUDA plugin)
+#   prebuilt   instead of build: what tools/gpu/prebuild.sh compiled elsewhere (PREBUILT, default
+#              build/prebuilt): the extension into jax_lnbwd/, the QK sanitizer binaries for qk
 #   tests      the GPU test suite (pytest -m gpu), the `slow` ones (a second build, 100,000
 #              segments) included only with SLOW=1
 #   check      tests/cuda/check.cu for every kernel (LNBWD_QUICK=1), and the forward's check
@@ -69,6 +71,11 @@ for stage in "$@"; do
       # Editable: `python -m pytest` puts the checkout first on sys.path, where an installed
       # (non-editable) package would be shadowed by the source folder, which has no extension.
       run build python3 -m pip install -q --no-build-isolation --no-deps -e . ;;
+    prebuilt)
+      dir=${PREBUILT:-build/prebuilt}
+      ls "$PEER_WHEELS"/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps "$PEER_WHEELS"/*.whl
+      xz -dc "$dir/ext.so.xz" > "jax_lnbwd/$(cat "$dir/ext.name")" && tar xJf "$dir/qk_san.tar.xz" -C "$OUT" ||
+        status=1 ;;
     tests)
       marks="gpu and not slow"
       [ -z "${SLOW:-}" ] || marks=gpu
@@ -158,7 +165,11 @@ for stage in "$@"; do
       run small python3 -m benchmarks.kernels --op layernorm_fwd,layernorm_bwd,rmsnorm_fwd,rmsnorm_bwd \
         --dtypes bfloat16,float32 --shapes 524288x64,262144x128,131072x256 --no-progress --out "$OUT/small" ;;
     qk)
-      run qk_sanitize tests/cuda/run_qk_sanitizers.sh "$OUT/qk_sanitizers"
+      if [ -x "$OUT/qk_san/qk_check" ]; then   # the prebuilt stage's binaries
+        QK_STEP=run run qk_sanitize tests/cuda/run_qk_sanitizers.sh "$OUT/qk_san"
+      else
+        run qk_sanitize tests/cuda/run_qk_sanitizers.sh "$OUT/qk_sanitizers"
+      fi
       run qk_tests python3 -m pytest -q -m gpu -n "${JOBS:-4}" -k "qk" tests
       run qk_bench python3 -m benchmarks.kernels --op qk_norm,qk_norm_fused --dtypes bfloat16,float32 \
         --reps 3 --min-run-ms 10 --no-progress --out "$OUT/qk" ;;
