@@ -94,9 +94,9 @@ CROSSOVERS = {
     # 8 kv heads, D = 64, 128, 256 (docs/results/2026-12-05-qk_norm_h200.txt):
     #   * qk_norm_fused: the one op normalizes q and k in place in the fused projection, where two
     #     calls slice q and k out and concatenate them back: 3x the two calls and 2x XLA's
-    #     fusion, both directions. From D >= 64 with the small-row norms' 65536 rows;
-    #   * qk_norm (q and k apart): two calls of our small-row kernels are as fast forward and
-    #     10-17% faster backward: never the one op in "auto" (NEVER_FASTER);
+    #     fusion forward, 1.9x and 1.5x backward. From D >= 64 with the small-row norms' 65536 rows;
+    #   * qk_norm (q and k apart): two calls of our small-row kernels are 2-3% faster forward and
+    #     10-18% faster backward: never the one op in "auto" (NEVER_FASTER);
     #   * 4-byte dtypes: not measured, no pairs.
     # Without pairs mode "auto" keeps the two calls; mode "ffi" always runs the one op.
     ("qk_norm", FORWARD, 2): (),

@@ -34,7 +34,7 @@ from qk_one_op_cases import (FORMS, NORMS, _auto, assert_same, forced, form_fn, 
 
 def test_rows():
     """The measured QK rows: qk_norm_fused's one op from D 64 with 65536 rows of 16-byte vectors in
-    16-bit dtypes; qk_norm's never (two calls are as fast or faster); 4-byte dtypes not measured.
+    16-bit dtypes; qk_norm's never (two calls are faster); 4-byte dtypes not measured.
     "ffi" always runs the one op."""
     for direction in (dispatch.FORWARD, dispatch.BACKWARD):
         for dtype in ("bfloat16", "float16", "float32", "float64"):
