@@ -33,6 +33,12 @@ struct HeadRows {
   int64_t token_stride = 0;   // elements between tokens (heads > 0)
 };
 
+// Whether the launchers take this layout for rows of C elements: heads fit the kernels' 32-bit
+// head counter, and a token's heads fit its stride.
+inline bool head_rows_ok(const HeadRows& h, int64_t C) {
+  return h.heads >= 0 && h.heads <= INT32_MAX && (h.heads == 0 || h.token_stride >= C);
+}
+
 #ifdef __CUDACC__
 // The cursor a kernel holds for its rows: a HeadCursor for head rows, nothing for contiguous ones
 // (no variable at all, so that their code is what it was before head rows existed).

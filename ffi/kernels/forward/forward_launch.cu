@@ -160,8 +160,7 @@ cudaError_t norm_fwd_sets_pick(const NormFwdParams& a, const NormFwdParams& b, N
   if (!same || a.C < 1 || a.rows < 0 || b.rows < 0) return cudaErrorInvalidValue;
   for (const NormFwdParams* p : {&a, &b}) {
     if (p->residual != nullptr || p->s != nullptr || p->x_bias != nullptr || p->weight_rows > 1 ||
-        p->bias_rows > 1 || p->heads.heads < 0 || p->heads.heads > INT32_MAX ||
-        (p->heads.heads > 0 && p->heads.token_stride < p->C)) {
+        p->bias_rows > 1 || !head_rows_ok(p->heads, p->C)) {
       return cudaErrorInvalidValue;
     }
     if (!can_vectorize(*p)) return cudaErrorInvalidValue;

@@ -7,7 +7,6 @@
 // rows gets at least one block. The configuration is kernel 11's pick for C, held to row groups
 // of at most a warp (the head rows' widest is kHeadRowsMaxBytes).
 #include <algorithm>
-#include <climits>
 
 #include "backward/launch.cuh"
 #include "backward/partials_finalize.h"
@@ -163,8 +162,7 @@ bool sets_ok(const NormBwdParams& a, const NormBwdParams& b) {
   }
   if (a.C < 1 || a.C * dtype_bytes(a.dtype) > kHeadRowsMaxBytes || a.dbias != nullptr) return false;
   for (const NormBwdParams* p : {&a, &b}) {
-    if (p->rows < 0 || p->dresidual != nullptr || p->heads.heads < 0 || p->heads.heads > INT32_MAX ||
-        (p->heads.heads > 0 && p->heads.token_stride < p->C) || rms != (p->mean == nullptr)) {
+    if (p->rows < 0 || p->dresidual != nullptr || !head_rows_ok(p->heads, p->C) || rms != (p->mean == nullptr)) {
       return false;
     }
   }
