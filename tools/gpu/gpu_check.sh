@@ -5,7 +5,8 @@
 # Stages:
 #   build      pip install the package (no build isolation: the machine's jax and its CUDA plugin)
 #   prebuilt   instead of build: what tools/gpu/prebuild.sh compiled elsewhere (PREBUILT, default
-#              build/prebuilt): the extension into jax_lnbwd/, the QK sanitizer binaries for qk
+#              build/prebuilt): the extension into jax_lnbwd/, the QK sanitizer binaries for qk,
+#              tune and check for the check and small stages
 #   tests      the GPU test suite (pytest -m gpu), the `slow` ones (a second build, 100,000
 #              segments) included only with SLOW=1
 #   check      tests/cuda/check.cu for every kernel (LNBWD_QUICK=1), and the forward's check
@@ -75,15 +76,15 @@ for stage in "$@"; do
       dir=${PREBUILT:-build/prebuilt}
       ls "$PEER_WHEELS"/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps "$PEER_WHEELS"/*.whl
       xz -dc "$dir/ext.so.xz" > "jax_lnbwd/$(cat "$dir/ext.name")" && tar xJf "$dir/qk_san.tar.xz" -C "$OUT" ||
-        status=1 ;;
+        status=1
+      if [ -f "$dir/bins.tar.xz" ]; then mkdir -p "$OUT/bins" && tar xJf "$dir/bins.tar.xz" -C "$OUT/bins" || status=1; fi ;;
     tests)
       marks="gpu and not slow"
       [ -z "${SLOW:-}" ] || marks=gpu
       run tests python3 -m pytest -q -m "$marks" -n "${JOBS:-4}" tests ;;
     check)
-      nvcc -O3 -std=c++17 -arch=sm_90 -Iffi/kernels -Iffi -Icuda_harness tests/cuda/check.cu ffi/registry.cc \
-        $(find ffi/kernels -name '*.cu') -o /tmp/lnbwd_check && LNBWD_QUICK=1 run check /tmp/lnbwd_check
-      ;;
+      [ -x "$OUT/bins/check" ] || tools/tune/build.sh "$OUT/bins" check || status=1
+      LNBWD_QUICK=1 run check "$OUT/bins/check" ;;
     sanitize | sanitize_bwd | sanitize_fwd | sanitize_rms)
       [[ $stage = sanitize || $stage = sanitize_bwd ]] &&
         KERNELS="11 12" run sanitize tests/cuda/run_sanitizers.sh "$OUT/sanitizers"
@@ -156,9 +157,10 @@ for stage in "$@"; do
         --shapes "${CROSS_SHAPES:-1048576x32,524288x64,262144x128,131072x256,65536x512,32768x1024,16384x2048,8192x4096,2048x16384,8192x128,2048x512,1024x1024,256x4096}" \
         --no-progress --out "$OUT/crossover" ;;
     small)
-      tools/tune/build.sh /tmp/lnbwd_tune || status=1
+      tools/tune/build.sh /tmp/lnbwd_tune forward_tune || status=1
+      [ -x "$OUT/bins/tune" ] || tools/tune/build.sh "$OUT/bins" tune || status=1
       for s in "1048576 32" "524288 64" "262144 128" "131072 256" "65536 512"; do
-        for d in bf16 f32; do /tmp/lnbwd_tune/tune sweep $s $d; done
+        for d in bf16 f32; do "$OUT/bins/tune" sweep $s $d; done
         for k in "" rms; do /tmp/lnbwd_tune/forward_tune $s bfloat16 $k chain; done
       done > "$OUT/small_sweep.log" 2>&1
       grep -E "default|auto|^[a-z]" "$OUT/small_sweep.log"

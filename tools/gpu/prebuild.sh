@@ -5,9 +5,12 @@
 #                                python3.12, with scikit-build-core and nanobind installed) and
 #                                architectures (CUDAARCHS, default 90-real)
 #   DIR/qk_san.tar.xz            tests/cuda/run_qk_sanitizers.sh's binaries (QK_STEP=build)
+#   DIR/bins.tar.xz              tools/tune/build.sh's tune and check (the backward's sweeps and
+#                                its standalone check)
 #   tools/gpu/prebuild.sh [DIR]   (default build/prebuilt)
-# On the GPU machine, in the checkout: tools/gpu/gpu_check.sh prebuilt STAGE... unpacks both (the
-# extension into jax_lnbwd/, in place of the build stage; the binaries for the qk stage).
+# On the GPU machine, in the checkout: tools/gpu/gpu_check.sh prebuilt STAGE... unpacks them (the
+# extension into jax_lnbwd/, in place of the build stage; the binaries for the qk, check and small
+# stages).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 dir=${1:-build/prebuilt}
@@ -22,4 +25,7 @@ rm -rf "$wheels"
 QK_STEP=build tests/cuda/run_qk_sanitizers.sh "$dir/qk_san"
 tar cf - -C "$dir" qk_san | xz -T0 > "$dir/qk_san.tar.xz"
 rm -rf "$dir/qk_san"
+tools/tune/build.sh "$dir/bins" tune check
+tar cf - -C "$dir/bins" tune check | xz -T0 > "$dir/bins.tar.xz"
+rm -rf "$dir/bins"
 ls -l "$dir"

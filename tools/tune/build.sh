@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# Builds the configuration sweeps for sm_90: tune (the backward's: llm.c's block sizes, kernel 11's
-# and 12's configurations) and forward_tune (the fused forward's paths and row groups). Their
-# lists of sources are written here once.
-#   tools/tune/build.sh OUT_DIR [tune] [forward_tune] [-- NVCC FLAGS...]   (default: both)
+# Builds the configuration sweeps and the backward's standalone check for sm_90:
+#   tune          the backward's sweeps (llm.c's block sizes, kernel 11's and 12's configurations)
+#   forward_tune  the fused forward's paths and row groups
+#   check         tests/cuda/check.cu, every backward kernel against a reference
+# Their lists of sources are written here once. tune and check share their kernels, which are
+# compiled once (in parallel, one job per core) into OUT_DIR/obj and linked into both.
+#   tools/tune/build.sh OUT_DIR [tune] [forward_tune] [check] [-- NVCC FLAGS...]   (default: tune, forward_tune)
 # e.g. `tools/tune/build.sh /tmp/tune forward_tune -- -lineinfo` for ncu's source view.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-out=${1:?usage: tools/tune/build.sh OUT_DIR [tune] [forward_tune] [-- NVCC FLAGS...]}
+out=${1:?usage: tools/tune/build.sh OUT_DIR [tune] [forward_tune] [check] [-- NVCC FLAGS...]}
 shift
 targets=()
 while (($#)) && [[ $1 != -- ]]; do targets+=("$1"); shift; done
@@ -14,14 +17,33 @@ while (($#)) && [[ $1 != -- ]]; do targets+=("$1"); shift; done
 ((${#targets[@]})) || targets=(tune forward_tune)
 mkdir -p "$out"
 NVCC=(nvcc -O3 -std=c++17 -arch=sm_90 "$@" -Iffi/kernels -Icuda_harness)
+objs=()
+kernel_objects() {   # the backward's kernels and the registry, once, into $out/obj
+  ((${#objs[@]})) && return 0
+  mkdir -p "$out/obj"
+  rm -f "$out"/obj/*.o   # a failed compile leaves no object: none of an earlier build may stand in
+  local f o
+  for f in ffi/registry.cc $(find ffi/kernels -name '*.cu' | sort); do
+    o="$out/obj/$(echo "$f" | tr / _).o"
+    objs+=("$o")
+    while (($(jobs -rp | wc -l) >= $(nproc))); do wait -n || true; done
+    "${NVCC[@]}" -Iffi -c "$f" -o "$o" &
+  done
+  wait || true
+  for o in "${objs[@]}"; do [ -s "$o" ] || { echo "build.sh: $o did not compile" >&2; return 1; }; done
+}
 for t in "${targets[@]}"; do
   case $t in
     tune)
-      "${NVCC[@]}" -Iffi tools/tune/tune.cu ffi/registry.cc $(find ffi/kernels -name '*.cu' | sort) -o "$out/tune" ;;
+      kernel_objects
+      "${NVCC[@]}" -Iffi tools/tune/tune.cu "${objs[@]}" -o "$out/tune" ;;
+    check)
+      kernel_objects
+      "${NVCC[@]}" -Iffi tests/cuda/check.cu "${objs[@]}" -o "$out/check" ;;
     forward_tune)
       "${NVCC[@]}" tools/tune/forward_tune.cu ffi/kernels/forward/*.cu ffi/kernels/common/occupancy.cu \
         ffi/kernels/common/device_limits.cu -o "$out/forward_tune" ;;
-    *) echo "build.sh: no program $t (tune, forward_tune)" >&2; exit 2 ;;
+    *) echo "build.sh: no program $t (tune, forward_tune, check)" >&2; exit 2 ;;
   esac
   echo "built $out/$t"
 done
