@@ -11,7 +11,8 @@
 //   check [kernel ...]   (default: every kernel in the registry)
 //   LNBWD_QUICK=1: fewer shapes (for the sanitizers); LNBWD_QUICK_MAX_ELEMENTS caps rows * C.
 //
-// Build (run_sanitizers.sh builds it the same way, with -lineinfo):
+// Build (tools/tune/build.sh OUT_DIR check does this, sharing its compile of the kernels with
+// tune; run_sanitizers.sh builds it the same way, with -lineinfo):
 //   nvcc -O3 -std=c++17 -arch=sm_90 -Iffi/kernels -Iffi -Icuda_harness tests/cuda/check.cu ffi/registry.cc \
 //        $(find ffi/kernels -name '*.cu') -o check
 #include <memory>
