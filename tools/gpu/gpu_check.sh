@@ -6,7 +6,7 @@
 #   build      pip install the package (no build isolation: the machine's jax and its CUDA plugin)
 #   prebuilt   instead of build: what tools/gpu/prebuild.sh compiled elsewhere (PREBUILT, default
 #              build/prebuilt): the extension into jax_lnbwd/, the QK sanitizer binaries for qk,
-#              tune and check for the check and small stages
+#              tune and check (into BINS, default /tmp/lnbwd_bins) for the check and small stages
 #   tests      the GPU test suite (pytest -m gpu), the `slow` ones (a second build, 100,000
 #              segments) included only with SLOW=1
 #   check      tests/cuda/check.cu for every kernel (LNBWD_QUICK=1), and the forward's check
@@ -51,6 +51,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/gpu_check}
 PEER_WHEELS=${PEER_WHEELS:-build/peer-wheels}
+BINS=${BINS:-/tmp/lnbwd_bins}   # tune and check (prebuilt, or built here); outside OUT, which is for logs
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 SHAPES=${SHAPES:-16384x1600,16384x2048,16384x4096,8192x8192,4096x16384,1024x768}
@@ -77,14 +78,14 @@ for stage in "$@"; do
       ls "$PEER_WHEELS"/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps "$PEER_WHEELS"/*.whl
       xz -dc "$dir/ext.so.xz" > "jax_lnbwd/$(cat "$dir/ext.name")" && tar xJf "$dir/qk_san.tar.xz" -C "$OUT" ||
         status=1
-      if [ -f "$dir/bins.tar.xz" ]; then mkdir -p "$OUT/bins" && tar xJf "$dir/bins.tar.xz" -C "$OUT/bins" || status=1; fi ;;
+      if [ -f "$dir/bins.tar.xz" ]; then mkdir -p "$BINS" && tar xJf "$dir/bins.tar.xz" -C "$BINS" || status=1; fi ;;
     tests)
       marks="gpu and not slow"
       [ -z "${SLOW:-}" ] || marks=gpu
       run tests python3 -m pytest -q -m "$marks" -n "${JOBS:-4}" tests ;;
     check)
-      [ -x "$OUT/bins/check" ] || tools/tune/build.sh "$OUT/bins" check || status=1
-      LNBWD_QUICK=1 run check "$OUT/bins/check" ;;
+      [ -x "$BINS/check" ] || tools/tune/build.sh "$BINS" check || status=1
+      LNBWD_QUICK=1 run check "$BINS/check" ;;
     sanitize | sanitize_bwd | sanitize_fwd | sanitize_rms)
       [[ $stage = sanitize || $stage = sanitize_bwd ]] &&
         KERNELS="11 12" run sanitize tests/cuda/run_sanitizers.sh "$OUT/sanitizers"
@@ -158,9 +159,9 @@ for stage in "$@"; do
         --no-progress --out "$OUT/crossover" ;;
     small)
       tools/tune/build.sh /tmp/lnbwd_tune forward_tune || status=1
-      [ -x "$OUT/bins/tune" ] || tools/tune/build.sh "$OUT/bins" tune || status=1
+      [ -x "$BINS/tune" ] || tools/tune/build.sh "$BINS" tune || status=1
       for s in "1048576 32" "524288 64" "262144 128" "131072 256" "65536 512"; do
-        for d in bf16 f32; do "$OUT/bins/tune" sweep $s $d; done
+        for d in bf16 f32; do "$BINS/tune" sweep $s $d; done
         for k in "" rms; do /tmp/lnbwd_tune/forward_tune $s bfloat16 $k chain; done
       done > "$OUT/small_sweep.log" 2>&1
       grep -E "default|auto|^[a-z]" "$OUT/small_sweep.log"
