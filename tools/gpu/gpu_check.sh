@@ -66,16 +66,19 @@ run() {   # run NAME COMMAND...: tee the output to OUT/NAME.log, remember a fail
   echo "=== $name: rc=$rc in $((SECONDS - t0)) s"
   [ "$rc" -eq 0 ] || status=1
 }
+install_peer_wheels() {   # the bench peers from PEER_WHEELS, when there are any
+  ls "$PEER_WHEELS"/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps "$PEER_WHEELS"/*.whl
+}
 for stage in "$@"; do
   case $stage in
     build)
-      ls "$PEER_WHEELS"/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps "$PEER_WHEELS"/*.whl
+      install_peer_wheels
       # Editable: `python -m pytest` puts the checkout first on sys.path, where an installed
       # (non-editable) package would be shadowed by the source folder, which has no extension.
       run build python3 -m pip install -q --no-build-isolation --no-deps -e . ;;
     prebuilt)
       dir=${PREBUILT:-build/prebuilt}
-      ls "$PEER_WHEELS"/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps "$PEER_WHEELS"/*.whl
+      install_peer_wheels
       xz -dc "$dir/ext.so.xz" > "jax_lnbwd/$(cat "$dir/ext.name")" && tar xJf "$dir/qk_san.tar.xz" -C "$OUT" ||
         status=1
       if [ -f "$dir/bins.tar.xz" ]; then mkdir -p "$BINS" && tar xJf "$dir/bins.tar.xz" -C "$BINS" || status=1; fi ;;
