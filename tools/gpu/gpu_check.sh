@@ -9,7 +9,7 @@
 #              tune and check (into BINS, default /tmp/lnbwd_bins) for the check and small stages
 #   tests      the GPU test suite (pytest -m gpu), the `slow` ones (a second build, 100,000
 #              segments) included only with SLOW=1
-#   check      tests/cuda/check.cu for every kernel (LNBWD_QUICK=1), and the forward's check
+#   check      tests/cuda/check.cu for every backward kernel (LNBWD_QUICK=1)
 #   sanitize   the three below (about 10 minutes together)
 #   sanitize_bwd  compute-sanitizer over kernels 11 and 12 (run_sanitizers.sh; about 5 minutes)
 #   sanitize_fwd  the forward (run_forward_sanitizers.sh)
