@@ -3,37 +3,26 @@
 # exact-size cudaMalloc buffers, as XLA's pooled allocator hides out-of-bounds accesses from memcheck), and
 # proves the tools would notice: scratch copies of kernel 11, each with one planted bug (an
 # out-of-bounds write, a missing barrier, small rows' shuffles naming lanes that have left), must
-# be reported. Needs a GPU (sm_90), nvcc and compute-sanitizer.
-#   [CHECK=prebuilt] [JOBS=12] [KERNELS="11 12"] [LNBWD_SANITIZER_TIMEOUT=400] tests/cuda/run_sanitizers.sh [OUT_DIR]
+# be reported. Needs a GPU (sm_90), nvcc and compute-sanitizer; SAN_STEP=build compiles without a
+# GPU, and SAN_STEP=run links and runs those objects (sanitize_lib.sh).
+#   [SAN_STEP=all|build|run] [JOBS=12] [KERNELS="11 12"] [LNBWD_SANITIZER_TIMEOUT=400] tests/cuda/run_sanitizers.sh [OUT_DIR [LOG_DIR]]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:-/tmp/sanitizers}
-mkdir -p "$OUT/obj"
-NVCC=(nvcc -O3 -lineinfo -std=c++17 -arch=sm_90 -Iffi/kernels -Iffi -Icuda_harness)
+LOGS=${2:-$OUT}
+source tests/cuda/sanitize_lib.sh
+TIMEOUT=${LNBWD_SANITIZER_TIMEOUT:-400}
+ctl=$OUT/controls
+PLANTED=(oob race mask)
+# The planted bugs are in kernel 11's row loop (kernel11_body.cuh): each control is a copy of
+# kernel11_rows_in_registers.cu that includes a planted copy of the body instead.
+body=ffi/kernels/backward/registers/kernel11_body.cuh
+rows=ffi/kernels/backward/registers/kernel11_rows_in_registers.cu
 
-# Build the check (objects in parallel), with the kernel registry it reads.
-build() {   # build OUT_BINARY KERNEL_SOURCES...
-  local bin=$1 dir=$OUT/obj/$(basename "$1")
-  shift
-  mkdir -p "$dir"
-  rm -f "$dir"/*.o   # the link takes every object here: none may be left from an earlier run
-  local pids=() pid
-  for f in tests/cuda/check.cu ffi/registry.cc "$@"; do "${NVCC[@]}" -c "$f" -o "$dir/$(basename "$f").o" & pids+=($!); done
-  for pid in "${pids[@]}"; do wait "$pid" || return 1; done
-  "${NVCC[@]}" "$dir"/*.o -o "$bin"
-}
-# CHECK=path reuses a check built from the same sources (with -lineinfo, for file:line reports).
-if [ -n "${CHECK:-}" ]; then cp "$CHECK" "$OUT/check" || exit 2; else build "$OUT/check" $(find ffi/kernels -name "*.cu" | sort) || exit 2; fi
-
-# Positive controls, in scratch copies that are deleted afterwards: each planted bug must make
-# its tool fail. They run beside the main jobs.
-controls() {
-  ctl=$OUT/controls
+if [ "$SAN_STEP" != run ]; then
+  # The positive controls' sources, in scratch copies (deleted once compiled):
   mkdir -p "$ctl"
-  others=$(find ffi/kernels -name "*.cu" | sort | grep -v kernel11_rows_in_registers.cu)
-  # The planted bugs are in kernel 11's row loop (kernel11_body.cuh): each control is a copy of
-  # kernel11_rows_in_registers.cu that includes a planted copy of the body instead.
-  body=ffi/kernels/backward/registers/kernel11_body.cuh
+  rm -f "$ctl"/kernel11_*
   # 1) One element past the end of dx: store the last row's vector at col + C (the next row, or
   #    past the buffer for the last row).
   sed 's|store_cs(reinterpret_cast<V\*>(dx + at() + col), dxv);|store_cs(reinterpret_cast<V*>(dx + at() + col + (row + 1 == rows ? C : 0)), dxv);|' \
@@ -43,51 +32,60 @@ controls() {
   # 3) Small rows' shuffles naming the whole warp, while some of its groups have left the row loop.
   sed 's|const unsigned group_lanes = SMALL ? lanes_mask(tpr, lane) : 0xffffffffu;|const unsigned group_lanes = 0xffffffffu;|' \
     ffi/kernels/backward/registers/kernel11_body.cuh > "$ctl/kernel11_body_mask.cuh"
-  for planted in oob race mask; do
-    grep -q . "$ctl/kernel11_body_$planted.cuh" && ! cmp -s "$ctl/kernel11_body_$planted.cuh" "$body" \
-      || { echo "control $planted: the planted change did not apply"; continue; }
-    sed "s|#include \"backward/registers/kernel11_body.cuh\"|#include \"kernel11_body_$planted.cuh\"|" \
-      ffi/kernels/backward/registers/kernel11_rows_in_registers.cu > "$ctl/kernel11_$planted.cu"
-    build "$ctl/check_$planted" $others "$ctl/kernel11_$planted.cu" || { continue; }
-    tool=$(case $planted in oob) echo memcheck ;; race) echo racecheck ;; *) echo synccheck ;; esac)
-    if timeout "${LNBWD_SANITIZER_TIMEOUT:-400}" compute-sanitizer --tool "$tool" --error-exitcode 1 "$ctl/check_$planted" 11 > "$ctl/$planted.log" 2>&1; then
-      echo "control $planted ($tool): NOT reported - the check would miss this bug"
+  planted_sources=()
+  for planted in "${PLANTED[@]}"; do
+    if grep -q . "$ctl/kernel11_body_$planted.cuh" && ! cmp -s "$ctl/kernel11_body_$planted.cuh" "$body"; then
+      sed "s|#include \"backward/registers/kernel11_body.cuh\"|#include \"kernel11_body_$planted.cuh\"|" "$rows" \
+        > "$ctl/kernel11_$planted.cu"
+      planted_sources+=("$ctl/kernel11_$planted.cu")
     else
-      echo "control $planted ($tool): reported: $(grep -Eo '(ERROR|RACECHECK) SUMMARY: .*' "$ctl/$planted.log" | tail -1)"
+      echo "control $planted: the planted change did not apply"
     fi
   done
+  # The check with every kernel and the registry it reads, then the controls' copies of kernel
+  # 11. A compile that fails stops the script.
+  compile "$OUT/obj" ffi/kernels tests/cuda/check.cu ffi/registry.cc $(find ffi/kernels -name "*.cu" | sort) || exit 2
+  compile "$ctl" ffi/kernels "${planted_sources[@]}" || exit 2
   rm -f "$ctl"/*.cu "$ctl"/*.cuh
+  [ "$SAN_STEP" = build ] && exit 0
+fi
+
+mkdir -p "$LOGS"
+link "$OUT/check" "$OUT"/obj/*.o || exit 2
+others=()
+for o in "$OUT"/obj/*.o; do [[ $o = */kernel11_rows_in_registers.cu.o ]] || others+=("$o"); done
+
+# Each planted bug must make its tool fail. The controls run beside the main jobs.
+controls() {
+  local planted tool
+  for planted in "${PLANTED[@]}"; do
+    [ -f "$ctl/kernel11_$planted.cu.o" ] || { echo "control $planted: not built (its planted change did not apply)"; continue; }
+    link "$ctl/check_$planted" "${others[@]}" "$ctl/kernel11_$planted.cu.o" || { echo "control $planted: FAILED to link"; continue; }
+    tool=$(case $planted in oob) echo memcheck ;; race) echo racecheck ;; *) echo synccheck ;; esac)
+    timeout "$TIMEOUT" compute-sanitizer --tool "$tool" "$ctl/check_$planted" 11 > "$LOGS/$planted.log" 2>&1
+    control_report "$planted" "$tool" "$LOGS/$planted.log"
+  done
 }
 
 status=0
 export LNBWD_QUICK=1   # the check's reduced shape set: the sanitizers are slow
 # One (tool, kernel) pair per process, JOBS at a time: the GPU has room for all of them.
-sanitize() {   # sanitize TOOL KERNEL: one line of result
-  local tool=$1 kernel=$2 extra=() env=()
-  [ "$tool" = memcheck ] && extra=(--leak-check full)
-  # Kernel 12's mbarriers (groups x ring slots per block, up to 75 with split rows) outnumber
-  # what synccheck tracks by default, and its grids are cooperative (every block resident at
-  # once), so all blocks' barriers are alive together: raise synccheck's count.
-  [ "$tool" = synccheck ] && extra=(--num-cuda-barriers "${NUM_CUDA_BARRIERS:-8192}")
-  # racecheck is the slowest on kernels with many shared-memory accesses: smaller launches.
-  [ "$tool" = racecheck ] && env=(LNBWD_QUICK_MAX_ELEMENTS=3500000)
-  if env "${env[@]}" timeout "${LNBWD_SANITIZER_TIMEOUT:-400}" compute-sanitizer --tool "$tool" --error-exitcode 1 "${extra[@]}" \
-      "$OUT/check" "$kernel" > "$OUT/$tool-k$kernel.log" 2>&1; then
-    echo "$tool kernel $kernel: $(grep -Eo '(ERROR|RACECHECK) SUMMARY: .*' "$OUT/$tool-k$kernel.log" | tail -1)" \
-         "($(grep -Eo 'check: [0-9]+ cases, [0-9]+ failures' "$OUT/$tool-k$kernel.log"))"
-  else
-    echo "$tool kernel $kernel: FAILED (exit $?, see $OUT/$tool-k$kernel.log)"
-  fi
+# racecheck is the slowest on kernels with many shared-memory accesses: smaller launches.
+sanitize_kernel() {   # sanitize_kernel TOOL KERNEL: one line of result
+  local tool=$1 kernel=$2
+  [ "$tool" = racecheck ] && export LNBWD_QUICK_MAX_ELEMENTS=3500000
+  sanitize "$tool kernel $kernel" "$tool" "$LOGS/$tool-k$kernel.log" 'check: [0-9]+ cases, [0-9]+ failures' \
+    "$OUT/check" "$kernel"
 }
-export -f sanitize
-export OUT
-controls > "$OUT/controls.txt" 2>&1 &
+export -f sanitize sanitize_kernel
+export OUT LOGS TIMEOUT
+controls > "$LOGS/controls.txt" 2>&1 &
 ctl_pid=$!
 for tool in racecheck memcheck synccheck initcheck; do   # the slowest first
   for kernel in ${KERNELS:-1 2 3 4 5 6 7 8 9 10 11 12}; do echo "$tool $kernel"; done
-done | xargs -P "${JOBS:-12}" -n 2 bash -c 'sanitize "$@"' _ | sort -k1,1 -k3,3n | tee "$OUT/summary.txt"
-grep -q FAILED "$OUT/summary.txt" && status=1
+done | xargs -P "${JOBS:-12}" -n 2 bash -c 'sanitize_kernel "$@"' _ | sort -k1,1 -k3,3n | tee "$LOGS/summary.txt"
+grep -q FAILED "$LOGS/summary.txt" && status=1
 wait $ctl_pid
-cat "$OUT/controls.txt"
-[ "$(grep -Ec '\): reported: (ERROR|RACECHECK) SUMMARY: [1-9]' "$OUT/controls.txt")" = 3 ] || status=1
+cat "$LOGS/controls.txt"
+[ "$(grep -Ec '\): reported: (ERROR|RACECHECK) SUMMARY: [1-9]' "$LOGS/controls.txt")" = "${#PLANTED[@]}" ] || status=1
 exit $status

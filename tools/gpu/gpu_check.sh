@@ -5,8 +5,9 @@
 # Stages:
 #   build      pip install the package (no build isolation: the machine's jax and its CUDA plugin)
 #   prebuilt   instead of build: what tools/gpu/prebuild.sh compiled elsewhere (PREBUILT, default
-#              build/prebuilt): the extension into jax_lnbwd/, the QK sanitizer binaries for qk,
-#              tune and check (into BINS, default /tmp/lnbwd_bins) for the check and small stages
+#              build/prebuilt): the extension into jax_lnbwd/; into BINS (default /tmp/lnbwd_bins),
+#              tune and check for the check and small stages, and the sanitizer scripts' objects
+#              (BINS/san) for the sanitize and qk stages, which then only link and run them
 #   tests      the GPU test suite (pytest -m gpu), the `slow` ones (a second build, 100,000
 #              segments) included only with SLOW=1
 #   check      tests/cuda/check.cu for every backward kernel (LNBWD_QUICK=1)
@@ -66,6 +67,14 @@ run() {   # run NAME COMMAND...: tee the output to OUT/NAME.log, remember a fail
   echo "=== $name: rc=$rc in $((SECONDS - t0)) s"
   [ "$rc" -eq 0 ] || status=1
 }
+# sanitizer NAME STAGE SCRIPT: a sanitizer script (tests/cuda), its logs in OUT/STAGE. Its objects
+# and binaries live in BINS/san/NAME: where the prebuilt stage unpacked objects there, it only
+# links and runs them (SAN_STEP=run); else it compiles them there first.
+sanitizer() {
+  local dir=$BINS/san/$1 step=all
+  [ -d "$dir/obj" ] && step=run
+  SAN_STEP=$step run "$2" "tests/cuda/$3" "$dir" "$OUT/$2"
+}
 install_peer_wheels() {   # the bench peers from PEER_WHEELS, when there are any
   ls "$PEER_WHEELS"/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps "$PEER_WHEELS"/*.whl
 }
@@ -79,9 +88,11 @@ for stage in "$@"; do
     prebuilt)
       dir=${PREBUILT:-build/prebuilt}
       install_peer_wheels
-      xz -dc "$dir/ext.so.xz" > "jax_lnbwd/$(cat "$dir/ext.name")" && tar xJf "$dir/qk_san.tar.xz" -C "$OUT" ||
-        status=1
-      if [ -f "$dir/bins.tar.xz" ]; then mkdir -p "$BINS" && tar xJf "$dir/bins.tar.xz" -C "$BINS" || status=1; fi ;;
+      xz -dc "$dir/ext.so.xz" > "jax_lnbwd/$(cat "$dir/ext.name")" || status=1
+      mkdir -p "$BINS"
+      for pack in bins san; do
+        if [ -f "$dir/$pack.tar.xz" ]; then tar xJf "$dir/$pack.tar.xz" -C "$BINS" || status=1; fi
+      done ;;
     tests)
       marks="gpu and not slow"
       [ -z "${SLOW:-}" ] || marks=gpu
@@ -90,12 +101,9 @@ for stage in "$@"; do
       [ -x "$BINS/check" ] || tools/tune/build.sh "$BINS" check || status=1
       LNBWD_QUICK=1 run check "$BINS/check" ;;
     sanitize | sanitize_bwd | sanitize_fwd | sanitize_rms)
-      [[ $stage = sanitize || $stage = sanitize_bwd ]] &&
-        KERNELS="11 12" run sanitize tests/cuda/run_sanitizers.sh "$OUT/sanitizers"
-      [[ $stage = sanitize || $stage = sanitize_fwd ]] &&
-        run sanitize_forward tests/cuda/run_forward_sanitizers.sh "$OUT/forward_sanitizers"
-      [[ $stage = sanitize || $stage = sanitize_rms ]] &&
-        run sanitize_rms tests/cuda/run_rms_sanitizers.sh "$OUT/rms_sanitizers"
+      [[ $stage = sanitize || $stage = sanitize_bwd ]] && KERNELS="11 12" sanitizer bwd sanitize run_sanitizers.sh
+      [[ $stage = sanitize || $stage = sanitize_fwd ]] && sanitizer forward sanitize_forward run_forward_sanitizers.sh
+      [[ $stage = sanitize || $stage = sanitize_rms ]] && sanitizer rms sanitize_rms run_rms_sanitizers.sh
       true ;;
     kernels)
       run kernels python3 -m benchmarks.kernels --dtypes bfloat16,float32,float16 --shapes "$SHAPES" \
@@ -171,11 +179,7 @@ for stage in "$@"; do
       run small python3 -m benchmarks.kernels --op layernorm_fwd,layernorm_bwd,rmsnorm_fwd,rmsnorm_bwd \
         --dtypes bfloat16,float32 --shapes 524288x64,262144x128,131072x256 --no-progress --out "$OUT/small" ;;
     qk)
-      if [ -x "$OUT/qk_san/qk_check" ]; then   # the prebuilt stage's binaries
-        QK_STEP=run run qk_sanitize tests/cuda/run_qk_sanitizers.sh "$OUT/qk_san"
-      else
-        run qk_sanitize tests/cuda/run_qk_sanitizers.sh "$OUT/qk_sanitizers"
-      fi
+      sanitizer qk qk_sanitize run_qk_sanitizers.sh
       run qk_tests python3 -m pytest -q -m gpu -n "${JOBS:-4}" -k "qk" tests
       run qk_bench python3 -m benchmarks.kernels --op qk_norm,qk_norm_fused --dtypes bfloat16,float32 \
         --reps 3 --min-run-ms 10 --no-progress --out "$OUT/qk" ;;

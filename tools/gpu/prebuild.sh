@@ -4,13 +4,17 @@
 #   DIR/ext.so.xz, DIR/ext.name  the extension, built for the GPU machine's Python (PYTHON, default
 #                                python3.12, with scikit-build-core and nanobind installed) and
 #                                architectures (CUDAARCHS, default 90-real)
-#   DIR/qk_san.tar.xz            tests/cuda/run_qk_sanitizers.sh's binaries (QK_STEP=build)
+#   DIR/san.tar.xz               the four sanitizer scripts' objects (tests/cuda/run_*sanitizers.sh,
+#                                SAN_STEP=build) in san/bwd, san/forward, san/rms and san/qk: the
+#                                GPU machine links them in seconds instead of compiling for minutes.
+#                                Three of the scripts compile the same kernels: one xz stream with a
+#                                dictionary larger than the objects stores each of them once.
 #   DIR/bins.tar.xz              tools/tune/build.sh's tune and check (the backward's sweeps and
 #                                its standalone check)
 #   tools/gpu/prebuild.sh [DIR]   (default build/prebuilt)
 # On the GPU machine, in the checkout: tools/gpu/gpu_check.sh prebuilt STAGE... unpacks them (the
-# extension into jax_lnbwd/, in place of the build stage; the binaries for the qk, check and small
-# stages).
+# extension into jax_lnbwd/, in place of the build stage; the binaries for the check and small
+# stages, the sanitizers' objects for the sanitize and qk stages).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 dir=${1:-build/prebuilt}
@@ -22,9 +26,13 @@ so=$(unzip -Z1 "$wheels"/*.whl | grep '^jax_lnbwd/_jax_lnbwd.*\.so$')
 basename "$so" > "$dir/ext.name"
 unzip -p "$wheels"/*.whl "$so" | xz -T0 > "$dir/ext.so.xz"
 rm -rf "$wheels"
-QK_STEP=build tests/cuda/run_qk_sanitizers.sh "$dir/qk_san"
-tar cf - -C "$dir" qk_san | xz -T0 > "$dir/qk_san.tar.xz"
-rm -rf "$dir/qk_san"
+rm -rf "$dir/san"
+SAN_STEP=build tests/cuda/run_sanitizers.sh "$dir/san/bwd"
+SAN_STEP=build tests/cuda/run_forward_sanitizers.sh "$dir/san/forward"
+SAN_STEP=build tests/cuda/run_rms_sanitizers.sh "$dir/san/rms"
+SAN_STEP=build tests/cuda/run_qk_sanitizers.sh "$dir/san/qk"
+tar cf - -C "$dir" san | xz -9 --lzma2=dict=256MiB -T1 > "$dir/san.tar.xz"
+rm -rf "$dir/san"
 tools/tune/build.sh "$dir/bins" tune check
 tar cf - -C "$dir/bins" tune check | xz -T0 > "$dir/bins.tar.xz"
 rm -rf "$dir/bins"

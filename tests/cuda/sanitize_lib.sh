@@ -1,0 +1,82 @@
+# Sourced by the sanitizer scripts (run_sanitizers.sh, run_forward_sanitizers.sh,
+# run_rms_sanitizers.sh, run_qk_sanitizers.sh): what they share.
+#
+# Two steps. Each script compiles a standalone check and its positive controls (scratch copies of
+# a kernel with one planted bug), which needs nvcc but no GPU, then links them and runs them under
+# compute-sanitizer, which needs the GPU. Compiling every kernel takes minutes; linking the
+# objects takes seconds. So the objects can be compiled on a machine without a GPU and carried to
+# one (tools/gpu/prebuild.sh, tools/gpu/gpu_check.sh). SAN_STEP says which steps run:
+#   all    both (the default);
+#   build  compile only: the objects go to OUT_DIR (OUT_DIR/obj, and the controls' in
+#          OUT_DIR/controls), and nothing is linked or run;
+#   run    link OUT_DIR's objects into its binaries and run them; compiles nothing.
+# Every script takes OUT_DIR [LOG_DIR]: the tools' logs and result lines go to LOG_DIR (default
+# OUT_DIR), so that a caller can keep them apart from the objects.
+SAN_STEP=${SAN_STEP:-all}
+case $SAN_STEP in
+  all | build | run) ;;
+  *) echo "SAN_STEP=$SAN_STEP: all, build or run" >&2; exit 2 ;;
+esac
+# -lineinfo: the tools report file:line. The kernels' folder comes first in the include path
+# (compile's second argument): a control compiles against a planted copy of it.
+NVCC=(nvcc -O3 -lineinfo -std=c++17 -arch=sm_90)
+TIMEOUT=${LNBWD_SANITIZER_TIMEOUT:-900}
+
+# object DIR SOURCE: SOURCE's object in DIR (by the source's file name, which is unique among the
+# kernels and checks).
+object() { echo "$1/$(basename "$2").o"; }
+
+# compile DIR KERNELS_DIR SOURCE...: each source into its object in DIR, one job per core, with
+# KERNELS_DIR (ffi/kernels, or a control's planted copy) as the kernels' include folder. Returns 1
+# if any source failed; the objects of an earlier run are deleted first, so that none can stand
+# in for a failed compile.
+compile() {
+  local dir=$1 kernels=$2 f
+  shift 2
+  mkdir -p "$dir"
+  for f in "$@"; do rm -f "$(object "$dir" "$f")"; done
+  for f in "$@"; do
+    while (($(jobs -rp | wc -l) >= $(nproc))); do wait -n || true; done
+    "${NVCC[@]}" -I"$kernels" -Iffi -Icuda_harness -c "$f" -o "$(object "$dir" "$f")" &
+  done
+  wait
+  for f in "$@"; do
+    [ -s "$(object "$dir" "$f")" ] || { echo "compile: $f did not compile" >&2; return 1; }
+  done
+}
+
+# link BINARY OBJECT...: one program from compiled objects.
+link() {
+  local bin=$1
+  shift
+  "${NVCC[@]}" "$@" -o "$bin" || { echo "link: $bin did not link" >&2; return 1; }
+}
+
+# sanitize LABEL TOOL LOG TALLY COMMAND...: COMMAND under compute-sanitizer's TOOL, its output in
+# LOG; prints one line: LABEL, the tool's summary and the check's own count (TALLY: an extended
+# regular expression for its "N cases, M failures" line), or FAILED with the exit status.
+# memcheck also looks for leaks. synccheck tracks more barriers than its default: kernel 12's
+# mbarriers (groups x ring slots per block) are all alive at once in its cooperative grids.
+sanitize() {
+  local label=$1 tool=$2 log=$3 tally=$4 extra=()
+  shift 4
+  [ "$tool" = memcheck ] && extra=(--leak-check full)
+  [ "$tool" = synccheck ] && extra=(--num-cuda-barriers "${NUM_CUDA_BARRIERS:-8192}")
+  if timeout "$TIMEOUT" compute-sanitizer --tool "$tool" --error-exitcode 1 "${extra[@]}" "$@" > "$log" 2>&1; then
+    echo "$label: $(grep -Eo '(ERROR|RACECHECK) SUMMARY: .*' "$log" | tail -1) ($(grep -Eo "$tally" "$log" | tail -1))"
+  else
+    echo "$label: FAILED (exit $?, see $log)"
+  fi
+}
+
+# control_report NAME TOOL LOG: the one line that says whether TOOL reported the bug planted in
+# positive control NAME (LOG: the tool's output on the control's binary).
+control_report() {
+  local summary
+  summary=$(grep -Eo '(ERROR|RACECHECK) SUMMARY: .*' "$3" | tail -1)
+  if [[ "$summary" =~ SUMMARY:\ [1-9] ]]; then
+    echo "control $1 ($2): reported: $summary"
+  else
+    echo "control $1 ($2): NOT reported ($summary) - the check would miss this bug"
+  fi
+}

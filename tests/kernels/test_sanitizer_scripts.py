@@ -1,0 +1,169 @@
+"""The sanitizer scripts' plumbing, on any machine: their build and run steps, their result lines,
+where their logs go, and their exit status.
+
+tests/cuda/run_*sanitizers.sh compile a standalone check and its positive controls (SAN_STEP=build:
+nvcc, no GPU) and link and run them under compute-sanitizer (SAN_STEP=run: a GPU). Here stubs
+stand in for nvcc (an "object" names its source; a "binary" prints its check's count line, and
+PLANTED when a control's object is linked in) and for compute-sanitizer (it runs the binary and
+reports errors where it printed PLANTED), so that a script that mixes up its objects, its
+controls or its status fails here, not in a device call. The tools' own verdicts are the GPU's
+(tools/gpu/gpu_check.sh).
+"""
+import os
+import pathlib
+import shutil
+import subprocess
+
+import pytest
+
+from conftest import CHECKOUT
+
+HAS_SOURCES = (CHECKOUT / "ffi" / "kernels").is_dir()
+pytestmark = [
+    pytest.mark.skipif(not HAS_SOURCES, reason="run from outside the source tree"),
+    pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash"),
+]
+
+NVCC = r"""#!/usr/bin/env bash
+# Stub: `-c SOURCE -o OBJECT` writes an object naming its source; a link writes a "binary".
+compile=0 src= out= objs=()
+while (($#)); do
+  case $1 in
+    -c) compile=1; src=$2; shift ;;
+    -o) out=$2; shift ;;
+    *.o) objs+=("$1") ;;
+  esac
+  shift
+done
+if ((compile)); then
+  [ -f "$src" ] || exit 1
+  [[ -n "${STUB_NVCC_FAIL:-}" && $src == *"$STUB_NVCC_FAIL"* ]] && exit 1
+  echo "object of $src" > "$out"
+  exit 0
+fi
+planted=0
+for o in "${objs[@]}"; do
+  [ -f "$o" ] || { echo "stub nvcc: no object $o" >&2; exit 1; }
+  [[ $o == */controls/* ]] && planted=1
+done
+name=$(basename "$out")
+case $name in check) what=check ;; *_check) what="${name%_check} check" ;; *) what=control ;; esac
+{
+  echo '#!/usr/bin/env bash'
+  echo "echo '$what: 7 cases, 0 failures'"
+  ((planted)) && echo "echo PLANTED"
+  echo "echo \"objects: ${#objs[@]}\""
+} > "$out"
+chmod +x "$out"
+"""
+
+SANITIZER = r"""#!/usr/bin/env bash
+# Stub: runs the program; reports errors where it printed PLANTED (unless STUB_BLIND is set).
+tool=memcheck code=
+while [[ $1 == --* ]]; do
+  case $1 in
+    --tool) tool=$2; shift 2 ;;
+    --error-exitcode) code=$2; shift 2 ;;
+    --leak-check | --num-cuda-barriers) shift 2 ;;
+    *) shift ;;
+  esac
+done
+out=$("$@")
+echo "$out"
+echo "$tool" >> "$STUB_TOOLS_LOG"
+if [[ $out == *PLANTED* && -z "${STUB_BLIND:-}" ]]; then
+  echo "========= ERROR SUMMARY: 2 errors"
+  exit "${code:-0}"
+fi
+echo "========= ERROR SUMMARY: 0 errors"
+"""
+
+# script: (its check's count line, its controls, the binaries its run step links)
+SCRIPTS = {
+    "run_qk_sanitizers.sh": ("qk check", ["head_off_by_one"], ["qk_check", "controls/qk_check_head_off"]),
+    "run_rms_sanitizers.sh": ("rms check", ["one_buffer"], ["rms_check", "controls/rms_check_one_buffer"]),
+    "run_forward_sanitizers.sh": ("forward check", ["oob", "race", "oob_s", "mask"],
+                                  ["forward_check"] + [f"controls/check_{p}" for p in ("oob", "race", "oob_s", "mask")]),
+    "run_sanitizers.sh": ("check", ["oob", "race", "mask"], ["check"] + [f"controls/check_{p}" for p in ("oob", "race", "mask")]),
+}
+
+
+@pytest.fixture
+def stubs(tmp_path):
+    bin_dir = tmp_path / "stub_bin"
+    bin_dir.mkdir()
+    for name, text in (("nvcc", NVCC), ("compute-sanitizer", SANITIZER)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", KERNELS="11 12", JOBS="4",
+               STUB_TOOLS_LOG=str(tmp_path / "tools.log"))
+    return env
+
+
+def script(name, env, step, *dirs):
+    return subprocess.run(["bash", str(CHECKOUT / "tests" / "cuda" / name), *map(str, dirs)],
+                          env=dict(env, SAN_STEP=step), capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_build_then_run(name, stubs, tmp_path):
+    what, controls, binaries = SCRIPTS[name]
+    out, logs = tmp_path / "objects", tmp_path / "logs"
+    built = script(name, stubs, "build", out)
+    assert built.returncode == 0, built.stdout + built.stderr
+    assert list((out / "obj").glob("*.o")), "the build step wrote no objects"
+    # One object a control; QK-norm's one control plants a header, which two kernels' files include.
+    assert len(list((out / "controls").glob("*.o"))) == (2 if name == "run_qk_sanitizers.sh" else len(controls))
+    assert not list(out.rglob("*.cu")) and not list(out.rglob("*.cuh")), "the planted sources are left behind"
+    assert not (out / binaries[0]).exists(), "the build step linked"
+    assert not (tmp_path / "tools.log").exists(), "the build step ran a tool"
+
+    ran = script(name, stubs, "run", out, logs)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    for tool in ("memcheck", "racecheck", "synccheck", "initcheck"):
+        lines = [l for l in ran.stdout.splitlines() if l.startswith(tool)]
+        assert lines and all(f"ERROR SUMMARY: 0 errors ({what}: 7 cases, 0 failures)" in l for l in lines), ran.stdout
+    for control in controls:
+        assert f"control {control} (" in ran.stdout and "): reported: ERROR SUMMARY: 2 errors" in ran.stdout, ran.stdout
+    assert "NOT reported" not in ran.stdout
+    for binary in binaries:
+        assert (out / binary).is_file(), f"{binary} was not linked"
+    assert list(logs.glob("*.log")), "no logs in LOG_DIR"
+    assert not list(out.rglob("*.log")), "logs written beside the objects, not in LOG_DIR"
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_a_control_the_tool_misses_fails_the_run(name, stubs, tmp_path):
+    out = tmp_path / "all"
+    ran = script(name, dict(stubs, STUB_BLIND="1"), "all", out)
+    assert ran.returncode == 1, ran.stdout + ran.stderr
+    assert "NOT reported" in ran.stdout
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_a_failed_compile_stops_the_build(name, stubs, tmp_path):
+    ran = script(name, dict(stubs, STUB_NVCC_FAIL="registers/kernel11_sets.cu"
+                            if name != "run_forward_sanitizers.sh" else "forward/forward_wide.cu"), "build",
+                 tmp_path / "objects")
+    assert ran.returncode == 2, ran.stdout + ran.stderr
+    assert "did not compile" in ran.stderr
+
+
+def test_an_unknown_step_is_refused(stubs, tmp_path):
+    ran = script("run_qk_sanitizers.sh", stubs, "link", tmp_path / "objects")
+    assert ran.returncode == 2 and "SAN_STEP=link" in ran.stderr
+
+
+def test_gpu_check_links_prebuilt_objects(stubs, tmp_path):
+    """tools/gpu/gpu_check.sh's sanitize stages run a script's run step on the objects the prebuilt
+    stage unpacked into BINS/san (compiling nothing), with the logs under OUT."""
+    bins, out = tmp_path / "bins", tmp_path / "out"
+    built = script("run_rms_sanitizers.sh", stubs, "build", bins / "san" / "rms")
+    assert built.returncode == 0, built.stdout + built.stderr
+    env = dict(stubs, BINS=str(bins), OUT=str(out), STUB_NVCC_FAIL=".cu")   # a compile now would fail
+    ran = subprocess.run(["bash", str(CHECKOUT / "tools" / "gpu" / "gpu_check.sh"), "sanitize_rms"], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert "control one_buffer (racecheck): reported" in ran.stdout
+    assert (out / "sanitize_rms" / "memcheck.log").is_file()
+    assert (bins / "san" / "rms" / "rms_check").is_file()
