@@ -45,7 +45,7 @@ if [ "$SAN_STEP" != run ]; then
   # that fails stops the script.
   compile "$OUT/obj" ffi/kernels tests/cuda/forward_check.cu ffi/kernels/forward/forward_rows.cu "${KERNELS[@]}" ||
     exit 2
-  compile "$ctl" ffi/kernels "${planted_sources[@]}" || exit 2
+  compile_control "$ctl" ffi/kernels "${planted_sources[@]}" || exit 2
   rm -f "$ctl"/*.cu
   [ "$SAN_STEP" = build ] && exit $status
 fi

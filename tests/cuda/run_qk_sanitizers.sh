@@ -31,7 +31,7 @@ if [ "$SAN_STEP" != run ]; then
   fi
   # A compile that fails stops the script.
   compile "$OUT/obj" ffi/kernels tests/cuda/qk_check.cu "${kernels[@]}" || exit 2
-  compile "$ctl" "$ctl/kernels" "${sets[@]/#/$ctl/kernels/}" || exit 2
+  compile_control "$ctl" "$ctl/kernels" "${sets[@]/#/$ctl/kernels/}" || exit 2
   rm -rf "$ctl/kernels"
   [ "$SAN_STEP" = build ] && exit 0
 fi

@@ -25,7 +25,7 @@ if [ "$SAN_STEP" != run ]; then
   fi
   # A compile that fails stops the script.
   compile "$OUT/obj" ffi/kernels tests/cuda/rms_check.cu ffi/registry.cc $(find ffi/kernels -name "*.cu" | sort) || exit 2
-  compile "$ctl" ffi/kernels "$ctl/forward_rows_one_buffer.cu" || exit 2
+  compile_control "$ctl" ffi/kernels "$ctl/forward_rows_one_buffer.cu" || exit 2
   rm -f "$ctl"/*.cu
   [ "$SAN_STEP" = build ] && exit 0
 fi

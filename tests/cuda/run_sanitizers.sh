@@ -45,7 +45,7 @@ if [ "$SAN_STEP" != run ]; then
   # The check with every kernel and the registry it reads, then the controls' copies of kernel
   # 11. A compile that fails stops the script.
   compile "$OUT/obj" ffi/kernels tests/cuda/check.cu ffi/registry.cc $(find ffi/kernels -name "*.cu" | sort) || exit 2
-  compile "$ctl" ffi/kernels "${planted_sources[@]}" || exit 2
+  compile_control "$ctl" ffi/kernels "${planted_sources[@]}" || exit 2
   rm -f "$ctl"/*.cu "$ctl"/*.cuh
   [ "$SAN_STEP" = build ] && exit 0
 fi

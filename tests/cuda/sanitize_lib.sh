@@ -17,9 +17,7 @@ case $SAN_STEP in
   all | build | run) ;;
   *) echo "SAN_STEP=$SAN_STEP: all, build or run" >&2; exit 2 ;;
 esac
-# -lineinfo: the tools report file:line. The kernels' folder comes first in the include path
-# (compile's second argument): a control compiles against a planted copy of it.
-NVCC=(nvcc -O3 -lineinfo -std=c++17 -arch=sm_90)
+NVCC=(nvcc -O3 -std=c++17 -arch=sm_90)
 TIMEOUT=${LNBWD_SANITIZER_TIMEOUT:-900}
 
 # object DIR SOURCE: SOURCE's object in DIR (by the source's file name, which is unique among the
@@ -27,17 +25,27 @@ TIMEOUT=${LNBWD_SANITIZER_TIMEOUT:-900}
 object() { echo "$1/$(basename "$2").o"; }
 
 # compile DIR KERNELS_DIR SOURCE...: each source into its object in DIR, one job per core, with
-# KERNELS_DIR (ffi/kernels, or a control's planted copy) as the kernels' include folder. Returns 1
-# if any source failed; the objects of an earlier run are deleted first, so that none can stand
-# in for a failed compile.
-compile() {
-  local dir=$1 kernels=$2 f
-  shift 2
+# KERNELS_DIR (ffi/kernels, or a control's planted copy) first in the include path, and with
+# -lineinfo, so that the tools report file:line. Returns 1 if any source failed; the objects of an
+# earlier run are deleted first, so that none can stand in for a failed compile.
+# SAN_REUSE=DIR: objects another script compiled from this checkout with the same flags (its
+# OUT_DIR/obj); a source whose object is there is hard-linked from it instead of compiled again.
+# compile_control: the same without -lineinfo and without SAN_REUSE, for the positive controls:
+# they are judged only by whether a tool reports, and line tables would double the objects that a
+# GPU machine is sent.
+compile() { _compile -lineinfo "${SAN_REUSE:-}" "$@"; }
+compile_control() { _compile "" "" "$@"; }
+_compile() {
+  local lineinfo=$1 reuse=$2 dir=$3 kernels=$4 f
+  shift 4
   mkdir -p "$dir"
   for f in "$@"; do rm -f "$(object "$dir" "$f")"; done
   for f in "$@"; do
+    if [ -n "$reuse" ] && [ -s "$(object "$reuse" "$f")" ]; then
+      ln -f "$(object "$reuse" "$f")" "$(object "$dir" "$f")" && continue
+    fi
     while (($(jobs -rp | wc -l) >= $(nproc))); do wait -n || true; done
-    "${NVCC[@]}" -I"$kernels" -Iffi -Icuda_harness -c "$f" -o "$(object "$dir" "$f")" &
+    "${NVCC[@]}" $lineinfo -I"$kernels" -Iffi -Icuda_harness -c "$f" -o "$(object "$dir" "$f")" &
   done
   wait
   for f in "$@"; do

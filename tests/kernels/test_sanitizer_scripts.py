@@ -167,3 +167,31 @@ def test_gpu_check_links_prebuilt_objects(stubs, tmp_path):
     assert "control one_buffer (racecheck): reported" in ran.stdout
     assert (out / "sanitize_rms" / "memcheck.log").is_file()
     assert (bins / "san" / "rms" / "rms_check").is_file()
+
+
+def test_later_scripts_reuse_the_kernels_objects(stubs, tmp_path):
+    """prebuild.sh compiles the kernels once (run_sanitizers.sh's build) and the other scripts
+    hard-link them (SAN_REUSE): with every compile of ffi/kernels failing, their builds still pass."""
+    bwd = tmp_path / "bwd"
+    assert script("run_sanitizers.sh", stubs, "build", bwd).returncode == 0
+    for name in ("run_rms_sanitizers.sh", "run_qk_sanitizers.sh", "run_forward_sanitizers.sh"):
+        out = tmp_path / name
+        built = script(name, dict(stubs, SAN_REUSE=str(bwd / "obj"), STUB_NVCC_FAIL="ffi/kernels/"), "build", out)
+        assert built.returncode == 0, built.stdout + built.stderr
+        reused = (out / "obj" / "forward_rows.cu.o").stat()
+        assert reused.st_ino == (bwd / "obj" / "forward_rows.cu.o").stat().st_ino, "compiled again, not linked"
+
+
+def test_tune_and_check_link_from_the_sanitizers_objects(stubs, tmp_path):
+    """tools/tune/build.sh with KERNEL_OBJECTS links tune and check from a sanitizer script's
+    objects, the checks' mains left out, and compiles no kernel."""
+    bwd = tmp_path / "bwd"
+    assert script("run_sanitizers.sh", stubs, "build", bwd).returncode == 0
+    kernels = [o for o in (bwd / "obj").glob("*.o") if not o.name.endswith("check.cu.o")]
+    ran = subprocess.run(["bash", str(CHECKOUT / "tools" / "tune" / "build.sh"), str(tmp_path / "bins"), "tune", "check"],
+                         env=dict(stubs, KERNEL_OBJECTS=str(bwd / "obj"), STUB_NVCC_FAIL="ffi/kernels/"),
+                         capture_output=True, text=True, timeout=600)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    for program in ("tune", "check"):
+        printed = subprocess.run([str(tmp_path / "bins" / program)], capture_output=True, text=True).stdout
+        assert f"objects: {len(kernels)}" in printed

@@ -6,8 +6,9 @@
 #   build      pip install the package (no build isolation: the machine's jax and its CUDA plugin)
 #   prebuilt   instead of build: what tools/gpu/prebuild.sh compiled elsewhere (PREBUILT, default
 #              build/prebuilt): the extension into jax_lnbwd/; into BINS (default /tmp/lnbwd_bins),
-#              tune and check for the check and small stages, and the sanitizer scripts' objects
-#              (BINS/san) for the sanitize and qk stages, which then only link and run them
+#              the sanitizer scripts' objects (BINS/san) for the sanitize and qk stages, which then
+#              only link and run them, and tune and check linked from them for the check and small
+#              stages
 #   tests      the GPU test suite (pytest -m gpu), the `slow` ones (a second build, 100,000
 #              segments) included only with SLOW=1
 #   check      tests/cuda/check.cu for every backward kernel (LNBWD_QUICK=1)
@@ -90,9 +91,10 @@ for stage in "$@"; do
       install_peer_wheels
       xz -dc "$dir/ext.so.xz" > "jax_lnbwd/$(cat "$dir/ext.name")" || status=1
       mkdir -p "$BINS"
-      for pack in bins san; do
-        if [ -f "$dir/$pack.tar.xz" ]; then tar xJf "$dir/$pack.tar.xz" -C "$BINS" || status=1; fi
-      done ;;
+      if [ -f "$dir/san.tar.xz" ]; then
+        rm -rf "$BINS/san" && tar xJf "$dir/san.tar.xz" -C "$BINS" &&
+          KERNEL_OBJECTS=$BINS/san/bwd/obj tools/tune/build.sh "$BINS" tune check > /dev/null || status=1
+      fi ;;
     tests)
       marks="gpu and not slow"
       [ -z "${SLOW:-}" ] || marks=gpu

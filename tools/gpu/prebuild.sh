@@ -7,14 +7,13 @@
 #   DIR/san.tar.xz               the four sanitizer scripts' objects (tests/cuda/run_*sanitizers.sh,
 #                                SAN_STEP=build) in san/bwd, san/forward, san/rms and san/qk: the
 #                                GPU machine links them in seconds instead of compiling for minutes.
-#                                Three of the scripts compile the same kernels: one xz stream with a
-#                                dictionary larger than the objects stores each of them once.
-#   DIR/bins.tar.xz              tools/tune/build.sh's tune and check (the backward's sweeps and
-#                                its standalone check)
+#                                The kernels are compiled once (san/bwd) and hard-linked into the
+#                                others (SAN_REUSE). They are also tune's and check's
+#                                (tools/tune/build.sh with KERNEL_OBJECTS, on the GPU machine).
 #   tools/gpu/prebuild.sh [DIR]   (default build/prebuilt)
 # On the GPU machine, in the checkout: tools/gpu/gpu_check.sh prebuilt STAGE... unpacks them (the
-# extension into jax_lnbwd/, in place of the build stage; the binaries for the check and small
-# stages, the sanitizers' objects for the sanitize and qk stages).
+# extension into jax_lnbwd/, in place of the build stage; the sanitizers' objects for the
+# sanitize and qk stages, and tune and check linked from them for the check and small stages).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 dir=${1:-build/prebuilt}
@@ -28,12 +27,9 @@ unzip -p "$wheels"/*.whl "$so" | xz -T0 > "$dir/ext.so.xz"
 rm -rf "$wheels"
 rm -rf "$dir/san"
 SAN_STEP=build tests/cuda/run_sanitizers.sh "$dir/san/bwd"
-SAN_STEP=build tests/cuda/run_forward_sanitizers.sh "$dir/san/forward"
-SAN_STEP=build tests/cuda/run_rms_sanitizers.sh "$dir/san/rms"
-SAN_STEP=build tests/cuda/run_qk_sanitizers.sh "$dir/san/qk"
-tar cf - -C "$dir" san | xz -9 --lzma2=dict=256MiB -T1 > "$dir/san.tar.xz"
-rm -rf "$dir/san"
-tools/tune/build.sh "$dir/bins" tune check
-tar cf - -C "$dir/bins" tune check | xz -T0 > "$dir/bins.tar.xz"
-rm -rf "$dir/bins"
+for s in forward rms qk; do
+  SAN_STEP=build SAN_REUSE="$dir/san/bwd/obj" "tests/cuda/run_${s}_sanitizers.sh" "$dir/san/$s"
+done
+tar cf - -C "$dir" san | xz -9 -T0 > "$dir/san.tar.xz"   # tar keeps the hard links
+rm -rf "$dir/san" "$dir/bins.tar.xz"
 ls -l "$dir"

@@ -7,6 +7,9 @@
 # compiled once (in parallel, one job per core) into OUT_DIR/obj and linked into both.
 #   tools/tune/build.sh OUT_DIR [tune] [forward_tune] [check] [-- NVCC FLAGS...]   (default: tune, forward_tune)
 # e.g. `tools/tune/build.sh /tmp/tune forward_tune -- -lineinfo` for ncu's source view.
+# KERNEL_OBJECTS=DIR takes the kernels' and the registry's objects from DIR instead of compiling
+# them (a sanitizer script's OUT_DIR/obj, whose *check.cu.o, the checks' mains, are left out):
+# tools/gpu/gpu_check.sh links tune and check in seconds from the objects prebuild.sh compiled.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:?usage: tools/tune/build.sh OUT_DIR [tune] [forward_tune] [check] [-- NVCC FLAGS...]}
@@ -20,6 +23,12 @@ NVCC=(nvcc -O3 -std=c++17 -arch=sm_90 "$@" -Iffi/kernels -Icuda_harness)
 objs=()
 kernel_objects() {   # the backward's kernels and the registry, once, into $out/obj
   ((${#objs[@]})) && return 0
+  if [ -n "${KERNEL_OBJECTS:-}" ]; then
+    local o
+    for o in "$KERNEL_OBJECTS"/*.o; do [[ $o == *check.cu.o ]] || objs+=("$o"); done
+    [ -s "${objs[0]}" ] || { echo "build.sh: no objects in $KERNEL_OBJECTS" >&2; return 1; }
+    return 0
+  fi
   mkdir -p "$out/obj"
   rm -f "$out"/obj/*.o   # a failed compile leaves no object: none of an earlier build may stand in
   local f o
