@@ -53,7 +53,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/gpu_check}
 PEER_WHEELS=${PEER_WHEELS:-build/peer-wheels}
-BINS=${BINS:-/tmp/lnbwd_bins}   # tune and check (prebuilt, or built here); outside OUT, which is for logs
+BINS=${BINS:-/tmp/lnbwd_bins}   # tune, check and the sanitizers' objects (san/); outside OUT, which is for logs
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 SHAPES=${SHAPES:-16384x1600,16384x2048,16384x4096,8192x8192,4096x16384,1024x768}
