@@ -58,9 +58,8 @@ link "$OUT/forward_check" "${common[@]}" "$(object "$OUT/obj" forward_rows.cu)" 
 "$OUT/forward_check" check | tail -5 || exit 1
 
 export LNBWD_QUICK=1   # the reduced shape set: the sanitizers are slow
-# Each planted bug must make its tool fail. The planted bug also makes values wrong (the check
-# fails either way): what counts is that the tool itself reports errors.
-control() {   # control PLANTED: one line of result
+four_tools 'forward check: [0-9]+ cases, [0-9]+ failures' "$OUT/forward_check" check
+control() {   # control PLANTED: each planted bug must make its tool report
   local planted=$1 tool=memcheck
   [ "$planted" = race ] && tool=racecheck
   [ "$planted" = mask ] && tool=synccheck
@@ -68,20 +67,9 @@ control() {   # control PLANTED: one line of result
     { echo "control $planted: not built (its planted change did not apply)"; return; }
   link "$ctl/check_$planted" "${common[@]}" "$ctl/forward_rows_$planted.cu.o" ||
     { echo "control $planted: FAILED to link"; return; }
-  timeout "$TIMEOUT" compute-sanitizer --tool "$tool" "$ctl/check_$planted" check > "$LOGS/$planted.log" 2>&1
-  control_report "$planted" "$tool" "$LOGS/$planted.log"
+  run_control "$planted" "$tool" "$ctl/check_$planted" check
 }
-# The four tools and the controls side by side: the GPU has room for all of them.
-for tool in memcheck racecheck synccheck initcheck; do
-  sanitize "$tool" "$tool" "$LOGS/$tool.log" 'forward check: [0-9]+ cases, [0-9]+ failures' \
-    "$OUT/forward_check" check > "$LOGS/$tool.result" &
-done
 for planted in "${PLANTED[@]}"; do control "$planted" > "$LOGS/$planted.result" & done
 wait
-cat "$LOGS"/{memcheck,racecheck,synccheck,initcheck}.result
-grep -q FAILED "$LOGS"/{memcheck,racecheck,synccheck,initcheck}.result && status=1
-for planted in "${PLANTED[@]}"; do
-  cat "$LOGS/$planted.result"
-  grep -q ": reported: " "$LOGS/$planted.result" || status=1
-done
+verdict "${PLANTED[@]}" || status=1
 exit $status

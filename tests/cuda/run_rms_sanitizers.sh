@@ -37,20 +37,9 @@ for o in "$OUT"/obj/*.o; do [[ $o = */forward_rows.cu.o ]] || others+=("$o"); do
 link "$ctl/rms_check_one_buffer" "${others[@]}" "$ctl/forward_rows_one_buffer.cu.o" || exit 2
 "$OUT/rms_check" | tail -5 || exit 1
 
-status=0
 export LNBWD_QUICK=1   # the reduced shape set: the sanitizers are slow
-control() {   # the planted race must be reported
-  timeout "$TIMEOUT" compute-sanitizer --tool racecheck "$ctl/rms_check_one_buffer" > "$LOGS/one_buffer.log" 2>&1
-  control_report one_buffer racecheck "$LOGS/one_buffer.log"
-}
-# The four tools and the control side by side: the GPU has room for all of them.
-for tool in memcheck racecheck synccheck initcheck; do
-  sanitize "$tool" "$tool" "$LOGS/$tool.log" 'rms check: [0-9]+ cases, [0-9]+ failures' "$OUT/rms_check" \
-    > "$LOGS/$tool.result" &
-done
-control > "$LOGS/one_buffer.result" &
+four_tools 'rms check: [0-9]+ cases, [0-9]+ failures' "$OUT/rms_check"
+# The planted race must be reported.
+run_control one_buffer racecheck "$ctl/rms_check_one_buffer" > "$LOGS/one_buffer.result" &
 wait
-cat "$LOGS"/{memcheck,racecheck,synccheck,initcheck,one_buffer}.result
-grep -q FAILED "$LOGS"/{memcheck,racecheck,synccheck,initcheck}.result && status=1
-grep -q ": reported: " "$LOGS/one_buffer.result" || status=1
-exit $status
+verdict one_buffer

@@ -59,11 +59,12 @@ for o in "$OUT"/obj/*.o; do [[ $o = */kernel11_rows_in_registers.cu.o ]] || othe
 controls() {
   local planted tool
   for planted in "${PLANTED[@]}"; do
-    [ -f "$ctl/kernel11_$planted.cu.o" ] || { echo "control $planted: not built (its planted change did not apply)"; continue; }
-    link "$ctl/check_$planted" "${others[@]}" "$ctl/kernel11_$planted.cu.o" || { echo "control $planted: FAILED to link"; continue; }
+    [ -f "$ctl/kernel11_$planted.cu.o" ] ||
+      { echo "control $planted: not built (its planted change did not apply)"; continue; }
+    link "$ctl/check_$planted" "${others[@]}" "$ctl/kernel11_$planted.cu.o" ||
+      { echo "control $planted: FAILED to link"; continue; }
     tool=$(case $planted in oob) echo memcheck ;; race) echo racecheck ;; *) echo synccheck ;; esac)
-    timeout "$TIMEOUT" compute-sanitizer --tool "$tool" "$ctl/check_$planted" 11 > "$LOGS/$planted.log" 2>&1
-    control_report "$planted" "$tool" "$LOGS/$planted.log"
+    run_control "$planted" "$tool" "$ctl/check_$planted" 11
   done
 }
 

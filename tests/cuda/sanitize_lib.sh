@@ -77,6 +77,39 @@ sanitize() {
   fi
 }
 
+# four_tools TALLY COMMAND...: sanitize COMMAND under the four tools at once (the GPU has room for
+# all of them), in the background, each line into LOGS/TOOL.result; the caller waits.
+four_tools() {
+  local tally=$1 tool
+  shift
+  for tool in memcheck racecheck synccheck initcheck; do
+    sanitize "$tool" "$tool" "$LOGS/$tool.log" "$tally" "$@" > "$LOGS/$tool.result" &
+  done
+}
+
+# run_control NAME TOOL COMMAND...: positive control NAME's binary under TOOL, which must report
+# errors (the planted bug also makes values wrong, so the check fails either way: what counts is
+# that the tool itself reports); prints control_report's line.
+run_control() {
+  local name=$1 tool=$2
+  shift 2
+  timeout "$TIMEOUT" compute-sanitizer --tool "$tool" "$@" > "$LOGS/$name.log" 2>&1
+  control_report "$name" "$tool" "$LOGS/$name.log"
+}
+
+# verdict CONTROL...: prints the four tools' lines and then the controls' (LOGS/CONTROL.result);
+# returns 1 if a tool failed or a control's bug was not reported.
+verdict() {
+  local status=0 c
+  cat "$LOGS"/{memcheck,racecheck,synccheck,initcheck}.result
+  grep -q FAILED "$LOGS"/{memcheck,racecheck,synccheck,initcheck}.result && status=1
+  for c in "$@"; do
+    cat "$LOGS/$c.result"
+    grep -q ": reported: " "$LOGS/$c.result" || status=1
+  done
+  return $status
+}
+
 # control_report NAME TOOL LOG: the one line that says whether TOOL reported the bug planted in
 # positive control NAME (LOG: the tool's output on the control's binary).
 control_report() {
