@@ -33,7 +33,9 @@ struct SetRows {
 // segments of gridDim.x slots each, set s's at [s * gridDim.x, (s + 1) * gridDim.x): a block
 // writes its sums to its slot in its set's segment and zeros to its slot in the other, so that
 // finalize_partials adds each set's slots as it adds any two segments'.
-template <typename T, typename O, int VEC, int NV, bool PREFETCH, Rows R>
+// HEADS: some set is head rows inside wider token rows (the fused projection); without, both sets
+// are contiguous and the row loop is kernel 11's own (row * C), with no cursor to hold.
+template <typename T, typename O, int VEC, int NV, bool PREFETCH, Rows R, bool HEADS>
 __global__ void __launch_bounds__(block_threads<R, NV>(), min_blocks<R, NV, PREFETCH>())
 kernel11_sets(acc_t<T>* __restrict__ partials, BwdSets<T, O> sets, int C, NormArgs<acc_t<T>> norm, int tpr,
               int groups) {
@@ -50,7 +52,7 @@ kernel11_sets(acc_t<T>* __restrict__ partials, BwdSets<T, O> sets, int C, NormAr
                       k ? static_cast<int>(gridDim.x) - sets.blocks0 : sets.blocks0,
                       static_cast<size_t>(k) * gridDim.x + blockIdx.x,
                       HeadRows{pick(s0.heads.heads, s1.heads.heads), pick(s0.heads.token_stride, s1.heads.token_stride)}};
-  kernel11_body<T, O, false, VEC, NV, PREFETCH, R, true>(pick(s0.dx, s1.dx), partials, pick(s0.dy, s1.dy),
+  kernel11_body<T, O, false, VEC, NV, PREFETCH, R, HEADS>(pick(s0.dx, s1.dx), partials, pick(s0.dy, s1.dy),
                                                          pick(s0.x, s1.x), pick(s0.weight, s1.weight), nullptr,
                                                          pick(s0.mean, s1.mean), pick(s0.rstd, s1.rstd), where, C,
                                                          norm, tpr, groups);
@@ -64,7 +66,8 @@ cudaError_t launch_sets(const NormBwdParams& a, const NormBwdParams& b, const Ke
   if constexpr (!compiled) {
     return cudaErrorInvalidValue;
   } else {
-    auto kernel = kernel11_sets<T, O, VEC, NV, PREFETCH, R>;
+    const bool heads = a.heads.heads > 0 || b.heads.heads > 0;
+    auto kernel = heads ? kernel11_sets<T, O, VEC, NV, PREFETCH, R, true> : kernel11_sets<T, O, VEC, NV, PREFETCH, R, false>;
     LaunchPlan own;
     LaunchPlan& plan = a.plan ? *a.plan : own;
     plan.kernel = 11;
