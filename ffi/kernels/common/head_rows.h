@@ -59,11 +59,14 @@ __device__ __forceinline__ TokenHead token_head(const HeadRows& h, int64_t row) 
   return {token, static_cast<int>(row - token * h.heads)};
 }
 
-// The element offset of row r: token * token_stride + head * C. The forward, whose threads take
-// about one row each, asks this per row.
-__device__ __forceinline__ int64_t head_row_offset(const HeadRows& h, int C, int64_t row) {
-  const TokenHead th = token_head(h, row);
+// The element offset of a row at token th.token, head th.head: token * token_stride + head * C.
+__device__ __forceinline__ int64_t head_row_offset(const HeadRows& h, int C, TokenHead th) {
   return th.token * h.token_stride + static_cast<int64_t>(th.head) * C;
+}
+// The element offset of row r. The forward, whose threads take about one row each, asks this per
+// row.
+__device__ __forceinline__ int64_t head_row_offset(const HeadRows& h, int C, int64_t row) {
+  return head_row_offset(h, C, token_head(h, row));
 }
 
 // The cursor of a thread that walks many rows (kernel 11's persistent grid): the row's offset and
@@ -79,8 +82,9 @@ struct HeadCursor {
   HeadCursor() = default;
   __device__ __forceinline__ HeadCursor(const HeadRows& h, int C, int64_t row, int64_t stride) {
     const TokenHead steps = token_head(h, stride);
-    offset = head_row_offset(h, C, row);
-    head = token_head(h, row).head;
+    const TokenHead first = token_head(h, row);
+    offset = head_row_offset(h, C, first);
+    head = first.head;
     step_heads = steps.head;
     step = steps.token * h.token_stride + static_cast<int64_t>(steps.head) * C;
   }
