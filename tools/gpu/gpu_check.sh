@@ -5,7 +5,8 @@
 # Stages:
 #   build      pip install the package (no build isolation: the machine's jax and its CUDA plugin)
 #   prebuilt   instead of build: what tools/gpu/prebuild.sh compiled elsewhere (PREBUILT, default
-#              build/prebuilt): the extension into jax_lnbwd/; into BINS (default /tmp/lnbwd_bins),
+#              build/prebuilt): the extension into jax_lnbwd/, the checkout onto python3's
+#              sys.path (a .pth file, as build's editable install); into BINS (default /tmp/lnbwd_bins),
 #              the sanitizer scripts' objects (BINS/san) for the sanitize and qk stages, which then
 #              only link and run them, and tune and check linked from them for the check and small
 #              stages
@@ -90,6 +91,12 @@ for stage in "$@"; do
       dir=${PREBUILT:-build/prebuilt}
       install_peer_wheels
       xz -dc "$dir/ext.so.xz" > "jax_lnbwd/$(cat "$dir/ext.name")" || status=1
+      # What build's editable install gives every Python process: the checkout on sys.path, here
+      # through a .pth file in python3's site-packages. `python -m pytest` finds the package
+      # anyway (the checkout is its cwd); the tests' subprocesses (`python -c`, the e2e
+      # bench's workers) start elsewhere and would not.
+      echo "$PWD" > "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/jax_lnbwd_checkout.pth" ||
+        status=1
       mkdir -p "$BINS"
       if [ -f "$dir/san.tar.xz" ]; then
         rm -rf "$BINS/san" && tar xJf "$dir/san.tar.xz" -C "$BINS" &&
