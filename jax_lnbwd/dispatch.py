@@ -90,26 +90,29 @@ CROSSOVERS = {
     ("rmsnorm", BACKWARD, 4): ((256, 1024), (64, 65536, ALIGNED)),
     # QK-norm as one op (qk_autodiff.py: q's and k's heads in one call; C is head_dim, rows are
     # q's and k's heads together), against the two-call path (each call dispatched as
-    # rmsnorm/layernorm is, by the rows above) and XLA's fusion, bf16 at 16384 tokens of 32 q and
-    # 8 kv heads, D = 64, 128, 256 (docs/results/2026-12-05-qk_norm_h200.txt):
+    # rmsnorm/layernorm is, by the rows above) and XLA's fusion, at 16384 tokens of 32 q and 8 kv
+    # heads, D = 64, 128, 256 (bf16: docs/results/2026-12-05-qk_norm_h200.txt; fp32 and the
+    # contiguous sets' row loop: docs/results/2026-12-05-qk_norm_fp32_h100.txt):
     #   * qk_norm_fused: the one op normalizes q and k in place in the fused projection, where two
     #     calls slice q and k out and concatenate them back: 3x the two calls and 2x XLA's
-    #     fusion forward, 1.9x and 1.5x backward. From D >= 64 with the small-row norms' 65536 rows;
-    #   * qk_norm (q and k apart): two calls of our small-row kernels are 2-3% faster forward and
-    #     10-18% faster backward: never the one op in "auto" (NEVER_FASTER);
-    #   * 4-byte dtypes: not measured, no pairs.
+    #     fusion forward, 1.5-2x XLA's backward, in bf16 and fp32. From D >= 64 with the
+    #     small-row norms' 65536 rows;
+    #   * qk_norm (q and k apart): XLA's fusion and two calls of our small-row kernels run the
+    #     forward at a copy's speed, the one op 2-7% behind; backward, the one op and the two
+    #     calls within 3% of each other either way, in bf16 and fp32: the two calls stay, never
+    #     the one op in "auto" (NEVER_FASTER).
     # Without pairs mode "auto" keeps the two calls; mode "ffi" always runs the one op.
     ("qk_norm", FORWARD, 2): (),
     ("qk_norm", FORWARD, 4): (),
     ("qk_norm", BACKWARD, 2): (),
     ("qk_norm", BACKWARD, 4): (),
     ("qk_norm_fused", FORWARD, 2): ((64, 65536, ALIGNED),),
-    ("qk_norm_fused", FORWARD, 4): (),
+    ("qk_norm_fused", FORWARD, 4): ((64, 65536, ALIGNED),),
     ("qk_norm_fused", BACKWARD, 2): ((64, 65536, ALIGNED),),
-    ("qk_norm_fused", BACKWARD, 4): (),
+    ("qk_norm_fused", BACKWARD, 4): ((64, 65536, ALIGNED),),
 }
 # Rows measured where our kernel was never the faster (every other empty row: not measured).
-NEVER_FASTER = {("qk_norm", FORWARD, 2), ("qk_norm", BACKWARD, 2)}
+NEVER_FASTER = {("qk_norm", d, b) for d in (FORWARD, BACKWARD) for b in (2, 4)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,19 +33,19 @@ from qk_one_op_cases import (FORMS, NORMS, _auto, assert_same, forced, form_fn, 
 # --- the dispatch rule ----------------------------------------------------------------------------
 
 def test_rows():
-    """The measured QK rows: qk_norm_fused's one op from D 64 with 65536 rows of 16-byte vectors in
-    16-bit dtypes; qk_norm's never (two calls are faster); 4-byte dtypes not measured.
-    "ffi" always runs the one op."""
+    """The measured QK rows: qk_norm_fused's one op from D 64 with 65536 rows of 16-byte vectors,
+    both directions, every dtype; qk_norm's never (two calls are as fast or faster). "ffi"
+    always runs the one op."""
     for direction in (dispatch.FORWARD, dispatch.BACKWARD):
         for dtype in ("bfloat16", "float16", "float32", "float64"):
             assert dispatch.crossovers("qk_norm", direction, jnp.dtype(dtype)) == ()
-        wins, why = dispatch.cuda_kernel_wins("qk_norm", direction, 1 << 20, 128, jnp.bfloat16)
-        assert not wins and "never the faster" in why
-        wins, why = dispatch.cuda_kernel_wins("qk_norm", direction, 1 << 20, 128, jnp.float32)
-        assert not wins and "not measured" in why
+            wins, why = dispatch.cuda_kernel_wins("qk_norm", direction, 1 << 20, 128, jnp.dtype(dtype))
+            assert not wins and "never the faster" in why
         for dtype, rows, D, want in (("bfloat16", 1 << 20, 128, True), ("float16", 65536, 64, True),
                                      ("bfloat16", 65535, 128, False), ("bfloat16", 1 << 20, 32, False),
-                                     ("bfloat16", 1 << 20, 68, False), ("float32", 1 << 20, 128, False)):
+                                     ("bfloat16", 1 << 20, 68, False), ("float32", 1 << 20, 128, True),
+                                     ("float64", 65536, 64, True), ("float32", 65535, 64, False),
+                                     ("float32", 1 << 20, 36, False)):
             wins, why = dispatch.cuda_kernel_wins("qk_norm_fused", direction, rows, D, jnp.dtype(dtype))
             assert wins == want, (dtype, rows, D, why)
     one_op = lambda op, rows, dtype, cuda_built=True: dispatch.qk_one_op(  # noqa: E731
@@ -54,6 +54,8 @@ def test_rows():
     assert not one_op("qk_norm_fused", 1 << 20, "bfloat16", cuda_built=False)
     assert not one_op("qk_norm_fused", 1024, "bfloat16")
     assert not one_op("qk_norm", 1 << 20, "bfloat16")
+    assert not one_op("qk_norm", 1 << 20, "float32")
+    assert one_op("qk_norm_fused", 1 << 20, "float32") and not one_op("qk_norm_fused", 1024, "float32")
     d = dispatch.decide(RMSNORM, dispatch.BACKWARD, (96, 64), jnp.float32, op="qk_norm_fused")
     assert (d.op, d.rows, d.C, d.platforms) == ("qk_norm_fused", 96, 64, dispatch.NONE)
     assert dispatch.decide(RMSNORM, dispatch.FORWARD, (96, 64), jnp.float32, op="qk_norm", mode_="ffi").platforms \
