@@ -17,6 +17,7 @@
 //   nvcc -O3 -lineinfo -std=c++17 -arch=sm_90 -Iffi/kernels -Iffi -Icuda_harness tests/cuda/qk_check.cu ffi/registry.cc \
 //        $(find ffi/kernels -name '*.cu') -o /tmp/qk_check
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <vector>
 
@@ -321,6 +322,8 @@ int run_bwd(const Case& c, const Kernel11Config* cfg, std::mt19937& gen) {
 }  // namespace
 
 int main() {
+  // Line-buffered, so that a run stopped by a time limit still shows how far it got.
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
   const bool quick = std::getenv("LNBWD_QUICK") != nullptr;
   std::mt19937 gen(4321);
   int cases = 0, failures = 0;
@@ -362,6 +365,7 @@ int main() {
         }
       }
     }
+    std::printf("  %s done: %d cases so far, %d failures\n", dtype_name(d), cases, failures);
   }
   std::printf("qk check: %d cases, %d failures\n", cases, failures);
   return failures ? 1 : 0;
