@@ -63,10 +63,7 @@ control() {   # control PLANTED: each planted bug must make its tool report
   local planted=$1 tool=memcheck
   [ "$planted" = race ] && tool=racecheck
   [ "$planted" = mask ] && tool=synccheck
-  [ -f "$ctl/forward_rows_$planted.cu.o" ] ||
-    { echo "control $planted: not built (its planted change did not apply)"; return; }
-  link "$ctl/check_$planted" "${common[@]}" "$ctl/forward_rows_$planted.cu.o" ||
-    { echo "control $planted: FAILED to link"; return; }
+  link_control "$planted" "$ctl/check_$planted" "$ctl/forward_rows_$planted.cu.o" "${common[@]}" || return
   run_control "$planted" "$tool" "$ctl/check_$planted" check
 }
 for planted in "${PLANTED[@]}"; do control "$planted" > "$LOGS/$planted.result" & done

@@ -59,10 +59,7 @@ for o in "$OUT"/obj/*.o; do [[ $o = */kernel11_rows_in_registers.cu.o ]] || othe
 controls() {
   local planted tool
   for planted in "${PLANTED[@]}"; do
-    [ -f "$ctl/kernel11_$planted.cu.o" ] ||
-      { echo "control $planted: not built (its planted change did not apply)"; continue; }
-    link "$ctl/check_$planted" "${others[@]}" "$ctl/kernel11_$planted.cu.o" ||
-      { echo "control $planted: FAILED to link"; continue; }
+    link_control "$planted" "$ctl/check_$planted" "$ctl/kernel11_$planted.cu.o" "${others[@]}" || continue
     tool=$(case $planted in oob) echo memcheck ;; race) echo racecheck ;; *) echo synccheck ;; esac)
     run_control "$planted" "$tool" "$ctl/check_$planted" 11
   done

@@ -60,6 +60,16 @@ link() {
   "${NVCC[@]}" "$@" -o "$bin" || { echo "link: $bin did not link" >&2; return 1; }
 }
 
+# link_control NAME BINARY PLANTED_OBJECT OBJECT...: positive control NAME's binary from the
+# check's other objects and the planted one; where the planted change did not apply (no object)
+# or the link fails, prints the control's line saying so and returns 1.
+link_control() {
+  local name=$1 bin=$2 planted=$3
+  shift 3
+  [ -f "$planted" ] || { echo "control $name: not built (its planted change did not apply)"; return 1; }
+  link "$bin" "$@" "$planted" || { echo "control $name: FAILED to link"; return 1; }
+}
+
 # sanitize LABEL TOOL LOG TALLY COMMAND...: COMMAND under compute-sanitizer's TOOL, its output in
 # LOG; prints one line: LABEL, the tool's summary and the check's own count (TALLY: an extended
 # regular expression for its "N cases, M failures" line), or FAILED with the exit status.
