@@ -20,9 +20,10 @@ and ``add_rmsnorm``. ``--qk-norm`` gives the public models Qwen3's QK-norm (q an
 projections, RMS-normalized per head over head_dim before rotary) and runs its two
 implementations against each other: ``qk_flax`` (Flax's two nn.RMSNorm, the baseline) and
 ``qk_jax_lnbwd`` (jax_lnbwd.flax.QKNorm), both with public_rmsnorm's add & norms and the same
-parameters (variants_rms.py). The QK-norm is not in layernorm's name scope: the "ln" columns and
-the byte floor still count the add & norms alone, and the QK-norm's difference shows in the step
-time. ``--dump-hlo DIR`` writes each run's optimized HLO there.
+parameters (variants_rms.py). The QK-norm has a name scope of its own: the "ln" columns and the
+byte floor still count the add & norms alone, and the traced table gains the QK-norm's GPU time
+per step, ``qk`` and ``+qmix`` (its kernels alone, and with the kernels XLA fused it into;
+trace/classify.py). ``--dump-hlo DIR`` writes each run's optimized HLO there.
 
 How a step is timed
 -------------------

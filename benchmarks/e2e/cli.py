@@ -16,6 +16,7 @@ from .._term import Progress, paint
 from . import __doc__ as METHOD
 from . import breakdown, floor, report, scaling, trace
 from .config import FULL, SMALL
+from .models_public_linen import QK_SCOPE
 from .output import emit, seconds
 from .train import PROBE_STEPS, ROUND_STEPS_CAP, build, probe, round_steps, run_steps
 from .variants import VARIANTS
@@ -338,8 +339,10 @@ def main(argv=None):
                 continue
             try:
                 classes, ours = trace.classify_hlo(run.hlo), trace.our_calls(run.hlo)
+                qk_classes = trace.classify_hlo(run.hlo, QK_SCOPE)
                 done[id(run)].append(trace.summarize(trace.collect(lambda: run_steps(run, args.trace_steps), how),
-                                                     classes, args.trace_steps, args.kernels, ours))
+                                                     classes, args.trace_steps, args.kernels, ours,
+                                                     qk_classes, trace.our_scope(run.hlo)))
             except Exception as e:  # a trace that breaks must not cost the timings
                 prog.write(paint(f"trace {run.label} failed: {type(e).__name__}: {str(e)[:300]}", "red"))
                 broken.add(id(run))

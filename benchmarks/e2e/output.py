@@ -46,7 +46,7 @@ def emit(runs, args, meta, traced: bool, floors=None, kinds: str = ""):
         print(text)
         if traced:
             print()
-            print(report.columns(args.devices > 1))
+            print(report.columns(args.devices > 1, table))
         if fl:
             print()
             print(fl + ("\n" + floor.LEGEND if traced else ""))
@@ -61,7 +61,7 @@ def emit(runs, args, meta, traced: bool, floors=None, kinds: str = ""):
         json.dump({"meta": meta, "rows": table, "floor": floors or []}, fh, indent=1, default=str)
     with open(os.path.join(args.out, "e2e.txt"), "w") as fh:
         fh.write(f"{meta['date']}  {devices}  jax {meta['jax']}  jax_lnbwd {meta['jax_lnbwd']}\n"
-                 f"argv: {' '.join(meta['argv'])}\n\n{text}\n\n{report.columns(args.devices > 1)}\n" +
+                 f"argv: {' '.join(meta['argv'])}\n\n{text}\n\n{report.columns(args.devices > 1, table)}\n" +
                  (f"\n{fl}\n{floor.LEGEND}\n" if fl else "") + (f"\n{kinds}\n" if kinds else ""))
     title = f"training step, {devices}" + ("" if jax.default_backend() == "gpu" else " (CPU smoke test)")
     try:

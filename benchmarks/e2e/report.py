@@ -49,9 +49,18 @@ def ln_mixed_ms(t: dict) -> float:
     return t.get("ln_mixed_busy_ms", t["ln_ms"] + t["mixed_ms"])
 
 
-def columns(comm: bool) -> str:
-    """The columns' legend; comm: with the data-parallel columns."""
-    return COLUMNS + ("\n" + COMM_COLUMNS if comm else "")
+# With --qk-norm: the QK-norm's columns (trace/summary.py's qk figures).
+QK_COLUMNS = """  qk, +qmix GPU ms per step while kernels made only of the QK-norm's work run (ours, where our
+            kernels serve only it), and while those or kernels that fuse it with other work run
+            (XLA fuses Flax's QK-norm into the projections' and rotary's kernels: its qk is a
+            lower bound, +qmix an upper bound)"""
+
+
+def columns(comm: bool, table: list[dict] | None = None) -> str:
+    """The columns' legend; comm: with the data-parallel columns; table: its rows, whose traces
+    say whether the QK-norm's columns are there."""
+    qk = any("qk_busy_ms" in (r.get("trace") or {}) for r in table or ())
+    return COLUMNS + ("\n" + QK_COLUMNS if qk else "") + ("\n" + COMM_COLUMNS if comm else "")
 
 
 SHORT = {"bfloat16": "bf16", "float32": "fp32"}
@@ -98,8 +107,10 @@ def format_table(table: list[dict], comm: bool = False, traces: bool = True) -> 
     def f(v, fmt):
         return "n/a" if v is None else format(v, fmt)
 
+    qk = any("qk_busy_ms" in (r["trace"] or {}) for r in table)
     head = ("model", "api", "dtype", "variant", "ms/step", "spread", "×base", norm_column(r.get("norm") for r in table),
-            "+mix", "kernel", "idle", "host", "unmap", "loss") + (("comm", "overlap", "exposed") if comm else ())
+            "+mix") + (("qk", "+qmix") if qk else ()) + ("kernel", "idle", "host", "unmap", "loss") + (
+            ("comm", "overlap", "exposed") if comm else ())
     cells, groups = [], []
     for r in table:
         t = r["trace"] or {}
@@ -108,8 +119,9 @@ def format_table(table: list[dict], comm: bool = False, traces: bool = True) -> 
         mixed = None if not t else ln_mixed_ms(t)
         unmap = None if not t else 100 * t["unmapped_ms"] / max(t["kernel_ms"], 1e-12)
         cells.append((r["model"], r["api"], r["dtype"], r["variant"], f(r["ms"], ".3f"),
-                      f"{r['spread_pct']:.1f}%", ratio, f(ln_ms(t) if t else None, ".3f"), f(mixed, ".3f"),
-                      f(t.get("kernel_ms"), ".2f"), f(t.get("idle_ms"), ".3f"), f(t.get("between_ms"), ".3f"),
+                      f"{r['spread_pct']:.1f}%", ratio, f(ln_ms(t) if t else None, ".3f"), f(mixed, ".3f")) +
+                     ((f(t.get("qk_busy_ms"), ".3f"), f(t.get("qk_mixed_busy_ms"), ".3f")) if qk else ()) +
+                     (f(t.get("kernel_ms"), ".2f"), f(t.get("idle_ms"), ".3f"), f(t.get("between_ms"), ".3f"),
                       "n/a" if unmap is None else f"{unmap:.0f}%", f"{r['loss_last']:.4g}") +
                      (tuple(f(t.get(k), ".3f") for k in ("comm_ms", "overlap_ms", "comm_exposed_ms"))
                       if comm else ()))

@@ -287,3 +287,61 @@ def test_traces_are_interleaved_like_the_rounds():
     assert got == [(0, "flax"), (0, "drop-in"), (0, "fused"), (1, "fused"), (1, "drop-in"), (1, "flax"),
                    (2, "flax"), (2, "drop-in"), (2, "fused")]
     assert interleaved(["flax"], 2) == [(0, "flax"), (1, "flax")]
+
+
+QK_HLO = """\
+HloModule jit_train_step
+
+%fused_computation.7 (param_0.7: bf16[4,2,8]) -> bf16[4,2,8] {
+  %param_0.7 = bf16[4,2,8]{2,1,0} parameter(0)
+  ROOT %mul.7 = bf16[4,2,8]{2,1,0} multiply(%param_0.7, %param_0.7), metadata={op_name="jit(f)/jvp(T)/e2e_qk_norm/q_norm/mul"}
+}
+
+%fused_computation.8 (param_0.8: bf16[4,2,8]) -> bf16[4,2,8] {
+  %param_0.8 = bf16[4,2,8]{2,1,0} parameter(0)
+  %cos.8 = bf16[4,2,8]{2,1,0} cosine(%param_0.8), metadata={op_name="jit(f)/jvp(T)/attn/rope/cos"}
+  ROOT %mul.8 = bf16[4,2,8]{2,1,0} multiply(%cos.8, %param_0.8), metadata={op_name="jit(f)/jvp(T)/e2e_qk_norm/k_norm/mul"}
+}
+
+ENTRY %main.9 (Arg_0.1: bf16[4,2,8]) -> bf16[4,2,8] {
+  %Arg_0.1 = bf16[4,2,8]{2,1,0} parameter(0)
+  %loop_multiply_fusion = bf16[4,2,8]{2,1,0} fusion(%Arg_0.1), kind=kLoop, calls=%fused_computation.7
+  %loop_cosine_fusion = bf16[4,2,8]{2,1,0} fusion(%loop_multiply_fusion), kind=kLoop, calls=%fused_computation.8
+  ROOT %custom-call.4 = bf16[4,2,8]{2,1,0} custom-call(%loop_cosine_fusion), custom_call_target="jax_lnbwd_rmsnorm_bwd_v2", metadata={op_name="jit(f)/transpose(jvp(T))/e2e_qk_norm/qk_norm/ffi_call"}
+}
+"""
+
+
+def test_the_qk_norm_has_its_own_figures_and_our_kernels_go_to_it_where_they_serve_only_it():
+    """--qk-norm: the QK-norm's classes come from its own scope, and our kernels found by name
+    count for it (not for layernorm) where every custom call of ours is under that scope."""
+    assert trace.our_scope(QK_HLO) == "qk" and trace.our_scope(HLO) == "ln"
+    qk_classes = trace.classify_hlo(QK_HLO, "e2e_qk_norm")
+    assert qk_classes["loop_multiply_fusion"] == "ln" and qk_classes["loop_cosine_fusion"] == "mixed"
+    ns = 1e6  # 1 ms
+    events = [("loop_multiply_fusion", None, 0, 1 * ns), ("loop_cosine_fusion", None, 1 * ns, 2 * ns),
+              ("void lnbwd::kernel11_rows<bf16>(Params)", None, 3 * ns, 0.5 * ns)]
+    s = trace.summarize(events, trace.classify_hlo(QK_HLO), steps=1, qk_classes=qk_classes, ours_scope="qk")
+    assert s["qk_busy_ms"] == pytest.approx(1.5) and s["qk_mixed_busy_ms"] == pytest.approx(3.5)
+    assert s["ln_busy_ms"] == 0 and s["ln_ms"] == 0
+    # Our kernels serving layernorm (our_scope "ln") stay layernorm's and are not the QK-norm's.
+    s = trace.summarize(events, trace.classify_hlo(QK_HLO), steps=1, qk_classes=qk_classes)
+    assert s["qk_busy_ms"] == pytest.approx(1.0) and s["ln_busy_ms"] == pytest.approx(0.5)
+    # A module without QK-norm work has no QK figures.
+    assert "qk_busy_ms" not in trace.summarize(events, {}, steps=1, qk_classes=trace.classify_hlo(HLO, "e2e_qk_norm"))
+
+
+def test_the_table_shows_the_qk_norm_columns_only_where_a_trace_has_them():
+    from benchmarks.e2e import report
+
+    row = {"model": "public_llama", "api": "linen", "dtype": "bfloat16", "variant": "qk_flax", "norm": "rmsnorm",
+           "baseline": True, "ms": 10.0, "spread_pct": 1.0, "speedup": 1.0, "speedup_min": 1.0, "speedup_max": 1.0,
+           "loss_last": 0.5,
+           "trace": {"ln_busy_ms": 0.1, "ln_mixed_busy_ms": 0.2, "ln_ms": 0.1, "mixed_ms": 0.1, "kernel_ms": 9.0,
+                     "idle_ms": 0.3, "between_ms": 0.0, "unmapped_ms": 0.0}}
+    plain = report.format_table([row])
+    assert " qk " not in plain.splitlines()[0] and "qk, +qmix" not in report.columns(False, [row])
+    qk_row = {**row, "trace": {**row["trace"], "qk_busy_ms": 0.25, "qk_mixed_busy_ms": 0.75}}
+    head, _, cells = report.format_table([qk_row]).splitlines()
+    assert head.split()[9:11] == ["qk", "+qmix"] and cells.split()[9:11] == ["0.250", "0.750"]
+    assert "qk, +qmix" in report.columns(False, [qk_row])

@@ -9,11 +9,11 @@ One idea a file, in the order a trace goes through them:
   summary.py     one trace's figures per step and per device (busy, idle, between steps, the
                  layernorm kernels' time, comm and its overlap), and the median of repeated traces
 """
-from .classify import KINDS, attribute, classify_hlo, kind, our_calls, sanitize
+from .classify import KINDS, attribute, classify_hlo, kind, our_calls, our_scope, sanitize
 from .collectors import available, collect
 from .intervals import gaps, length, merge, overlap, step_starts
 from .summary import costliest, median_summary, step_span_ms, summarize
 
 __all__ = ["KINDS", "attribute", "available", "classify_hlo", "collect", "costliest", "gaps", "kind",
-           "length", "median_summary", "merge", "our_calls", "overlap", "sanitize", "step_span_ms",
+           "length", "median_summary", "merge", "our_calls", "our_scope", "overlap", "sanitize", "step_span_ms",
            "step_starts", "summarize"]

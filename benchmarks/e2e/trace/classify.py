@@ -19,6 +19,13 @@ Attribution rule
   matched nothing: unmapped, and its share of the time is reported (it should be ~0; if not,
   ``--trace jax`` matches by the trace's HLO op instead of by name).
 
+QK-norm (--qk-norm: the public models' q and k norms, under ``jax.named_scope(QK_SCOPE)``)
+  The same rule with QK_SCOPE gives its own classes (classify_hlo's scope): its kernels, and
+  the fusions that mix its work with other work, add up to the trace's qk and qk + mixed
+  figures (summary.py). Our kernels found by name are QK-norm's where every custom call of
+  ours in the module is under QK_SCOPE (our_scope: the QK-norm variants' add & norms are XLA's),
+  else layernorm's; found by their instruction (--trace jax), they take its scopes.
+
 Limits
   "ln" is a lower bound and "ln + mixed" an upper bound of what layernorm costs: a mixed
   kernel's time is not split. XLA compiles identical fusions once and names the kernel after
@@ -50,6 +57,7 @@ import re
 from collections import defaultdict
 
 from ..models_linen import LN_SCOPE
+from ..models_public_linen import QK_SCOPE
 
 OURS = re.compile(r"lnbwd")  # our CUDA kernels live in C++ namespace lnbwd
 # Kernels of the matmul and attention libraries (cuBLAS, cuBLASLt's nvjet, CUTLASS, cuDNN), and
@@ -84,8 +92,9 @@ def sanitize(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_]", "_", name)
 
 
-def classify_hlo(hlo_text: str) -> dict[str, str]:
-    """{sanitized instruction name: "ln" | "mixed" | "other"} for every instruction of the module."""
+def classify_hlo(hlo_text: str, scope: str = LN_SCOPE) -> dict[str, str]:
+    """{sanitized instruction name: "ln" | "mixed" | "other"} for every instruction of the module:
+    "ln" where all its operations carry `scope` (LN_SCOPE; QK_SCOPE for the QK-norm's classes)."""
     comps: dict[str, list] = defaultdict(list)  # computation -> [(instruction, op_name, calls)]
     current = None
     for line in hlo_text.splitlines():
@@ -109,7 +118,7 @@ def classify_hlo(hlo_text: str) -> dict[str, str]:
     for instrs in comps.values():
         for name, op, calls in instrs:
             ops = ([op] if op else []) + [x for c in calls for x in op_names(c)]
-            inside = [LN_SCOPE in o for o in ops]
+            inside = [scope in o for o in ops]
             out[sanitize(name)] = ("ln" if inside and all(inside) else "mixed" if any(inside) else "other")
     return out
 
@@ -124,14 +133,24 @@ def our_calls(hlo_text: str) -> frozenset[str]:
                      if _OUR_CALL.search(line) and (m := _INSTRUCTION.match(line)))
 
 
-def attribute(name: str, hlo_op: str | None, classes: dict[str, str]) -> str:
-    """The class of one traced activity: comm, ln, mixed, other or unmapped (see the module doc)."""
+def our_scope(hlo_text: str) -> str:
+    """Whose work our kernels found by name do: "qk" where the module has custom calls of ours
+    and every one is under QK_SCOPE, else "ln" (see the module doc)."""
+    scopes = [(m.group(1) if (m := _OP_NAME.search(line)) else "") for line in hlo_text.splitlines()
+              if _OUR_CALL.search(line)]
+    return "qk" if scopes and all(QK_SCOPE in s for s in scopes) else "ln"
+
+
+def attribute(name: str, hlo_op: str | None, classes: dict[str, str], ours: str = "ln") -> str:
+    """The class of one traced activity: comm, ln, mixed, other or unmapped (see the module doc).
+    ours: the class of our kernels found by name ("ln"; "other" for classes of a scope they do
+    not work for)."""
     if COMM.search(name) or hlo_op and COMM.search(hlo_op):
         return "comm"
     if hlo_op and sanitize(hlo_op) in classes:
         return classes[sanitize(hlo_op)]
     if OURS.search(name):
-        return "ln"
+        return ours
     key = sanitize(name)
     for candidate in (key, re.sub(r"_\d+$", "", key)):  # a fusion's second kernel: name_1
         if candidate in classes:

@@ -28,6 +28,10 @@ its device: torch's "device" arg, jax's GPU plane, or a CPU thunk's device_ordin
            kernel is launched early (programmatic dependent launch) and waits on the GPU for
            the kernel before it, so its own duration also covers that kernel's run; the sums
            (ln, mixed) count such time twice.
+  qk_busy_ms, qk_mixed_busy_ms
+           the same for the QK-norm (classify.py: its scope's classes, qk_classes), where the
+           module has any QK-norm work; our kernels count for it where our_scope says so, and
+           then not for layernorm.
 With one device these are the whole GPU's figures. Collective kernels (NCCL's, or XLA's own
 all-reduce, reduce-scatter, all-gather, all-to-all, collective-permute; matched by kernel
 name or HLO op, before any other rule) form a class of their own, comm, and give:
@@ -50,7 +54,8 @@ from .intervals import gaps, length, merge, overlap, step_starts
 
 
 def summarize(events, classes: dict[str, str], steps: int, top: int = 0,
-              ours: frozenset[str] = frozenset()) -> dict:
+              ours: frozenset[str] = frozenset(), qk_classes: dict[str, str] | None = None,
+              ours_scope: str = "ln") -> dict:
     """Per-step, per-device times in ms (see the module doc) from one trace of `steps`
     back-to-back steps. events: (name, hlo_op, start_ns, dur_ns[, device, stream]) (device 0
     when absent); ours: our_calls() of the module. "kinds": {kind: ms per step} for every
@@ -60,7 +65,9 @@ def summarize(events, classes: dict[str, str], steps: int, top: int = 0,
     fusions of the other class, each as [kind, kernel name, launches per step, ms per step],
     and "gemms": every matmul kernel, by kernel name (the name is the library's algorithm:
     tile, stages, operand layouts), as ["gemm", name, launches per step, ms per step],
-    costliest first, for comparing the algorithms two variants' identical matmuls got."""
+    costliest first, for comparing the algorithms two variants' identical matmuls got.
+    qk_classes: classify_hlo(hlo, QK_SCOPE), and ours_scope: our_scope(hlo) (the QK-norm's
+    figures; see the module doc)."""
     if not events:
         return {}
     per = defaultdict(float)
@@ -72,9 +79,10 @@ def summarize(events, classes: dict[str, str], steps: int, top: int = 0,
     # Each device's intervals: all, collectives, ours, everything but collectives, and (with
     # kind and name) everything but host copies, whose gaps are the idle time.
     spans = defaultdict(lambda: {"all": [], "comm": [], "ours": [], "busy": [], "ln": [], "lnmix": [],
-                                 "in_steps": []})
+                                 "qk": [], "qkmix": [], "in_steps": []})
+    qk = bool(qk_classes) and any(c != "other" for c in qk_classes.values())
     for name, op, start, dur, *where in events:
-        cls = attribute(name, op, classes)
+        cls = attribute(name, op, classes, "other" if ours_scope == "qk" else "ln")
         per[cls] += dur
         count[cls] += 1
         kd = kind(name, op, ours, xla=cls in ("ln", "mixed", "other"))
@@ -101,7 +109,11 @@ def summarize(events, classes: dict[str, str], steps: int, top: int = 0,
             dev["lnmix"].append(iv)
             if cls == "ln":
                 dev["ln"].append(iv)
-    union = idle = between = overlapped = exposed = ln_busy = lnmix_busy = 0.0
+        if qk and (qcls := attribute(name, op, qk_classes, "ln" if ours_scope == "qk" else "other")) in ("ln", "mixed"):
+            dev["qkmix"].append(iv)   # "ln" in the QK-norm's classes: all of it QK-norm's work
+            if qcls == "ln":
+                dev["qk"].append(iv)
+    union = idle = between = overlapped = exposed = ln_busy = lnmix_busy = qk_busy = qkmix_busy = 0.0
     after, before = defaultdict(lambda: [0, 0.0]), defaultdict(lambda: [0, 0.0])
     longest = []
     for dev in spans.values():
@@ -117,6 +129,8 @@ def summarize(events, classes: dict[str, str], steps: int, top: int = 0,
             longest.append(g[:5])
         ln_busy += length(merge(dev["ln"]))
         lnmix_busy += length(merge(dev["lnmix"]))
+        qk_busy += length(merge(dev["qk"]))
+        qkmix_busy += length(merge(dev["qkmix"]))
         union += length(merge(dev["all"]))
         comm = merge(dev["comm"])
         overlapped += overlap(comm, merge(dev["ours"]))
@@ -128,6 +142,7 @@ def summarize(events, classes: dict[str, str], steps: int, top: int = 0,
             "between_ms": between * 1e-6 / max(steps - 1, 1) / n,
             **{f"{c}_ms": per[c] * ms for c in ("ln", "mixed", "other", "unmapped", "comm")},
             "ln_busy_ms": ln_busy * ms, "ln_mixed_busy_ms": lnmix_busy * ms,
+            **({"qk_busy_ms": qk_busy * ms, "qk_mixed_busy_ms": qkmix_busy * ms} if qk else {}),
             "overlap_ms": overlapped * ms, "comm_exposed_ms": exposed * ms,
             "ln_kernels": count["ln"] / steps / n, "mixed_kernels": count["mixed"] / steps / n,
             "kinds": {k: v * ms for k, v in kinds.items()},
