@@ -333,16 +333,19 @@ def main(argv=None):
             return table
         prog = Progress(len(runs) * args.trace_repeats, not args.no_progress)
         done, broken = {id(r): [] for r in runs}, set()
+        hlo_facts = {}  # id(run) -> its module's classes, our calls, QK-norm classes and our scope: read once
         for rep, run in interleaved(runs, args.trace_repeats):
             prog.step(f"trace {rep + 1}/{args.trace_repeats} {run.label}")
             if id(run) in broken:
                 continue
             try:
-                classes, ours = trace.classify_hlo(run.hlo), trace.our_calls(run.hlo)
-                qk_classes = trace.classify_hlo(run.hlo, QK_SCOPE)
+                if id(run) not in hlo_facts:
+                    hlo_facts[id(run)] = (trace.classify_hlo(run.hlo), trace.our_calls(run.hlo),
+                                          trace.classify_hlo(run.hlo, QK_SCOPE), trace.our_scope(run.hlo))
+                classes, ours, qk_classes, scope = hlo_facts[id(run)]
                 done[id(run)].append(trace.summarize(trace.collect(lambda: run_steps(run, args.trace_steps), how),
                                                      classes, args.trace_steps, args.kernels, ours,
-                                                     qk_classes, trace.our_scope(run.hlo)))
+                                                     qk_classes, scope))
             except Exception as e:  # a trace that breaks must not cost the timings
                 prog.write(paint(f"trace {run.label} failed: {type(e).__name__}: {str(e)[:300]}", "red"))
                 broken.add(id(run))

@@ -56,11 +56,15 @@ QK_COLUMNS = """  qk, +qmix GPU ms per step while kernels made only of the QK-no
             lower bound, +qmix an upper bound)"""
 
 
+def has_qk(table) -> bool:
+    """Whether any row's trace has the QK-norm's figures (then the table has its columns)."""
+    return any("qk_busy_ms" in (r.get("trace") or {}) for r in table or ())
+
+
 def columns(comm: bool, table: list[dict] | None = None) -> str:
     """The columns' legend; comm: with the data-parallel columns; table: its rows, whose traces
     say whether the QK-norm's columns are there."""
-    qk = any("qk_busy_ms" in (r.get("trace") or {}) for r in table or ())
-    return COLUMNS + ("\n" + QK_COLUMNS if qk else "") + ("\n" + COMM_COLUMNS if comm else "")
+    return COLUMNS + ("\n" + QK_COLUMNS if has_qk(table) else "") + ("\n" + COMM_COLUMNS if comm else "")
 
 
 SHORT = {"bfloat16": "bf16", "float32": "fp32"}
@@ -107,7 +111,7 @@ def format_table(table: list[dict], comm: bool = False, traces: bool = True) -> 
     def f(v, fmt):
         return "n/a" if v is None else format(v, fmt)
 
-    qk = any("qk_busy_ms" in (r["trace"] or {}) for r in table)
+    qk = has_qk(table)
     head = ("model", "api", "dtype", "variant", "ms/step", "spread", "×base", norm_column(r.get("norm") for r in table),
             "+mix") + (("qk", "+qmix") if qk else ()) + ("kernel", "idle", "host", "unmap", "loss") + (
             ("comm", "overlap", "exposed") if comm else ())
