@@ -167,6 +167,16 @@ __device__ __forceinline__ A lanes_sum(A v, int width, unsigned mask) {
   for (int offset = width / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(mask, v, offset);
   return v;
 }
+// Two such sums at once: one loop, so the per-step work of a shuffle whose mask and width are
+// known only at run time (nvcc checks the mask's lanes for divergence before each step) is paid
+// once for both.
+template <typename A>
+__device__ __forceinline__ void lanes_sum2(A& u, A& v, int width, unsigned mask) {
+  for (int offset = width / 2; offset > 0; offset /= 2) {
+    u += __shfl_xor_sync(mask, u, offset);
+    v += __shfl_xor_sync(mask, v, offset);
+  }
+}
 
 template <typename T>
 __host__ __device__ constexpr T ceil_div(T a, T b) { return (a + b - 1) / b; }

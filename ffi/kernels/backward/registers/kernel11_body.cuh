@@ -35,8 +35,22 @@
 //                 costs shared-memory bandwidth (a few times the row's own bytes) but no registers;
 //   kSmallRegs:   in registers, 2 * NV * VEC of them a thread; the warp's groups own the same
 //                 columns, so at the end their sums meet by xor-shuffles across groups (a fixed
-//                 order), and the block adds its warps' sums in warp order.
+//                 order), and the block adds its warps' sums in warp order;
+//   kSmallRegsRms: the same for RMSNorm only: no dbias sums (RMSNorm has no bias; the slots'
+//                 dbias halves are written as zeros) and no mean to subtract, known when the
+//                 kernel is compiled rather than told per launch (norm.centered), which leaves
+//                 NV * VEC registers and two adds per element free.
 // The block is kSmallThreads threads, so that several blocks share an SM.
+//
+// A small row is only a few instructions' worth of bytes per thread, so what bounds it is
+// instruction issue as much as DRAM. Its per-element work is therefore kept to the minimum:
+//   - the weight row, widened to the accumulator type with the offset added, is put once per
+//     block in shared memory (wt), where both passes read it ready to use;
+//   - dy and x are widened a whole 16-byte vector at a time (vec.cuh's to_acc of a Packed: one
+//     integer instruction per bf16 element);
+//   - 1/C is taken once, and pass 2 is dx_i = g_i * rstd - (xhat_i * b' + a'), with the row's
+//     a' = a * rstd and b' = b * rstd: one multiply and one fused multiply-add per element.
+//     g_i * rstd is rounded on its own (mul_rn), as a' is, so that C = 1 still gives dx = 0.
 //
 // Bytes in flight. Memory-bound code is fast only if enough loads are outstanding: each thread
 // issues all 2*NV of its 16-byte loads for a row before using any. With PREFETCH, the loads of
@@ -54,20 +68,23 @@ namespace lnbwd {
 namespace {
 
 // Where a block's row groups live and keep their sums (see the top of this file).
-enum class Rows { kWarps, kSmallShared, kSmallRegs };
+enum class Rows { kWarps, kSmallShared, kSmallRegs, kSmallRegsRms };
 template <Rows R, int NV>
 constexpr int block_threads() { return R != Rows::kWarps ? kSmallThreads : max_threads(NV); }
 // The (NV, PREFETCH) variants compiled: for rows of whole warps, (1, 2 prefetching; 3, 4); for
 // small rows with their sums in shared memory (2 prefetching; 2, 4), in registers (2
-// prefetching; 2).
+// prefetching; 2), with or without dbias.
 constexpr bool variant(Rows r, int nv, bool prefetch) {
   switch (r) {
     case Rows::kWarps: return prefetch ? nv <= 2 : nv == 3 || nv == 4;
     case Rows::kSmallShared: return nv == 2 || (nv == 4 && !prefetch);
-    case Rows::kSmallRegs: return nv == 2;
+    case Rows::kSmallRegs:
+    case Rows::kSmallRegsRms: return nv == 2;
   }
   return false;
 }
+// The small rows' register sums for a norm kind (the launchers pick by p.norm).
+constexpr Rows small_regs(bool rms) { return rms ? Rows::kSmallRegsRms : Rows::kSmallRegs; }
 // Blocks per SM the registers must allow: small rows' blocks four (64 registers a thread: 32
 // warps an SM) with 16 registers of row data, else three (80: 24 warps), and two (128) with
 // their sums in registers beside a prefetched row; the others one.
@@ -75,7 +92,7 @@ template <Rows R, int NV, bool PREFETCH>
 constexpr int min_blocks() {
   if (R == Rows::kWarps) return 1;
   const int data = (PREFETCH ? 2 : 1) * NV;   // 16-byte vectors of each of dy and x
-  if (R == Rows::kSmallRegs) return PREFETCH ? 2 : 3;
+  if (R == Rows::kSmallRegs || R == Rows::kSmallRegsRms) return PREFETCH ? 2 : 3;
   return data <= 2 ? 4 : 3;
 }
 
@@ -123,7 +140,9 @@ __device__ __forceinline__ void kernel11_body(T* __restrict__ dx, acc_t<T>* __re
                                               int groups) {
   using A = acc_t<T>;
   constexpr bool SMALL = R != Rows::kWarps;
-  constexpr bool REG_SUMS = R == Rows::kSmallRegs;
+  constexpr bool REG_SUMS = R == Rows::kSmallRegs || R == Rows::kSmallRegsRms;
+  constexpr bool RMS = R == Rows::kSmallRegsRms;   // no dbias and no mean (norm.centered is 0)
+  constexpr bool BIAS = !RMS;
   using V = Packed<T, VEC>;
   using AV = Packed<A, VEC>;
   const int g = threadIdx.x / tpr;
@@ -133,13 +152,16 @@ __device__ __forceinline__ void kernel11_body(T* __restrict__ dx, acc_t<T>* __re
   const int warp_in_row = t / 32;
   const unsigned group_lanes = SMALL ? lanes_mask(tpr, lane) : 0xffffffffu;
 
-  // Shared memory: per group [dbias sums | dweight sums] (C each), then the row-reduction
-  // exchange: per group two buffers (alternating rows) of warps_per_row (s1, s2) pairs (none
-  // for SMALL). REG_SUMS: per warp [dbias sums | dweight sums], written once at the end.
+  // Shared memory (kernel11_smem_bytes): SMALL: the weight row wt (C accumulators) first. Then
+  // per group [dbias sums | dweight sums] (C each), then the row-reduction exchange: per group
+  // two buffers (alternating rows) of warps_per_row (s1, s2) pairs (none for SMALL). REG_SUMS:
+  // per warp [dbias sums | dweight sums], written once at the end.
   extern __shared__ __align__(32) unsigned char smem[];
-  A* db_sum = reinterpret_cast<A*>(smem) + (REG_SUMS ? size_t{0} : static_cast<size_t>(g) * 2 * C);
+  A* wt = reinterpret_cast<A*>(smem);
+  A* sums_smem = wt + (SMALL ? C : 0);
+  A* db_sum = sums_smem + (REG_SUMS ? size_t{0} : static_cast<size_t>(g) * 2 * C);
   A* dw_sum = db_sum + C;
-  A* exchange = reinterpret_cast<A*>(smem) + static_cast<size_t>(groups) * 2 * C + g * 2 * warps_per_row * 2;
+  A* exchange = sums_smem + static_cast<size_t>(groups) * 2 * C + g * 2 * warps_per_row * 2;
   AV db_reg[REG_SUMS ? NV : 1], dw_reg[REG_SUMS ? NV : 1];   // REG_SUMS: this thread's columns' sums
 
 #pragma unroll
@@ -161,6 +183,18 @@ __device__ __forceinline__ void kernel11_body(T* __restrict__ dx, acc_t<T>* __re
   const int bps = mine.bps;
   const int64_t rows = mine.end;
   weight += mine.weight_offset;
+  if constexpr (SMALL) {
+    // The block's weight row, as both passes use it (g_i = (offset + weight_i) * dy_i); the
+    // barrier makes it visible to every group before their first row.
+    for (int c = threadIdx.x; c < C; c += blockDim.x) wt[c] = to_acc(weight[c]) + norm.offset;
+    __syncthreads();
+  }
+  // This thread's vector j of the weight row, in the accumulator type with the offset added.
+  auto weight_vec = [&](int col) -> AV {
+    if constexpr (SMALL) return *reinterpret_cast<const AV*>(wt + col);
+    else return weight_in_acc(load_vec<VEC>(weight + col), norm.offset);
+  };
+  const A inv_c = A(1) / A(C);
   const int64_t stride = static_cast<int64_t>(bps) * groups;
   int64_t row = mine.row0 + static_cast<int64_t>(g) * bps;
   const HeadRows& heads = where.heads;
@@ -180,14 +214,14 @@ __device__ __forceinline__ void kernel11_body(T* __restrict__ dx, acc_t<T>* __re
   A m = A(0), s = A(0);
   if (PREFETCH && row < rows) {
     load_row<T, VEC, NV>(dyv, xv, dy, x, at(), C, tpr, t);
-    m = norm.centered * A(mean[row]);
+    if constexpr (!RMS) m = norm.centered * A(mean[row]);
     s = A(rstd[row]);
   }
   int parity = 0;
   for (; row < rows; row += stride) {
     if (!PREFETCH) {
       load_row<T, VEC, NV>(dyv, xv, dy, x, at(), C, tpr, t);
-      m = norm.centered * A(mean[row]);
+      if constexpr (!RMS) m = norm.centered * A(mean[row]);
       s = A(rstd[row]);
     }
     // Prefetching takes the next row's mean and rstd with its data: loaded only when that row
@@ -196,29 +230,35 @@ __device__ __forceinline__ void kernel11_body(T* __restrict__ dx, acc_t<T>* __re
     A next_m = A(0), next_s = A(0);
     if (PREFETCH && row + stride < rows) {
       load_row<T, VEC, NV>(next_dy, next_x, dy, x, next_at(), C, tpr, t);
-      next_m = norm.centered * A(mean[row + stride]);
+      if constexpr (!RMS) next_m = norm.centered * A(mean[row + stride]);
       next_s = A(rstd[row + stride]);
     }
 
     // Pass 1: s1 = sum g_i and s2 = sum g_i * (x_i - mean). weight is re-read per row: it is
-    // C elements shared by every row, so it stays in L1 and costs no registers.
+    // C elements shared by every row, so it stays in L1 (small rows: in shared memory) and costs
+    // no registers.
     A s1 = A(0), s2 = A(0);
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
       const int col = (j * tpr + t) * VEC;
       if (col < C) {
-        const AV wv = weight_in_acc(load_vec<VEC>(weight + col), norm.offset);
+        const AV wv = weight_vec(col);
+        const AV dv = to_acc(dyv[j]);
+        const AV xa = to_acc(xv[j]);
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
-          const A gi = mul_rn(wv[k], to_acc(dyv[j][k]));
+          const A gi = mul_rn(wv[k], dv[k]);
           s1 += gi;
-          s2 += gi * (to_acc(xv[j][k]) - m);
+          s2 += gi * (RMS ? xa[k] : xa[k] - m);
         }
       }
     }
     if constexpr (SMALL) {
-      s1 = lanes_sum(s1, tpr, group_lanes);
-      s2 = lanes_sum(s2, tpr, group_lanes);
+      if constexpr (RMS) {
+        s2 = lanes_sum(s2, tpr, group_lanes);   // s1 is the mean's term only
+      } else {
+        lanes_sum2(s1, s2, tpr, group_lanes);
+      }
     } else {
       s1 = warp_sum(s1);
       s2 = warp_sum(s2);
@@ -245,22 +285,26 @@ __device__ __forceinline__ void kernel11_body(T* __restrict__ dx, acc_t<T>* __re
       }
       parity ^= 1;
     }
-    const A a = (norm.centered * s1) / A(C);   // RMSNorm: no mean, no mean term
-    const A b = s2 * s / A(C);
+    // dx_i = (g_i - a - xhat_i * b) * rstd with a = s1/C (RMSNorm: no mean, no mean term) and
+    // b = s2 * rstd / C, computed as g_i * rstd - (xhat_i * b' + a') (see the top of this file).
+    const A a_s = RMS ? A(0) : norm.centered * s1 * inv_c * s;
+    const A b_s = s2 * s * inv_c * s;
 
     // Pass 2: dx, and this row's contribution to the group's dbias/dweight sums.
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
       const int col = (j * tpr + t) * VEC;
       if (col < C) {
-        const AV wv = weight_in_acc(load_vec<VEC>(weight + col), norm.offset);
+        const AV wv = weight_vec(col);
+        const AV dv = to_acc(dyv[j]);
+        const AV xa = to_acc(xv[j]);
         // The residual gradient: read here, once, by the thread that writes this dx (it may be
         // dx's own buffer, aliased).
         V rv;
         if constexpr (RESID) rv = load_cs(reinterpret_cast<const V*>(dresidual + at() + col));
         AV db, dw;
         if constexpr (REG_SUMS) {
-          db = db_reg[j];
+          if constexpr (BIAS) db = db_reg[j];
           dw = dw_reg[j];
         } else {
           db = *reinterpret_cast<AV*>(db_sum + col);
@@ -269,16 +313,18 @@ __device__ __forceinline__ void kernel11_body(T* __restrict__ dx, acc_t<T>* __re
         V dxv;
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
-          const A d = to_acc(dyv[j][k]);
-          const A xhat = (to_acc(xv[j][k]) - m) * s;
-          A v = (mul_rn(wv[k], d) - a - xhat * b) * s;
+          const A d = dv[k];
+          const A xhat = (RMS ? xa[k] : xa[k] - m) * s;
+          A v = mul_rn(mul_rn(wv[k], d), s);
+          if constexpr (RMS) v -= xhat * b_s;
+          else v -= xhat * b_s + a_s;
           if constexpr (RESID) v += to_acc(rv[k]);
           dxv[k] = from_acc<T>(v);
-          db[k] += d;
+          if constexpr (BIAS) db[k] += d;
           dw[k] += d * xhat;
         }
         if constexpr (REG_SUMS) {
-          db_reg[j] = db;
+          if constexpr (BIAS) db_reg[j] = db;
           dw_reg[j] = dw;
         } else {
           *reinterpret_cast<AV*>(db_sum + col) = db;
@@ -314,7 +360,7 @@ __device__ __forceinline__ void kernel11_body(T* __restrict__ dx, acc_t<T>* __re
       for (int j = 0; j < NV; ++j) {
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
-          db_reg[j][k] += __shfl_xor_sync(0xffffffffu, db_reg[j][k], offset);
+          if constexpr (BIAS) db_reg[j][k] += __shfl_xor_sync(0xffffffffu, db_reg[j][k], offset);
           dw_reg[j][k] += __shfl_xor_sync(0xffffffffu, dw_reg[j][k], offset);
         }
       }
@@ -323,8 +369,8 @@ __device__ __forceinline__ void kernel11_body(T* __restrict__ dx, acc_t<T>* __re
     for (int j = 0; j < NV; ++j) {
       const int col = (j * tpr + t) * VEC;
       if (lane < tpr && col < C) {
-        A* mine = reinterpret_cast<A*>(smem) + static_cast<size_t>(threadIdx.x / 32) * 2 * C;
-        *reinterpret_cast<AV*>(mine + col) = db_reg[j];
+        A* mine = sums_smem + static_cast<size_t>(threadIdx.x / 32) * 2 * C;
+        if constexpr (BIAS) *reinterpret_cast<AV*>(mine + col) = db_reg[j];
         *reinterpret_cast<AV*>(mine + C + col) = dw_reg[j];
       }
     }
@@ -335,12 +381,12 @@ __device__ __forceinline__ void kernel11_body(T* __restrict__ dx, acc_t<T>* __re
   // thread.
   __syncthreads();
   A* slot = partials + where.slot() * 2 * C;
-  const A* sums = reinterpret_cast<const A*>(smem);
+  const A* sums = sums_smem;
   const int units = REG_SUMS ? static_cast<int>(blockDim.x / 32) : groups;
   for (int c = threadIdx.x; c < C; c += blockDim.x) {
-    A sb = A(0), sw = A(0);
+    A sb = A(0), sw = A(0);   // no BIAS: the slot's dbias half is zeros
     for (int q = 0; q < units; ++q) {
-      sb += sums[static_cast<size_t>(q) * 2 * C + c];
+      if constexpr (BIAS) sb += sums[static_cast<size_t>(q) * 2 * C + c];
       sw += sums[static_cast<size_t>(q) * 2 * C + C + c];
     }
     __stcg(slot + c, sb);       // .cg: keep in L2 for the finalize that reads it next
