@@ -73,7 +73,7 @@ template <Rows R, int NV>
 constexpr int block_threads() { return R != Rows::kWarps ? kSmallThreads : max_threads(NV); }
 // The (NV, PREFETCH) variants compiled: for rows of whole warps, (1, 2 prefetching; 3, 4); for
 // small rows with their sums in shared memory (2 prefetching; 2, 4), in registers (2
-// prefetching; 2), with or without dbias.
+// prefetching; 2; layernorm's and RMSNorm's alike).
 constexpr bool variant(Rows r, int nv, bool prefetch) {
   switch (r) {
     case Rows::kWarps: return prefetch ? nv <= 2 : nv == 3 || nv == 4;
