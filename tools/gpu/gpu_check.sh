@@ -45,6 +45,12 @@
 #              and the kernel bench's qk_norm ops (separate and fused, forward and backward, bf16
 #              and fp32) with every peer
 #   e2e        the training-step bench
+#   ab         a kernel change's before and after, in the same run on the same machine: the kernel
+#              bench of AB_OPS (default layernorm_bwd,rmsnorm_bwd) on AB_SHAPES (default the small-C
+#              rows; empty: the ops' own shapes) in AB_DTYPES (default bfloat16,float32) beside
+#              AB_PEERS (default copy), first with the extension in jax_lnbwd/ (the change: OUT/ab_new),
+#              then with another build's, AB_BASE (a tools/gpu/prebuild.sh folder, default
+#              build/prebuilt_base: OUT/ab_base); jax_lnbwd/'s extension is put back after
 # PEERS: the forward and l2 stages' --peers (by default every peer but Pallas, to keep the stages
 # short: name it in PEERS to add it).
 # The build stage first installs the wheels in PEER_WHEELS (default build/peer-wheels), when there
@@ -194,6 +200,18 @@ for stage in "$@"; do
         --reps 3 --min-run-ms 10 --no-progress --out "$OUT/qk" ;;
     e2e)
       TAIL=40 run e2e python3 -m benchmarks.e2e ${E2E_ARGS:-} --out "$OUT/e2e" ;;
+    ab)
+      base=${AB_BASE:-build/prebuilt_base}
+      ext=jax_lnbwd/$(cat "$base/ext.name") || { status=1; continue; }
+      ab_shapes=${AB_SHAPES-524288x64,262144x128,131072x256}
+      ab_bench() {   # ab_bench TAG
+        python3 -m benchmarks.kernels --op "${AB_OPS:-layernorm_bwd,rmsnorm_bwd}" --dtypes "${AB_DTYPES:-bfloat16,float32}" \
+          ${ab_shapes:+--shapes "$ab_shapes"} --peers "${AB_PEERS:-copy}" --no-progress --out "$OUT/ab_$1"
+      }
+      cp "$ext" "$OUT/ab_new.so" || { status=1; continue; }
+      run ab_new ab_bench new
+      xz -dc "$base/ext.so.xz" > "$ext" && run ab_base ab_bench base
+      cp "$OUT/ab_new.so" "$ext" && rm "$OUT/ab_new.so" || status=1 ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
 done
