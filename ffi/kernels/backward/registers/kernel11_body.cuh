@@ -48,9 +48,10 @@
 //     block in shared memory (wt), where both passes read it ready to use;
 //   - dy and x are widened a whole 16-byte vector at a time (vec.cuh's to_acc of a Packed: one
 //     integer instruction per bf16 element);
-//   - 1/C is taken once, and pass 2 is dx_i = g_i * rstd - (xhat_i * b' + a'), with the row's
-//     a' = a * rstd and b' = b * rstd: one multiply and one fused multiply-add per element.
-//     g_i * rstd is rounded on its own (mul_rn), as a' is, so that C = 1 still gives dx = 0.
+//   - 1/C is taken once (a multiply per row, not a division), and pass 2 is
+//     dx_i = g_i * rstd - (xhat_i * b' + a') with the row's a' = a * rstd and b' = b * rstd
+//     (RMSNorm: no a'). g_i * rstd is rounded on its own (mul_rn), as a' is, so that C = 1
+//     still gives dx = 0.
 //
 // Bytes in flight. Memory-bound code is fast only if enough loads are outstanding: each thread
 // issues all 2*NV of its 16-byte loads for a row before using any. With PREFETCH, the loads of
