@@ -83,6 +83,9 @@ sanitizer() {
   [ -d "$dir/obj" ] && step=run
   SAN_STEP=$step run "$2" "tests/cuda/$3" "$dir" "$OUT/$2"
 }
+unpack_ext() {   # unpack_ext DIR: a tools/gpu/prebuild.sh folder's extension, into jax_lnbwd/
+  xz -dc "$1/ext.so.xz" > "jax_lnbwd/$(cat "$1/ext.name")"
+}
 install_peer_wheels() {   # the bench peers from PEER_WHEELS, when there are any
   ls "$PEER_WHEELS"/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps "$PEER_WHEELS"/*.whl
 }
@@ -96,7 +99,7 @@ for stage in "$@"; do
     prebuilt)
       dir=${PREBUILT:-build/prebuilt}
       install_peer_wheels
-      xz -dc "$dir/ext.so.xz" > "jax_lnbwd/$(cat "$dir/ext.name")" || status=1
+      unpack_ext "$dir" || status=1
       # What build's editable install gives every Python process: the checkout on sys.path, here
       # through a .pth file in python3's site-packages. `python -m pytest` finds the package
       # anyway (the checkout is its cwd); the tests' subprocesses (`python -c`, the e2e
@@ -210,7 +213,7 @@ for stage in "$@"; do
       }
       cp "$ext" "$OUT/ab_new.so" || { status=1; continue; }
       run ab_new ab_bench new
-      xz -dc "$base/ext.so.xz" > "$ext" && run ab_base ab_bench base
+      unpack_ext "$base" && run ab_base ab_bench base
       cp "$OUT/ab_new.so" "$ext" && rm "$OUT/ab_new.so" || status=1 ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac

@@ -32,10 +32,8 @@ constexpr int kMaxNamedBarrierGroups = 15;   // barrier ids 1..15; id 0 is __syn
 // path), in blocks of kSmallThreads.
 constexpr int kSmallThreads = 256;
 
-// Dynamic shared memory of a configuration's block, in accumulators of acc_bytes (kernel11_config.cu),
-// and the part of it that holds the weight row (small rows only; kernel11_body.cuh's wt).
+// Dynamic shared memory of a configuration's block, in accumulators of acc_bytes (kernel11_config.cu).
 size_t kernel11_smem_bytes(const Kernel11Config& cfg, int64_t C, size_t acc_bytes);
-size_t kernel11_weight_smem_bytes(const Kernel11Config& cfg, int64_t C, size_t acc_bytes);
 // Whether a small-row variant (sums in registers or shared memory, NV, prefetch) is compiled
 // (kernel11_rows_in_registers.cu).
 bool kernel11_small_variant(bool reg_sums, int nv, bool prefetch);

@@ -84,8 +84,6 @@ constexpr bool variant(Rows r, int nv, bool prefetch) {
   }
   return false;
 }
-// The small rows' register sums for a norm kind (the launchers pick by p.norm).
-constexpr Rows small_regs(bool rms) { return rms ? Rows::kSmallRegsRms : Rows::kSmallRegs; }
 // Blocks per SM the registers must allow: small rows' blocks four (64 registers a thread: 32
 // warps an SM) with 16 registers of row data, else three (80: 24 warps), and two (128) with
 // their sums in registers beside a prefetched row; the others one.

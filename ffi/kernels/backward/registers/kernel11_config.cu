@@ -11,14 +11,11 @@
 
 namespace lnbwd {
 
-// Small rows: the weight row (C accumulators, kernel11_weight_smem_bytes) first. Then per group
+// Small rows: the weight row (C accumulators: kernel11_body.cuh's wt) first. Then per group
 // [dbias sums | dweight sums] (C each) and two buffers of the group's warps' (s1, s2) pairs;
 // with the sums in registers (small rows), one [dbias | dweight] row per warp, written once.
-size_t kernel11_weight_smem_bytes(const Kernel11Config& cfg, int64_t C, size_t acc_bytes) {
-  return cfg.tpr < 32 ? static_cast<size_t>(C) * acc_bytes : 0;
-}
 size_t kernel11_smem_bytes(const Kernel11Config& cfg, int64_t C, size_t acc_bytes) {
-  const size_t weight = kernel11_weight_smem_bytes(cfg, C, acc_bytes);
+  const size_t weight = cfg.tpr < 32 ? static_cast<size_t>(C) * acc_bytes : 0;
   if (cfg.tpr < 32 && cfg.reg_sums) return weight + static_cast<size_t>(cfg.tpr) * cfg.groups / 32 * 2 * C * acc_bytes;   // per warp
   return weight + (static_cast<size_t>(cfg.groups) * 2 * C + static_cast<size_t>(cfg.groups) * 2 * (cfg.tpr / 32) * 2) * acc_bytes;
 }

@@ -74,8 +74,8 @@ cudaError_t launch(const NormBwdParams& p, const Kernel11Config& cfg, cudaStream
   if (cfg.tpr >= 32) return launch_rows<T, O, RESID, VEC, NV, PREFETCH, Rows::kWarps>(p, cfg, stream);
   if (cfg.tpr * cfg.groups != kSmallThreads) return cudaErrorInvalidValue;
   if (!cfg.reg_sums) return launch_rows<T, O, RESID, VEC, NV, PREFETCH, Rows::kSmallShared>(p, cfg, stream);
-  return p.norm == NormKind::kRmsNorm ? launch_rows<T, O, RESID, VEC, NV, PREFETCH, small_regs(true)>(p, cfg, stream)
-                                     : launch_rows<T, O, RESID, VEC, NV, PREFETCH, small_regs(false)>(p, cfg, stream);
+  return p.norm == NormKind::kRmsNorm ? launch_rows<T, O, RESID, VEC, NV, PREFETCH, Rows::kSmallRegsRms>(p, cfg, stream)
+                                     : launch_rows<T, O, RESID, VEC, NV, PREFETCH, Rows::kSmallRegs>(p, cfg, stream);
 }
 
 // The (NV, PREFETCH) variants compiled for each vector width (variant(), above, says which row

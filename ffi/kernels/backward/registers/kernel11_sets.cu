@@ -138,8 +138,8 @@ cudaError_t launch_variant(const NormBwdParams& a, const NormBwdParams& b, const
     if (cfg.tpr == 32) return launch_sets<T, O, VEC, NV, PF, Rows::kWarps>(a, b, cfg, stream);
     if (cfg.tpr > 32 || cfg.tpr * cfg.groups != kSmallThreads) return cudaErrorInvalidValue;
     if (!cfg.reg_sums) return launch_sets<T, O, VEC, NV, PF, Rows::kSmallShared>(a, b, cfg, stream);
-    return a.norm == NormKind::kRmsNorm ? launch_sets<T, O, VEC, NV, PF, small_regs(true)>(a, b, cfg, stream)
-                                        : launch_sets<T, O, VEC, NV, PF, small_regs(false)>(a, b, cfg, stream);
+    return a.norm == NormKind::kRmsNorm ? launch_sets<T, O, VEC, NV, PF, Rows::kSmallRegsRms>(a, b, cfg, stream)
+                                        : launch_sets<T, O, VEC, NV, PF, Rows::kSmallRegs>(a, b, cfg, stream);
   };
   using std::integral_constant;
   if (cfg.prefetch) {
