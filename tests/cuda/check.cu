@@ -9,7 +9,8 @@
 // (memcheck, racecheck, synccheck, initcheck) see every stray access.
 //
 //   check [kernel ...]   (default: every kernel in the registry)
-//   LNBWD_QUICK=1: fewer shapes (for the sanitizers); LNBWD_QUICK_MAX_ELEMENTS caps rows * C.
+//   LNBWD_QUICK=1: fewer shapes (for the sanitizers); LNBWD_QUICK_MAX_ELEMENTS caps rows * C,
+//   LNBWD_MAX_C caps C (a control whose planted bug only small rows reach).
 //
 // Build (tools/tune/build.sh OUT_DIR check does this, sharing its compile of the kernels with
 // tune; run_sanitizers.sh builds it the same way, with -lineinfo):
@@ -117,6 +118,8 @@ int check(const std::vector<int>& kernels) {
   // with many shared-memory accesses, can lower the bound with LNBWD_QUICK_MAX_ELEMENTS.
   const char* max_env = std::getenv("LNBWD_QUICK_MAX_ELEMENTS");
   const int64_t max_elements = !quick ? 20'000'000 : max_env ? std::atoll(max_env) : 8'000'000;
+  const char* max_c_env = std::getenv("LNBWD_MAX_C");
+  const int64_t max_c = max_c_env ? std::atoll(max_c_env) : INT64_MAX;
   const Dtype ds[] = {Dtype::kF32, Dtype::kBF16, Dtype::kF16, Dtype::kF64};
   int failures = 0, checked = 0;
   failures += check_refusals(kernels, &checked);
@@ -125,7 +128,7 @@ int check(const std::vector<int>& kernels) {
   for (Dtype d : ds) {
     for (int64_t C : cs) {
       for (int64_t rows : rs) {
-        if (rows * C > max_elements) continue;
+        if (rows * C > max_elements || C > max_c) continue;
         std::unique_ptr<Problem> pb;           // made when a kernel first needs it
         for (int kernel : kernels) {
           const KernelFacts& k = facts(kernel);
