@@ -127,8 +127,9 @@ int check(const std::vector<int>& kernels) {
   std::vector<std::vector<Worst>> worst(MaxKernelId() + 1, std::vector<Worst>(4));
   for (Dtype d : ds) {
     for (int64_t C : cs) {
+      if (C > max_c) continue;
       for (int64_t rows : rs) {
-        if (rows * C > max_elements || C > max_c) continue;
+        if (rows * C > max_elements) continue;
         std::unique_ptr<Problem> pb;           // made when a kernel first needs it
         for (int kernel : kernels) {
           const KernelFacts& k = facts(kernel);
