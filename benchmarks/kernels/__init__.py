@@ -37,17 +37,19 @@ weight and bias beside 16-bit x (mixed precision).
 How one op is timed (device time, never one call by wall clock)
 ---------------------------------------------------------------
 * One JAX call costs tens of µs of host dispatch, more than a small kernel runs. So one jitted
-  function applies the op k times in a chain (``--chain``; 50 on GPU, 3 on CPU): the first
-  output of step i is the chained input of step i+1 (the backward's dx its dy, the forward's y
-  its x; an add op's y and s its x and residual, a residual stream). Each step's outputs, and the constant inputs too, go through
-  ``jax.lax.optimization_barrier``: XLA can then neither fuse steps, nor CSE them, nor hoist
-  input-only work (the autodiff peer's statistics, x̂) out of the chain and share it between
-  steps. XLA does drop barrier outputs that nothing reads, so every step's other outputs
-  leave the chain (dweight and dbias, or mean and rstd, stacked: one small copy per call, as
-  each output of the jitted function costs the host microseconds per call); else the peers
-  would skip their column sums or statistics. Values drift along a chain (dx is about w*dy per column); nobody
-  looks at them, and GPU arithmetic runs at one speed whatever they are. Validation is
-  separate: one call on the fresh inputs, before any timing.
+  function applies the op k times in a chain (``--chain``; 50 on GPU, 3 on CPU): the first output
+  of step i is the chained input of step i+1 (the backward's dx its dy, the forward's y its x; an
+  add op's y and s its x and residual, a residual stream; a qk op's q and k both). Each step's
+  outputs, and the constant inputs too, go through ``jax.lax.optimization_barrier``: XLA can then
+  neither fuse steps, nor CSE them, nor hoist input-only work (the autodiff peer's statistics, x̂)
+  out of the chain and share it between steps. XLA does drop barrier outputs that nothing reads,
+  and the work that only they needed, so every step's other outputs leave the chain (dweight and
+  dbias, or mean and rstd, stacked: one small copy per call, as each output of the jitted function
+  costs the host microseconds per call), and so do the last step's chained inputs; else the peers
+  would skip their column sums or statistics, and the separate ops of a qk peer their whole k
+  half. Values drift along a chain (dx is about w*dy per column); nobody looks at them, and GPU
+  arithmetic runs at one speed whatever they are. Validation is separate: one call on the fresh
+  inputs, before any timing.
 * On CPU, XLA removes the barriers before fusion (on GPU only after scheduling), so there the
   peers' steps may fuse with each other (the copy's k passes become one): the CPU run checks
   that everything works, its numbers mean little.
@@ -60,8 +62,8 @@ How one op is timed (device time, never one call by wall clock)
   time.perf_counter() around the run, divided by n*k, is one sample; we report the median of
   ``--reps`` samples. Nothing is subtracted, so what the op leaves idle between steps counts
   against it.
-* torch and liger run the same k-step chain captured in a CUDA graph (eager if capture
-  fails), replayed n times between two torch.cuda.Event records.
+* torch and liger run the same k-step chain (the same inputs chained) captured in a CUDA graph
+  (eager if capture fails), replayed n times between two torch.cuda.Event records.
 * Nothing is rotated and no cache is flushed. Instead the data is larger than the H200's 60 MB
   L2: a backward step moves 3*rows*C elements, 75-805 MB for its default GPU shapes (8192x1600
   and 16384x768 in bf16 are the tightest, 1.3x L2); a forward step 2*rows*C, 25-537 MB

@@ -19,7 +19,7 @@ from . import dram, kernel_time
 from .cases import Impl
 from .ops import GROUPS, OPS, resolve
 from .ops_qk_norm import SHAPES_NOTE
-from .peers import available_peers, time_torch, torch_step
+from .peers import available_peers, call, time_torch, torch_step
 from .report import CPU_MARK, format_table, plot
 from .timing import TOLERANCE, copy_step, copy_words, json_safe, time_jax, validate
 
@@ -90,7 +90,7 @@ def bench_group(op, rows: int, C: int, dtype: str, combos, peers, args, key, pro
                 ok, errs = True, {}
             elif impl in ("torch", "liger"):
                 tstep, d0 = torch_step(op.name, impl, *case.torch_inputs)
-                ok, errs = validate(tstep(d0), case.ref, dtype, op.outputs)
+                ok, errs = validate(call(tstep, d0), case.ref, dtype, op.outputs)
                 if ok:
                     sec, extra["cuda_graph"] = time_torch(tstep, d0, args.chain, args.reps,
                                                           args.min_run_s, trace=trace)

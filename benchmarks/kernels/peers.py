@@ -22,9 +22,10 @@ def to_torch(a):
 
 
 def torch_step(op: str, impl: str, *inputs):
-    """(step, state0) for a torch-side peer of op; step(state) -> op's outputs on CUDA tensors
-    (a prefix of them: the statistics only where the peer's API returns them), state0 the
-    chained input (dy for a backward, x for a forward). inputs: cases.Case.torch_inputs."""
+    """(step, state0) for a torch-side peer of op; call(step, state) -> op's outputs on CUDA
+    tensors (a prefix of them: the statistics only where the peer's API returns them), state0 the
+    chained input (dy for a backward, x for a forward; a tuple for the separate qk ops, whose q
+    and k are both chained). inputs: cases.Case.torch_inputs."""
     if op == "layernorm_bwd":
         return _layernorm_backward(impl, *inputs)
     if op == "layernorm_fwd":
@@ -76,15 +77,23 @@ def _layernorm_forward(impl: str, x, w, b):
     return step, tx
 
 
+def call(step, d):
+    """step's outputs on the state d: a tuple state is several chained inputs (the separate qk
+    ops' q and k), each one of step's arguments."""
+    return step(*d) if isinstance(d, tuple) else step(d)
+
+
 def time_torch(step, d0, k: int, reps: int, min_run_s: float, trace=None) -> tuple[float, bool]:
     """(median seconds per step, whether a CUDA graph was used): the JAX method with events.
-    trace: as timing.time_jax's, with one replay of the same graph."""
+    The state d0 is step's first output each step after; a tuple of n, its first n outputs (as
+    timing.chained's carry). trace: as timing.time_jax's, with one replay of the same graph."""
     import torch
 
     def chain():
         d = d0
         for _ in range(k):
-            d = step(d)[0]
+            outs = call(step, d)
+            d = tuple(outs[:len(d0)]) if isinstance(d0, tuple) else outs[0]
         return d
 
     chain()  # warm-up (Triton compiles here)

@@ -61,7 +61,9 @@ def qk_step(op: str, impl: str, *tensors):
     """(step, state0) for a qk op's torch or Liger entry (ops_qk_norm.py): the norm applied to q
     and to k viewed as [tokens * heads, D], one call each; the fused form slices q and k out of
     qkv and concatenates the results with v. tensors: the Case's torch_inputs, as CUDA tensors.
-    The backward, as step()'s: autograd of one forward graph, retained."""
+    The backward, as step()'s: autograd of one forward graph, retained. The separate form's state
+    is the pair (q, k), or (dq, dk): both are chained (peers.time_torch), so that k is read fresh
+    each step as in the JAX chain (op.carry), not found again in L2."""
     import torch
 
     from .ops_qk_norm import KV_HEADS, Q_HEADS
@@ -82,15 +84,21 @@ def qk_step(op: str, impl: str, *tensors):
         return (torch.cat([q, k, heads[..., Q_HEADS + KV_HEADS:, :]], dim=-2).view(x.shape),)
 
     if op.endswith("_fwd"):
-        def fwd(x):
+        if fused:
+            def fwd(x):
+                with torch.no_grad():
+                    return forward(x, *rest)
+            return fwd, x
+
+        def fwd_qk(q, k):   # q_out and k_out are the next step's q and k, as in the JAX chain
             with torch.no_grad():
-                return forward(x, *rest)
-        return fwd, x
+                return forward(q, k, *rest[1:])
+        return fwd_qk, (x, rest[0])
     n_in = 2 if fused else 3              # the inputs besides x: (wq, wk) or (k, wq, wk)
     inputs = [a.detach().requires_grad_() for a in (x, *rest[:n_in])]
     dys = rest[n_in:]                     # (dqkv,) or (dq, dk)
     ys = forward(*inputs)
 
-    def backward(d):
-        return torch.autograd.grad(ys, inputs, (d, *dys[1:]), retain_graph=True)
-    return backward, dys[0]
+    def backward(*d):   # (dqkv,) or (dq, dk): dq and dk both chained, as in the JAX chain
+        return torch.autograd.grad(ys, inputs, d, retain_graph=True)
+    return backward, dys[0] if fused else tuple(dys)

@@ -70,12 +70,11 @@ def copy_words(nbytes: int):
     return jnp.zeros((max(1, nbytes // 8),), jnp.uint32)
 
 
-def time_jax(step, state, consts, k: int, reps: int, min_run_s: float, carry: int = 1, trace=None) -> float:
-    """Median seconds per step of `step` chained k times inside one jitted function. The first
-    `carry` outputs of a step are the next step's first inputs (its state, then its first
-    consts: an add op's y and s become the next x and residual, a residual stream). trace: after
-    the timing, trace(call) is given a function that runs one call of the same compiled chain
-    and waits for it (--kernel-time, kernel_time.py)."""
+def chained(step, k: int, carry: int = 1):
+    """The jitted chain of k calls of `step`, unrolled: (state, consts) -> ((the last state, the
+    last carried outputs), every step's other outputs). The first `carry` outputs of a step are
+    the next step's first inputs (its state, then its first consts: an add op's y and s become the
+    next x and residual, a residual stream; a qk op's q_out and k_out the next q and k)."""
     def chain(state, consts):
         kept = []
         for _ in range(k):  # unrolled in the HLO: no while-loop overhead between steps
@@ -84,14 +83,27 @@ def time_jax(step, state, consts, k: int, reps: int, min_run_s: float, carry: in
             outs, consts = jax.lax.optimization_barrier((step(state, *consts), consts))
             state, consts = outs[0], (*outs[1:carry], *consts[carry - 1:])
             kept += outs[carry:]
-        # XLA drops barrier outputs that nothing reads, so every step's other outputs leave the
-        # chain: stacked when they share a shape (dweight and dbias, mean and rstd: one small
-        # copy per call). Each output of the jitted function costs the host microseconds per
-        # call, as much as a small step's kernel: hence the stack, and the carried s.
+        # XLA drops barrier outputs that nothing reads, and then the work that only they needed.
+        # So the last step's carried outputs leave the chain with the state: else nothing would
+        # read a carried chain of its own (a qk op's k: an entry of separate ops for q and k,
+        # two calls or XLA's, lost its whole k half), nor the last step's s (the add ops).
+        # Every step's other outputs leave it too: stacked when they share a shape (dweight
+        # and dbias, mean and rstd: one small copy per call). Each output of the jitted
+        # function costs the host microseconds per call, as much as a small step's kernel:
+        # hence the stack, and the carried s.
+        last = (state, *consts[:carry - 1])
         if len({a.shape for a in kept}) == 1:
-            return state, jnp.stack(kept)
-        return state, tuple(kept)
-    fn = jax.jit(chain)
+            return last, jnp.stack(kept)
+        return last, tuple(kept)
+    return jax.jit(chain)
+
+
+def time_jax(step, state, consts, k: int, reps: int, min_run_s: float, carry: int = 1, trace=None) -> float:
+    """Median seconds per step of `step` chained k times inside one jitted function (chained:
+    the first `carry` outputs of a step are the next step's first inputs). trace: after the
+    timing, trace(call) is given a function that runs one call of the same compiled chain and
+    waits for it (--kernel-time, kernel_time.py)."""
+    fn = chained(step, k, carry)
 
     def run(n: int) -> float:
         t0 = time.perf_counter()

@@ -144,6 +144,37 @@ def test_every_copy_moves_its_ops_bytes_once():
     assert ops_layernorm.add_forward_bytes(8, 16, "float32", "same") - ops_layernorm.forward_bytes(8, 16, "float32", "same") == 2 * 8 * 16 * 4
 
 
+CARRIED = [name for name, op in ops.OPS.items() if op.carry > 1]
+
+
+def work(text: str) -> tuple[int, int, int]:
+    """(our custom calls, rsqrts, reductions) in compiled HLO: what a norm step of any entry
+    does (a backward of XLA's takes rstd and computes none: its reductions count)."""
+    return text.count('custom_call_target="jax_lnbwd'), text.count("rsqrt("), text.count(" reduce(")
+
+
+@pytest.mark.parametrize("name", CARRIED)
+def test_a_chain_keeps_every_steps_work(name):
+    """A chain of k steps runs k times one step's work for every JAX entry, the ops that carry
+    more than their state included (the add ops' s, the qk ops' k): XLA drops the work of outputs
+    that nothing reads, so the chain returns the last step's carried outputs (timing.chained).
+    Before it did, the qk ops' entries of separate calls (two-calls, xla) lost their whole k half."""
+    import jax
+
+    assert set(CARRIED) >= {"add_layernorm_fwd", "add_rmsnorm_fwd", "qk_norm_fwd", "qk_norm_bwd"}
+    op, k = ops.OPS[name], 3
+    case = op.prepare(4, 16, "float32", "same", jax.random.key(0))
+    args = bench.parse_args(["--op", name, "--peers", ",".join(p for p in op.peers if p in bench.PEERS)], on_gpu=False)
+    entries = op.impls(case, args, [])
+    assert {"ours", "xla"} <= {e.name for e in entries}
+    for entry in entries:
+        one = work(jax.jit(entry.step).lower(case.state, *case.consts).compile().as_text())
+        chain = timing.chained(entry.step, k, op.carry)
+        assert work(chain.lower(case.state, case.consts).compile().as_text()) == tuple(k * n for n in one), entry.name
+        assert sum(one) > 0, entry.name
+        assert len(chain(case.state, case.consts)[0]) == op.carry, entry.name   # the last carried outputs
+
+
 def test_a_copy_faster_than_the_dram_marks_its_group_l2():
     def group(copy_gbps, nbytes=100 * 2**20):
         return [{"impl": "ours", "gbps": 3000.0, "bytes": nbytes},

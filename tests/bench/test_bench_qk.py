@@ -125,12 +125,16 @@ def test_ours_and_two_calls_run_our_kernels_and_xla_none(op):
 def test_the_torch_peer_of_the_qk_ops_matches_the_reference():
     """peers_rms.qk_step with torch's F.rms_norm, on CPU tensors (the bench hands it CUDA ones)."""
     torch = pytest.importorskip("torch")
-    from benchmarks.kernels import peers_rms
+    from benchmarks.kernels import peers, peers_rms
     for op in QK_OPS:
         case = ops.OPS[op].prepare(3, 16, "float32", "same", jax.random.key(2))
         tensors = [torch.from_numpy(np.array(a, np.float32)) for a in case.torch_inputs]
         step, state = peers_rms.qk_step(op, "torch", *tensors)
-        outs = step(state)
+        outs = peers.call(step, state)
         ok, errs = timing.validate(outs, case.ref, "float32", ops.OPS[op].outputs)
         assert ok and len(outs) == len(ops.OPS[op].outputs), (op, errs)
-        assert tuple(outs[0].shape) == tuple(state.shape)   # chainable
+        # chainable: the state's arrays are the outputs' first, q and k (dq and dk) both chained
+        # where the JAX chain carries both (op.carry)
+        carried = state if isinstance(state, tuple) else (state,)
+        assert len(carried) == ops.OPS[op].carry, op
+        assert [tuple(o.shape) for o in outs[:len(carried)]] == [tuple(a.shape) for a in carried]
