@@ -40,7 +40,8 @@
 #   small      the small rows (C 32-512; head_dim norms): kernel 11's configurations and the
 #              forward's row groups (tools/tune), then the kernel bench's small-C rows of the
 #              layernorm and rmsnorm ops, forward and backward, bf16 and fp32, with every peer
-#   qk         QK-norm's one-launch kernels: tests/cuda/qk_check.cu plainly and under the four
+#   qk         QK-norm's one-launch kernels: the forward's one launch against two in the harness
+#              (tools/tune/forward_tune.cu sets=32:8), tests/cuda/qk_check.cu plainly and under the four
 #              sanitizers with its control (run_qk_sanitizers.sh), the QK-norm tests on the GPU,
 #              and the kernel bench's qk_norm ops (separate and fused, forward and backward, bf16
 #              and fp32) with every peer
@@ -197,6 +198,13 @@ for stage in "$@"; do
       run small python3 -m benchmarks.kernels --op layernorm_fwd,layernorm_bwd,rmsnorm_fwd,rmsnorm_bwd \
         --dtypes bfloat16,float32 --shapes 524288x64,262144x128,131072x256 --no-progress --out "$OUT/small" ;;
     qk)
+      # The forward's one launch against two, in the harness (forward_tune sets=32:8: contiguous q
+      # and k, 16384 tokens of 32 q and 8 kv heads), then the checks and the bench.
+      [ -x /tmp/lnbwd_tune/forward_tune ] || tools/tune/build.sh /tmp/lnbwd_tune forward_tune || status=1
+      for D in 64 128 256; do for d in bfloat16 float32; do
+        /tmp/lnbwd_tune/forward_tune $((16384 * 40)) $D $d rms sets=32:8 chain
+      done; done > "$OUT/qk_sets.log" 2>&1
+      cat "$OUT/qk_sets.log"
       sanitizer qk qk_sanitize run_qk_sanitizers.sh
       run qk_tests python3 -m pytest -q -m gpu -n "${JOBS:-4}" -k "qk" tests
       run qk_bench python3 -m benchmarks.kernels --op qk_norm,qk_norm_fused --dtypes bfloat16,float32 \

@@ -5,9 +5,12 @@
 // benchmarks.kernels); correctness is tests/cuda/forward_check.cu's.
 //
 //   forward_tune ROWS C DTYPE [f32params] [residual [x_bias]] [rms] [tpr=N] [chain]
+//   forward_tune ROWS C DTYPE [f32params] [rms] sets=Q:K [chain]
 //
 // tpr=N: only the register path at N threads a row (one configuration, e.g. for ncu's first
-// launch). Build (tools/tune/build.sh OUT_DIR forward_tune does this):
+// launch). sets=Q:K: QK-norm's forward on contiguous q and k (jax_lnbwd.qk_norm): the ROWS rows
+// dealt to two sets in the ratio Q:K (32:8 for 32 q heads and 8 kv heads), timed as one launch
+// of norm_fwd_sets and as two launches of norm_fwd, one per set (two rmsnorm calls). Build (tools/tune/build.sh OUT_DIR forward_tune does this):
 //   nvcc -O3 -std=c++17 -arch=sm_90 -Iffi/kernels -Icuda_harness tools/tune/forward_tune.cu \
 //        ffi/kernels/forward/*.cu ffi/kernels/common/occupancy.cu ffi/kernels/common/device_limits.cu -o forward_tune
 #include <algorithm>
@@ -98,20 +101,94 @@ static int sweep(int64_t rows, int64_t C, const std::string& dtype, bool f32para
   return 0;
 }
 
+// QK-norm's two sets (sets=Q:K): one launch of norm_fwd_sets against two of norm_fwd, on the same
+// buffers, each set chained as in sweep.
+static int sets_sweep(int64_t rows, int64_t C, const std::string& dtype, bool f32params, bool rms, int64_t q_part,
+                      int64_t k_part, bool chain) {
+  if (dtype != "float32" && dtype != "bfloat16" && dtype != "float16" && dtype != "float64") {
+    std::fprintf(stderr, "forward_tune: unknown dtype '%s' (float32, bfloat16, float16, float64)\n", dtype.c_str());
+    return 2;
+  }
+  if (q_part < 1 || k_part < 1) {
+    std::fprintf(stderr, "forward_tune: sets=Q:K needs Q >= 1 and K >= 1\n");
+    return 2;
+  }
+  const Dtype d = dtype == "float32" ? Dtype::kF32 : dtype == "bfloat16" ? Dtype::kBF16 : dtype == "float16" ? Dtype::kF16 : Dtype::kF64;
+  const Dtype pd = f32params ? Dtype::kF32 : d;
+  const int64_t rows_q = rows * q_part / (q_part + k_part), rows_k = rows - rows_q;
+  const size_t bytes = static_cast<size_t>(rows * C) * item_bytes(d);
+  DeviceBuffer x(bytes), y(bytes), mean(rows * stat_bytes(d)), rstd(rows * stat_bytes(d));
+  DeviceBuffer wq(C * item_bytes(pd)), wk(C * item_bytes(pd));
+  CHECK_CUDA(cudaMemset(x.ptr, 0x3c, bytes));   // finite values in every dtype
+  CHECK_CUDA(cudaMemset(y.ptr, 0x3c, bytes));
+  CHECK_CUDA(cudaMemset(wq.ptr, 0, C * item_bytes(pd)));
+  CHECK_CUDA(cudaMemset(wk.ptr, 0, C * item_bytes(pd)));
+  // Set q is the first rows_q rows of x and y (and of mean and rstd), set k the rest. chain: odd
+  // launches (of one launch, or of a pair) read y and write x, as in sweep.
+  auto at = [&](void* base, int64_t row, size_t item) { return static_cast<char*>(base) + row * item; };
+  auto set = [&](int64_t first, int64_t n, void* w, bool odd) {
+    NormFwdParams p = {at(odd ? x.ptr : y.ptr, first * C, item_bytes(d)),
+                       rms ? nullptr : at(mean.ptr, first, stat_bytes(d)), at(rstd.ptr, first, stat_bytes(d)),
+                       at(odd ? y.ptr : x.ptr, first * C, item_bytes(d)), w, nullptr, n, C, 1, 0, d, pd, 1e-5,
+                       FwdPath::kAuto, 0, nullptr, nullptr, nullptr, 0};
+    p.norm = rms ? NormKind::kRmsNorm : NormKind::kLayerNorm;
+    return p;
+  };
+  bool odd = true;
+  auto sets = [&] {   // this launch's two sets
+    odd = chain && !odd;
+    return std::pair<NormFwdParams, NormFwdParams>{set(0, rows_q, wq.ptr, odd), set(rows_q, rows_k, wk.ptr, odd)};
+  };
+  std::printf("%s %lldx%lld %s (params %s) sets %lld:%lld (q %lld rows, k %lld rows)%s\n", rms ? "rmsnorm" : "layernorm",
+              (long long)rows, (long long)C, dtype.c_str(), dtype_name(pd), (long long)q_part, (long long)k_part,
+              (long long)rows_q, (long long)rows_k, chain ? " chain" : "");
+  NormFwdConfig cfg;
+  unsigned int blocks0 = 0;
+  const auto [a, b] = sets();
+  if (norm_fwd_sets_pick(a, b, &cfg, &blocks0) != cudaSuccess) {
+    std::printf("  one launch: not taken (norm_fwd_sets_pick refuses these rows)\n");
+  } else {
+    const double us = time_us([&] {
+      const auto [q, k] = sets();
+      CHECK_CUDA(norm_fwd_sets(q, k, 0));
+    });
+    std::printf("  one launch    tpr %3d nv %d vec %d blocks %u (q %u): %9.2f us %6.0f GB/s\n", cfg.tpr, cfg.nv,
+                cfg.vec, cfg.blocks, blocks0, us, 2 * bytes / us / 1e3);
+  }
+  const double us = time_us([&] {
+    const auto [q, k] = sets();
+    CHECK_CUDA(norm_fwd(q, 0));
+    CHECK_CUDA(norm_fwd(k, 0));
+  });
+  std::printf("  two launches (norm_fwd on q, then on k)%20s: %9.2f us %6.0f GB/s\n", "", us, 2 * bytes / us / 1e3);
+  return 0;
+}
+
 int main(int argc, char** argv) {
   if (argc < 4) {
-    std::fprintf(stderr, "usage: %s ROWS C DTYPE [f32params] [residual [x_bias]] [rms] [tpr=N] [chain]\n", argv[0]);
+    std::fprintf(stderr,
+                 "usage: %s ROWS C DTYPE [f32params] [residual [x_bias]] [rms] [tpr=N] [chain]\n"
+                 "       %s ROWS C DTYPE [f32params] [rms] sets=Q:K [chain]\n",
+                 argv[0], argv[0]);
     return 2;
   }
   bool f32params = false, residual = false, x_bias = false, rms = false, chain = false;
   int only_tpr = 0;
+  long long q_part = 0, k_part = 0;
   for (int i = 4; i < argc; ++i) {
     if (std::strncmp(argv[i], "tpr=", 4) == 0) only_tpr = std::atoi(argv[i] + 4);
+    if (std::strncmp(argv[i], "sets=", 5) == 0 && std::sscanf(argv[i] + 5, "%lld:%lld", &q_part, &k_part) != 2) {
+      std::fprintf(stderr, "forward_tune: sets=Q:K, e.g. sets=32:8\n");
+      return 2;
+    }
     rms |= std::string(argv[i]) == "rms";
     f32params |= std::string(argv[i]) == "f32params";
     residual |= std::string(argv[i]) == "residual";
     x_bias |= std::string(argv[i]) == "x_bias";
     chain |= std::string(argv[i]) == "chain";
+  }
+  if (q_part != 0 || k_part != 0) {
+    return sets_sweep(std::atoll(argv[1]), std::atoll(argv[2]), argv[3], f32params, rms, q_part, k_part, chain);
   }
   return sweep(std::atoll(argv[1]), std::atoll(argv[2]), argv[3], f32params, residual, x_bias, rms, only_tpr, chain);
 }
