@@ -83,18 +83,25 @@ def call(step, d):
     return step(*d) if isinstance(d, tuple) else step(d)
 
 
-def time_torch(step, d0, k: int, reps: int, min_run_s: float, trace=None) -> tuple[float, bool]:
-    """(median seconds per step, whether a CUDA graph was used): the JAX method with events.
-    The state d0 is step's first output each step after; a tuple of n, its first n outputs (as
-    timing.chained's carry). trace: as timing.time_jax's, with one replay of the same graph."""
-    import torch
-
+def torch_chain(step, d0, k: int):
+    """A function that runs k steps of `step` from the state d0 and returns the last state: each
+    step's state is the step before's first output, or its first n for a tuple of n (as
+    timing.chained's carry)."""
     def chain():
         d = d0
         for _ in range(k):
             outs = call(step, d)
             d = tuple(outs[:len(d0)]) if isinstance(d0, tuple) else outs[0]
         return d
+    return chain
+
+
+def time_torch(step, d0, k: int, reps: int, min_run_s: float, trace=None) -> tuple[float, bool]:
+    """(median seconds per step, whether a CUDA graph was used): the JAX method with events, on
+    torch_chain's k steps. trace: as timing.time_jax's, with one replay of the same graph."""
+    import torch
+
+    chain = torch_chain(step, d0, k)
 
     chain()  # warm-up (Triton compiles here)
     replay, graphed = chain, False

@@ -138,3 +138,5 @@ def test_the_torch_peer_of_the_qk_ops_matches_the_reference():
         carried = state if isinstance(state, tuple) else (state,)
         assert len(carried) == ops.OPS[op].carry, op
         assert [tuple(o.shape) for o in outs[:len(carried)]] == [tuple(a.shape) for a in carried]
+        last = peers.torch_chain(step, state, 3)()   # time_torch's chain: the state stays whole
+        assert type(last) is type(state) and len(last if isinstance(last, tuple) else (last,)) == len(carried)
