@@ -10,7 +10,8 @@
 // tpr=N: only the register path at N threads a row (one configuration, e.g. for ncu's first
 // launch). sets=Q:K: QK-norm's forward on contiguous q and k (jax_lnbwd.qk_norm): the ROWS rows
 // dealt to two sets in the ratio Q:K (32:8 for 32 q heads and 8 kv heads), timed as one launch
-// of norm_fwd_sets and as two launches of norm_fwd, one per set (two rmsnorm calls). Build (tools/tune/build.sh OUT_DIR forward_tune does this):
+// of norm_fwd_sets and as two launches of norm_fwd, one per set (two rmsnorm calls).
+// Build (tools/tune/build.sh OUT_DIR forward_tune does this):
 //   nvcc -O3 -std=c++17 -arch=sm_90 -Iffi/kernels -Icuda_harness tools/tune/forward_tune.cu \
 //        ffi/kernels/forward/*.cu ffi/kernels/common/occupancy.cu ffi/kernels/common/device_limits.cu -o forward_tune
 #include <algorithm>
@@ -44,6 +45,17 @@ static double time_us(F&& launch) {
   return t[t.size() / 2];
 }
 
+// DTYPE's kernel dtype; false (with a message) for any other name: a typo must never be timed as
+// another dtype.
+static bool parse_dtype(const std::string& dtype, Dtype* d) {
+  if (dtype != "float32" && dtype != "bfloat16" && dtype != "float16" && dtype != "float64") {
+    std::fprintf(stderr, "forward_tune: unknown dtype '%s' (float32, bfloat16, float16, float64)\n", dtype.c_str());
+    return false;
+  }
+  *d = dtype == "float32" ? Dtype::kF32 : dtype == "bfloat16" ? Dtype::kBF16 : dtype == "float16" ? Dtype::kF16 : Dtype::kF64;
+  return true;
+}
+
 // residual: the residual variant, which reads x and residual and writes y and s. x_bias (with
 // residual): x's own bias added too. rms: RMSNorm's kernels (no mean, no bias). chain: each
 // launch reads what the one before wrote (x and y swap), as in a network or the kernel bench's
@@ -51,11 +63,8 @@ static double time_us(F&& launch) {
 // launch before. GB/s counts the rows x C tensors read and written.
 static int sweep(int64_t rows, int64_t C, const std::string& dtype, bool f32params, bool residual, bool x_bias,
                  bool rms, int only_tpr, bool chain) {
-  if (dtype != "float32" && dtype != "bfloat16" && dtype != "float16" && dtype != "float64") {
-    std::fprintf(stderr, "forward_tune: unknown dtype '%s' (float32, bfloat16, float16, float64)\n", dtype.c_str());
-    return 2;   // a typo must never be timed as another dtype
-  }
-  const Dtype d = dtype == "float32" ? Dtype::kF32 : dtype == "bfloat16" ? Dtype::kBF16 : dtype == "float16" ? Dtype::kF16 : Dtype::kF64;
+  Dtype d;
+  if (!parse_dtype(dtype, &d)) return 2;
   const Dtype pd = f32params ? Dtype::kF32 : d;
   const size_t n = static_cast<size_t>(rows * C), bytes = n * item_bytes(d);
   DeviceBuffer x(bytes), y(bytes), mean(rows * stat_bytes(d)), rstd(rows * stat_bytes(d));
@@ -105,15 +114,12 @@ static int sweep(int64_t rows, int64_t C, const std::string& dtype, bool f32para
 // buffers, each set chained as in sweep.
 static int sets_sweep(int64_t rows, int64_t C, const std::string& dtype, bool f32params, bool rms, int64_t q_part,
                       int64_t k_part, bool chain) {
-  if (dtype != "float32" && dtype != "bfloat16" && dtype != "float16" && dtype != "float64") {
-    std::fprintf(stderr, "forward_tune: unknown dtype '%s' (float32, bfloat16, float16, float64)\n", dtype.c_str());
-    return 2;
-  }
   if (q_part < 1 || k_part < 1) {
     std::fprintf(stderr, "forward_tune: sets=Q:K needs Q >= 1 and K >= 1\n");
     return 2;
   }
-  const Dtype d = dtype == "float32" ? Dtype::kF32 : dtype == "bfloat16" ? Dtype::kBF16 : dtype == "float16" ? Dtype::kF16 : Dtype::kF64;
+  Dtype d;
+  if (!parse_dtype(dtype, &d)) return 2;
   const Dtype pd = f32params ? Dtype::kF32 : d;
   const int64_t rows_q = rows * q_part / (q_part + k_part), rows_k = rows - rows_q;
   const size_t bytes = static_cast<size_t>(rows * C) * item_bytes(d);
