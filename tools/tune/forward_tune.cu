@@ -150,8 +150,8 @@ static int sets_sweep(int64_t rows, int64_t C, const std::string& dtype, bool f3
               (long long)rows_q, (long long)rows_k, chain ? " chain" : "");
   NormFwdConfig cfg;
   unsigned int blocks0 = 0;
-  const auto [a, b] = sets();
-  if (norm_fwd_sets_pick(a, b, &cfg, &blocks0) != cudaSuccess) {
+  if (norm_fwd_sets_pick(set(0, rows_q, wq.ptr, false), set(rows_q, rows_k, wk.ptr, false), &cfg, &blocks0) !=
+      cudaSuccess) {
     std::printf("  one launch: not taken (norm_fwd_sets_pick refuses these rows)\n");
   } else {
     const double us = time_us([&] {
@@ -180,12 +180,16 @@ int main(int argc, char** argv) {
   }
   bool f32params = false, residual = false, x_bias = false, rms = false, chain = false;
   int only_tpr = 0;
+  bool sets = false;
   long long q_part = 0, k_part = 0;
   for (int i = 4; i < argc; ++i) {
     if (std::strncmp(argv[i], "tpr=", 4) == 0) only_tpr = std::atoi(argv[i] + 4);
-    if (std::strncmp(argv[i], "sets=", 5) == 0 && std::sscanf(argv[i] + 5, "%lld:%lld", &q_part, &k_part) != 2) {
-      std::fprintf(stderr, "forward_tune: sets=Q:K, e.g. sets=32:8\n");
-      return 2;
+    if (std::strncmp(argv[i], "sets=", 5) == 0) {
+      sets = true;
+      if (std::sscanf(argv[i] + 5, "%lld:%lld", &q_part, &k_part) != 2) {
+        std::fprintf(stderr, "forward_tune: sets=Q:K, e.g. sets=32:8\n");
+        return 2;
+      }
     }
     rms |= std::string(argv[i]) == "rms";
     f32params |= std::string(argv[i]) == "f32params";
@@ -193,7 +197,7 @@ int main(int argc, char** argv) {
     x_bias |= std::string(argv[i]) == "x_bias";
     chain |= std::string(argv[i]) == "chain";
   }
-  if (q_part != 0 || k_part != 0) {
+  if (sets) {
     return sets_sweep(std::atoll(argv[1]), std::atoll(argv[2]), argv[3], f32params, rms, q_part, k_part, chain);
   }
   return sweep(std::atoll(argv[1]), std::atoll(argv[2]), argv[3], f32params, residual, x_bias, rms, only_tpr, chain);
