@@ -25,7 +25,7 @@ asks `decide` once, when it is traced, and runs what it answers through `run`:
 
 QK-norm (qk_norm, qk_norm_fused) asks first whether it runs as one op for q's and k's heads or
 as two norm calls (`qk_one_op`): the one op where some direction would run it (the switches'
-"ffi", or in "auto" its crossovers: qk_norm_fused's in 16-bit dtypes) and nothing refuses it
+"ffi", or in "auto" its crossovers: D >= 64 with 65536 rows) and nothing refuses it
 (`qk_refusal`: dtypes, row bytes, sharding). The one op's forward and backward then ask `decide`
 as op "qk_norm" (or "qk_norm_fused"), with q's and k's rows together and head_dim as C; two
 calls ask it as the norm each one is.
@@ -92,27 +92,27 @@ CROSSOVERS = {
     # q's and k's heads together), against the two-call path (each call dispatched as
     # rmsnorm/layernorm is, by the rows above) and XLA's fusion, at 16384 tokens of 32 q and 8 kv
     # heads, D = 64, 128, 256 (bf16: docs/results/2026-12-05-qk_norm_h200.txt; fp32 and the
-    # contiguous sets' row loop: docs/results/2026-12-05-qk_norm_fp32_h100.txt):
+    # contiguous sets' row loop: docs/results/2026-12-05-qk_norm_fp32_h100.txt; qk_norm on the
+    # H200 with every peer: docs/results/2026-12-06-small_c_h200.txt):
     #   * qk_norm_fused: the one op normalizes q and k in place in the fused projection, where two
     #     calls slice q and k out and concatenate them back: 3x the two calls and 2x XLA's
     #     fusion forward, 1.5-2x XLA's backward, in bf16 and fp32. From D >= 64 with the
     #     small-row norms' 65536 rows;
-    #   * qk_norm (q and k apart): XLA's fusion and two calls of our small-row kernels run the
-    #     forward at a copy's speed, the one op 2-7% behind; backward, the one op and the two
-    #     calls within 3% of each other either way, in bf16 and fp32: the two calls stay, never
-    #     the one op in "auto" (NEVER_FASTER).
+    #   * qk_norm (q and k apart): forward, the one op at 94-99% of a copy, 2-9% ahead of the two
+    #     calls and 2-10% of XLA's fusion, bf16 and fp32; backward (bf16), the one op and the two
+    #     calls within 1% of each other, 1.4-1.6x XLA's. The same rows as qk_norm_fused's.
     # Without pairs mode "auto" keeps the two calls; mode "ffi" always runs the one op.
-    ("qk_norm", FORWARD, 2): (),
-    ("qk_norm", FORWARD, 4): (),
-    ("qk_norm", BACKWARD, 2): (),
-    ("qk_norm", BACKWARD, 4): (),
+    ("qk_norm", FORWARD, 2): ((64, 65536, ALIGNED),),
+    ("qk_norm", FORWARD, 4): ((64, 65536, ALIGNED),),
+    ("qk_norm", BACKWARD, 2): ((64, 65536, ALIGNED),),
+    ("qk_norm", BACKWARD, 4): ((64, 65536, ALIGNED),),
     ("qk_norm_fused", FORWARD, 2): ((64, 65536, ALIGNED),),
     ("qk_norm_fused", FORWARD, 4): ((64, 65536, ALIGNED),),
     ("qk_norm_fused", BACKWARD, 2): ((64, 65536, ALIGNED),),
     ("qk_norm_fused", BACKWARD, 4): ((64, 65536, ALIGNED),),
 }
 # Rows measured where our kernel was never the faster (every other empty row: not measured).
-NEVER_FASTER = {("qk_norm", d, b) for d in (FORWARD, BACKWARD) for b in (2, 4)}
+NEVER_FASTER: set[tuple[str, str, int]] = set()
 
 
 @dataclasses.dataclass(frozen=True)

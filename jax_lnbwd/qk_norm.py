@@ -21,9 +21,9 @@ Two paths compute it, with the same numbers (statistics in fp32, outputs rounded
   * one op (qk_autodiff.py and qk_tangent.py): ONE FFI call per direction for q's and
     k's heads together (one kernel launch on the GPU); qk_norm_fused's reads and writes the
     fused projection in place (its v heads untouched), with no slices or concatenation. It runs
-    where the dispatch rule says (dispatch.qk_one_op): on CUDA by default for qk_norm_fused in
-    16-bit dtypes with D >= 64 and at least 65536 rows of q's and k's heads (measured: 1.9-3x the
-    two calls, 1.5-2x XLA; qk_norm's two calls are faster, so it keeps them), and when a
+    where the dispatch rule says (dispatch.qk_one_op): on CUDA by default with D >= 64 and at
+    least 65536 rows of q's and k's heads of 16-byte vectors (measured: qk_norm_fused's 1.9-3x the
+    two calls and 1.5-2x XLA; qk_norm's 2-9% ahead of the two calls forward, even backward), and when a
     switch forces our kernels (use_ffi_forward(True), use_ffi_backward(True),
     JAX_LNBWD_FORWARD/BACKWARD=ffi) on every platform (the CPU runs the C++ handler), in the
     forced direction; the other direction then runs as it is dispatched.

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Runs every kernel under compute-sanitizer's four tools, from the standalone check (tests/cuda/check.cu:
 # exact-size cudaMalloc buffers, as XLA's pooled allocator hides out-of-bounds accesses from memcheck), and
-# proves the tools would notice: scratch copies of kernel 11, each with one planted bug (an
-# out-of-bounds write, a missing barrier, small rows' shuffles naming lanes that have left), must
-# be reported. Needs a GPU (sm_90), nvcc and compute-sanitizer; SAN_STEP=build compiles without a
+# proves the checks would notice: scratch copies of kernel 11, each with one planted bug (an
+# out-of-bounds write and a missing barrier, which memcheck and racecheck must report; small rows'
+# shuffles naming lanes that have left, which hangs the check itself: run_plain_control). Needs a GPU (sm_90), nvcc and compute-sanitizer; SAN_STEP=build compiles without a
 # GPU, and SAN_STEP=run links and runs those objects (sanitize_lib.sh).
 #   [SAN_STEP=all|build|run] [JOBS=12] [KERNELS="11 12"] [LNBWD_SANITIZER_TIMEOUT=400] tests/cuda/run_sanitizers.sh [OUT_DIR [LOG_DIR]]
 set -uo pipefail
@@ -60,11 +60,12 @@ controls() {
   local planted tool
   for planted in "${PLANTED[@]}"; do
     link_control "$planted" "$ctl/check_$planted" "$ctl/kernel11_$planted.cu.o" "${others[@]}" || continue
-    tool=$(case $planted in oob) echo memcheck ;; race) echo racecheck ;; *) echo synccheck ;; esac)
-    # The mask bug is in small rows only (C up to 512): the wider rows would only make synccheck
-    # take longer than a run allows.
+    tool=$(case $planted in oob) echo memcheck ;; race) echo racecheck ;; esac)
+    # The mask bug is in small rows only (C up to 512), and no sanitizer reports it: the groups
+    # still in the row loop wait at their shuffles for lanes that have left (run_plain_control), so
+    # the plain check must hang or fail.
     if [ "$planted" = mask ]; then
-      LNBWD_MAX_C=512 run_control "$planted" "$tool" "$ctl/check_$planted" 11
+      LNBWD_MAX_C=512 run_plain_control "$planted" "${LNBWD_HANG_LIMIT:-60}" "$ctl/check_$planted" 11
     else
       run_control "$planted" "$tool" "$ctl/check_$planted" 11
     fi
@@ -91,5 +92,5 @@ done | xargs -P "${JOBS:-12}" -n 2 bash -c 'sanitize_kernel "$@"' _ | sort -k1,1
 grep -q FAILED "$LOGS/summary.txt" && status=1
 wait $ctl_pid
 cat "$LOGS/controls.txt"
-[ "$(grep -Ec '\): reported: (ERROR|RACECHECK) SUMMARY: [1-9]' "$LOGS/controls.txt")" = "${#PLANTED[@]}" ] || status=1
+[ "$(grep -Ec '\): reported: ' "$LOGS/controls.txt")" = "${#PLANTED[@]}" ] || status=1
 exit $status

@@ -107,6 +107,27 @@ run_control() {
   control_report "$name" "$tool" "$LOGS/$name.log"
 }
 
+# run_plain_control NAME SECONDS COMMAND...: positive control NAME's binary run plainly, for a
+# planted bug that no sanitizer reports: a row group's shuffles naming lanes that have left the
+# row loop. synccheck does not check a shuffle's mask (one that leaves out the calling lane went
+# unreported), and the group then waits at its shuffle for lanes that never arrive: a hang, which
+# ends in no summary at all. The check itself must notice, by failing or by not finishing within
+# SECONDS. Prints one line, as control_report does.
+run_plain_control() {
+  local name=$1 limit=$2 rc tally
+  shift 2
+  timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
+  rc=$?
+  tally=$(grep -Eo '[0-9]+ cases, [0-9]+ failures' "$LOGS/$name.log" | tail -1)
+  if [ "$rc" -eq 124 ]; then
+    echo "control $name (plain run): reported: no result within $limit s (hung)"
+  elif [ "$rc" -ne 0 ] || [[ "$tally" =~ \ [1-9][0-9]*\ failures ]]; then
+    echo "control $name (plain run): reported: ${tally:-no tally} (exit $rc)"
+  else
+    echo "control $name (plain run): NOT reported ($tally) - the check would miss this bug"
+  fi
+}
+
 # verdict CONTROL...: prints the four tools' lines and then the controls' (LOGS/CONTROL.result);
 # returns 1 if a tool failed or a control's bug was not reported.
 verdict() {
