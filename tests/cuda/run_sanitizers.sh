@@ -3,9 +3,11 @@
 # exact-size cudaMalloc buffers, as XLA's pooled allocator hides out-of-bounds accesses from memcheck), and
 # proves the checks would notice: scratch copies of kernel 11, each with one planted bug (an
 # out-of-bounds write and a missing barrier, which memcheck and racecheck must report; small rows'
-# shuffles naming lanes that have left, which hangs the check itself: run_plain_control). Needs a GPU (sm_90), nvcc and compute-sanitizer; SAN_STEP=build compiles without a
-# GPU, and SAN_STEP=run links and runs those objects (sanitize_lib.sh).
-#   [SAN_STEP=all|build|run] [JOBS=12] [KERNELS="11 12"] [LNBWD_SANITIZER_TIMEOUT=400] tests/cuda/run_sanitizers.sh [OUT_DIR [LOG_DIR]]
+# shuffles naming lanes that have left, which hang the check itself: run_plain_control, stopped
+# after LNBWD_HANG_LIMIT seconds). Needs a GPU (sm_90), nvcc and compute-sanitizer; SAN_STEP=build
+# compiles without a GPU, and SAN_STEP=run links and runs those objects (sanitize_lib.sh).
+#   [SAN_STEP=all|build|run] [JOBS=12] [KERNELS="11 12"] [LNBWD_SANITIZER_TIMEOUT=400] [LNBWD_HANG_LIMIT=60]
+#     tests/cuda/run_sanitizers.sh [OUT_DIR [LOG_DIR]]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:-/tmp/sanitizers}
