@@ -8,7 +8,7 @@ vmap with shared and per-example weights, check_grads and hessian in float64, sc
 export): test_qk_one_op_transforms.py; the helpers both use: qk_one_op_cases.py.
 
 Every test sets the switches itself (the suite forces the FFI backward: conftest.py) and restores
-the measured crossovers (qk_norm_fused's in 16-bit dtypes above 65536 rows: none of these tests'
+the measured crossovers (both forms' from D = 64 with 65536 rows: none of these tests'
 shapes).
 """
 from __future__ import annotations
