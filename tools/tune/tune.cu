@@ -167,16 +167,21 @@ int sweep(int64_t rows, int64_t C, Dtype d, bool default_only) {
   }
   Kernel12Config pick12;
   const bool has12 = kernel12_pick(d, C, device0_limits(), &pick12);
+  Kernel12Config chunk_pick;   // small rows: the ring of row chunks' pick is the default
+  const bool has_chunks = kernel12_chunk_pick(d, C, device0_limits(), &chunk_pick);
   for (const Kernel12Config& c : kernel12_candidates(d, C, device0_limits())) {
-    const bool is_pick = has12 && c.nv == pick12.nv && c.nb == pick12.nb && c.tpr == pick12.tpr &&
-                         c.groups == pick12.groups && c.raw_weight == pick12.raw_weight && c.split == pick12.split;
+    const Kernel12Config& pick = c.chunks ? chunk_pick : pick12;
+    const bool is_pick = (c.chunks ? has_chunks : has12) && c.nv == pick.nv && c.nb == pick.nb &&
+                         c.tpr == pick.tpr && c.groups == pick.groups && c.raw_weight == pick.raw_weight &&
+                         c.split == pick.split;
     if (default_only && !is_pick) continue;
     Outputs o;
     const cudaError_t err = run(pb, 12, 0, nullptr, &o, sms, 1, &c);
     const double e = err ? INFINITY : rel_err(d, o.dx, pb.ref_dx);
     const double us = time_it([&](cudaStream_t st) { CHECK_CUDA(norm_bwd_kernel12_config(p, c, st)); });
-    std::printf("  k12 split=%d regs=%d raw_w=%d nv=%d nb=%d tpr=%4d groups=%2d: %8.1f us %6.0f GB/s  dx err %.1e%s\n",
-                c.split, int(c.regs), int(c.raw_weight), c.nv, c.nb, c.tpr, c.groups, us, bytes / us / 1e3, e,
+    std::printf("  k12%s split=%d regs=%d raw_w=%d nv=%d nb=%d tpr=%4d groups=%2d: %8.1f us %6.0f GB/s  dx err %.1e%s\n",
+                c.chunks ? " chunks" : "", c.split, int(c.regs), int(c.raw_weight), c.nv, c.nb, c.tpr, c.groups, us,
+                bytes / us / 1e3, e,
                 is_pick ? "  <- default" : "");
   }
   CHECK_CUDA(cudaStreamDestroy(stream));

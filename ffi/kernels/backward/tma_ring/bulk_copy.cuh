@@ -1,6 +1,6 @@
 // The Hopper (sm_90) pieces of kernel 12's rings: mbarriers and bulk copies (cp.async.bulk,
-// "TMA") of row pieces into shared memory. Used by kernel12_bulk_copy_ring.cu and
-// kernel12_wide_rows.cu.
+// "TMA") of row pieces into shared memory. Used by kernel12_bulk_copy_ring.cu,
+// kernel12_row_chunks.cu and kernel12_wide_rows.cu.
 #pragma once
 
 #include <cstdint>
@@ -47,6 +47,26 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 
+// Announce `bytes` more to land on the barrier, as this thread's arrival (the phase then waits
+// for the arrival count and for every announced byte).
+__device__ __forceinline__ void mbar_arrive_expect_bytes(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+}
+
+// One bulk copy of `bytes` (a multiple of 16, both ends 16-byte aligned) from global memory into
+// this block's shared memory; the barrier counts its bytes down as they land.
+__device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+
+// Orders this thread's earlier ordinary shared-memory accesses (and those a barrier made visible
+// to it) before the copy engine's next writes to the same memory.
+__device__ __forceinline__ void fence_before_bulk_copy() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
 // Copy `bytes` of a row of dy and of x into a buffer, and the row's mean and rstd beside it;
 // the barrier's phase completes when all four have landed.
 //
@@ -68,19 +88,10 @@ __device__ __forceinline__ void issue_row(uint64_t* bar, void* dst_dy, void* dst
                "n"(sizeof(S))
                : "memory");
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(2 * bytes)
-               : "memory");
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-          smem_addr(dst_dy)),
-      "l"(src_dy), "r"(bytes), "r"(smem_addr(bar))
-      : "memory");
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-          smem_addr(dst_x)),
-      "l"(src_x), "r"(bytes), "r"(smem_addr(bar))
-      : "memory");
+  fence_before_bulk_copy();
+  mbar_arrive_expect_bytes(bar, 2 * bytes);
+  bulk_copy_to_shared(dst_dy, src_dy, bytes, bar);
+  bulk_copy_to_shared(dst_x, src_x, bytes, bar);
 }
 #endif
 

@@ -18,6 +18,12 @@ constexpr int kernel12_max_threads(size_t sum_bytes) { return sum_bytes <= 32 ? 
 constexpr int kKernel12MaxGroups = 15;   // row groups per block: named barriers 1..15
 // Rows a group takes at least where rows are few (kernel12_bulk_copy_ring.cu's launch says why).
 constexpr int kKernel12MinRowsPerGroup = 2;
+// Bytes of dy and x an SM should have on their way while its groups compute: below this, a
+// third ring buffer pays; above, more buffers only queue (measured, docs/kernel12.md).
+constexpr size_t kKernel12InFlightBytes = 56 * 1024;
+// Small rows (kernel12_row_chunks.cu): blocks of 256 or 512 threads, and the blocks an SM the
+// registers must allow (three of 256: 80 registers a thread; two of 512: 64).
+constexpr int kernel12_chunk_blocks_per_sm(int threads) { return threads == 512 ? 2 : 3; }
 
 // Split rows exist for the types whose sums are fp32 (the pair a group sends is two floats).
 template <typename T>
@@ -31,6 +37,8 @@ struct Kernel12Config {
   bool regs = false;  // copy each row to registers once (else both passes read shared memory)
   bool raw_weight = false;  // shared-memory mode: stage the weight as T, not acc_t (16-bit only)
   int split = 1;    // blocks sharing each row (2: a cluster of two, half a row each; not fp64)
+  bool chunks = false;  // small rows: a ring buffer is `groups` consecutive rows (one per group,
+                        // a row held by tpr threads of one vector each), a bulk copy per tensor
 };
 
 // Configurations that fit (16-byte aligned rows of C elements); empty if none. weight_f32 (a
@@ -42,6 +50,15 @@ bool kernel12_pick(Dtype dtype, int64_t C, const DeviceLimits& lim, Kernel12Conf
 // one block takes (C / split); item and acc the bytes of T and acc_t<T>.
 size_t kernel12_smem_bytes(const Kernel12Config& cfg, int64_t C, size_t item, size_t acc);
 cudaError_t norm_bwd_kernel12_config(const NormBwdParams& p, const Kernel12Config& cfg, cudaStream_t stream);
+
+// Small rows, a whole chunk of them per ring buffer (kernel12_row_chunks.cu): the
+// configurations (nb buffers of one block-wide chunk; empty where the row needs more than a warp
+// of 16-byte vectors, or for fp64), the pick, and the dynamic shared memory of a block (resid:
+// dresidual rides in the ring too).
+std::vector<Kernel12Config> kernel12_chunk_candidates(Dtype dtype, int64_t C, const DeviceLimits& lim);
+bool kernel12_chunk_pick(Dtype dtype, int64_t C, const DeviceLimits& lim, Kernel12Config* cfg);
+size_t kernel12_chunk_smem_bytes(const Kernel12Config& cfg, int64_t C, size_t item, size_t acc, bool resid);
+cudaError_t norm_bwd_kernel12_chunks(const NormBwdParams& p, const Kernel12Config& cfg, cudaStream_t stream);
 
 // Rows too wide for the per-group ring: one row per block, streamed in chunks, once per pass
 // (kernel12_wide_rows.cu). fp32, bf16 and fp16 with C up to 16384.

@@ -340,6 +340,7 @@ cudaError_t launch_variant(const NormBwdParams& p, const Kernel12Config& cfg, cu
 }  // namespace
 
 cudaError_t norm_bwd_kernel12_config(const NormBwdParams& p, const Kernel12Config& cfg, cudaStream_t stream) {
+  if (cfg.chunks) return norm_bwd_kernel12_chunks(p, cfg, stream);
   return dispatch_types(p, [&](auto t, auto o, auto resid) -> cudaError_t {
     using T = decltype(t);
     using O = decltype(o);

@@ -52,12 +52,12 @@ bool pick_buffers(const std::vector<Kernel12Config>& all, Dtype dtype, int64_t C
   const Kernel12Config* two = nullptr;
   const Kernel12Config* three = nullptr;
   for (const Kernel12Config& c : all) {
-    if (c.split != split) continue;
+    if (c.split != split || c.chunks) continue;
     if (c.nb == 2 && !two) two = &c;
     if (c.nb == 3 && !three) three = &c;
   }
   const size_t in_flight = two ? static_cast<size_t>(two->groups) * (two->regs ? 2 : 1) * 2 * row_bytes : 0;
-  bool two_enough = two && (two->regs || two->groups >= 2) && in_flight >= 56 * 1024;
+  bool two_enough = two && (two->regs || two->groups >= 2) && in_flight >= kKernel12InFlightBytes;
   // Split rows in shared-memory mode: a group also waits, every row, for the other block's sums,
   // so the slower of the pair sets the pace. With at most two groups a block, a third buffer
   // (with an fp32 weight) absorbs that; with four groups two buffers win as before, and with one
@@ -100,6 +100,8 @@ std::vector<Kernel12Config> kernel12_candidates(Dtype dtype, int64_t C, const De
       out.push_back(cfg);
     }
   }
+  // Small rows: the ring of row chunks (kernel12_row_chunks.cu), where the row fits a warp.
+  for (const Kernel12Config& c : kernel12_chunk_candidates(dtype, C, lim)) out.push_back(c);
   return out;
 }
 
@@ -124,12 +126,17 @@ cudaError_t norm_bwd_kernel12(const NormBwdParams& p, cudaStream_t stream) {
   // the job, as it does for rows wider than the ring and the wide path take in this device's
   // shared memory (on Hopper: fp32 and 16-bit C > 16384 and 32768, fp64 beyond the ring).
   // Small rows (a row of a few hundred bytes: kernel 11 holds it in a group narrower than a
-  // warp) go to kernel 11 too: a ring of such rows would wait on a barrier per few hundred bytes.
+  // warp) take the ring of row chunks, a ring buffer a chunk of one row per group: a ring of
+  // single rows would wait on a barrier per few hundred bytes. Where there is no chunk ring (no
+  // sm_90 code, fp64), kernel 11's small rows.
+  const bool hopper = lim.cc_major >= 9 && vectorized && kernel12_has_code(lim.device);
   Kernel11Config small;
   if (vectorized && kernel11_pick(p.dtype, p.C, vectorized, lim, &small) && small.tpr < 32) {
+    Kernel12Config chunks;
+    if (hopper && kernel12_chunk_pick(p.dtype, p.C, lim, &chunks)) return norm_bwd_kernel12_chunks(p, chunks, stream);
     return norm_bwd_kernel11_config(p, small, stream);
   }
-  if (lim.cc_major >= 9 && vectorized && kernel12_has_code(lim.device)) {
+  if (hopper) {
     Kernel12Config cfg;
     if (kernel12_pick(p.dtype, p.C, lim, &cfg, p.weight_f32)) return norm_bwd_kernel12_config(p, cfg, stream);
     if (kernel12_wide_fits(p.dtype, p.C, lim)) return norm_bwd_kernel12_wide(p, stream);
