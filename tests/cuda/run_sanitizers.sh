@@ -17,14 +17,17 @@ TIMEOUT=${LNBWD_SANITIZER_TIMEOUT:-400}
 ctl=$OUT/controls
 PLANTED=(oob race mask)
 # The planted bugs are in kernel 11's row loop (kernel11_body.cuh): each control is a copy of
-# kernel11_rows_in_registers.cu that includes a planted copy of the body instead.
+# kernel11_rows_in_registers.cu that includes a planted copy of the body instead. oob12 plants
+# kernel 11's out-of-bounds write in kernel 12's ring of row chunks (its own copy of
+# kernel12_row_chunks.cu), whose rows arrive by bulk copies rather than by the threads' loads.
 body=ffi/kernels/backward/registers/kernel11_body.cuh
 rows=ffi/kernels/backward/registers/kernel11_rows_in_registers.cu
+chunks=ffi/kernels/backward/tma_ring/kernel12_row_chunks.cu
 
 if [ "$SAN_STEP" != run ]; then
   # The positive controls' sources, in scratch copies (deleted once compiled):
   mkdir -p "$ctl"
-  rm -f "$ctl"/kernel11_*
+  rm -f "$ctl"/kernel11_* "$ctl"/kernel12_*
   # 1) One element past the end of dx: store the last row's vector at col + C (the next row, or
   #    past the buffer for the last row).
   sed 's|store_cs(reinterpret_cast<V\*>(dx + at() + col), dxv);|store_cs(reinterpret_cast<V*>(dx + at() + col + (row + 1 == rows ? C : 0)), dxv);|' \
@@ -44,6 +47,13 @@ if [ "$SAN_STEP" != run ]; then
       echo "control $planted: the planted change did not apply"
     fi
   done
+  sed 's|store_cs(reinterpret_cast<V\*>(dx + row \* C + col), dxv);|store_cs(reinterpret_cast<V*>(dx + row * C + col + (row + 1 == rows_per_segment ? C : 0)), dxv);|' \
+    "$chunks" > "$ctl/kernel12_row_chunks_oob12.cu"
+  if cmp -s "$ctl/kernel12_row_chunks_oob12.cu" "$chunks"; then
+    echo "control oob12: the planted change did not apply"
+  else
+    planted_sources+=("$ctl/kernel12_row_chunks_oob12.cu")
+  fi
   # The check with every kernel and the registry it reads, then the controls' copies of kernel
   # 11. A compile that fails stops the script.
   compile "$OUT/obj" ffi/kernels tests/cuda/check.cu ffi/registry.cc $(find ffi/kernels -name "*.cu" | sort) || exit 2
@@ -54,8 +64,9 @@ fi
 
 mkdir -p "$LOGS"
 link "$OUT/check" "$OUT"/obj/*.o || exit 2
-others=()
+others=() others12=()
 for o in "$OUT"/obj/*.o; do [[ $o = */kernel11_rows_in_registers.cu.o ]] || others+=("$o"); done
+for o in "$OUT"/obj/*.o; do [[ $o = */kernel12_row_chunks.cu.o ]] || others12+=("$o"); done
 
 # Each planted bug must make its tool fail. The controls run beside the main jobs.
 controls() {
@@ -72,6 +83,9 @@ controls() {
       run_control "$planted" "$tool" "$ctl/check_$planted" 11
     fi
   done
+  # Kernel 12's chunks at C <= 256 (where the ring of row chunks takes the rows).
+  link_control oob12 "$ctl/check_oob12" "$ctl/kernel12_row_chunks_oob12.cu.o" "${others12[@]}" &&
+    LNBWD_MAX_C=256 run_control oob12 memcheck "$ctl/check_oob12" 12
 }
 
 status=0
@@ -94,5 +108,5 @@ done | xargs -P "${JOBS:-12}" -n 2 bash -c 'sanitize_kernel "$@"' _ | sort -k1,1
 grep -q FAILED "$LOGS/summary.txt" && status=1
 wait $ctl_pid
 cat "$LOGS/controls.txt"
-[ "$(grep -Ec '\): reported: ' "$LOGS/controls.txt")" = "${#PLANTED[@]}" ] || status=1
+[ "$(grep -Ec '\): reported: ' "$LOGS/controls.txt")" = "$((${#PLANTED[@]} + 1))" ] || status=1   # and oob12
 exit $status

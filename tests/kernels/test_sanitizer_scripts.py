@@ -87,7 +87,8 @@ SCRIPTS = {
     "run_rms_sanitizers.sh": ("rms check", ["one_buffer"], ["rms_check", "controls/rms_check_one_buffer"]),
     "run_forward_sanitizers.sh": ("forward check", ["oob", "race", "oob_s", "mask"],
                                   ["forward_check"] + [f"controls/check_{p}" for p in ("oob", "race", "oob_s", "mask")]),
-    "run_sanitizers.sh": ("check", ["oob", "race", "mask"], ["check"] + [f"controls/check_{p}" for p in ("oob", "race", "mask")]),
+    "run_sanitizers.sh": ("check", ["oob", "race", "mask", "oob12"],
+                          ["check"] + [f"controls/check_{p}" for p in ("oob", "race", "mask", "oob12")]),
 }
 
 
@@ -149,6 +150,8 @@ def test_the_mask_control_runs_small_rows_only(stubs, tmp_path):
     assert "PLANTED" in (logs / "mask.log").read_text() and "ERROR SUMMARY" not in (logs / "mask.log").read_text()
     for log in ("oob.log", "race.log", "synccheck-k11.log"):
         assert "max C: none" in (logs / log).read_text(), log
+    # Kernel 12's planted write is in its ring of row chunks, which takes C <= 256.
+    assert "max C: 256" in (logs / "oob12.log").read_text()
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))

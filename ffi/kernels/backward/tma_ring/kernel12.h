@@ -21,8 +21,11 @@ constexpr int kKernel12MinRowsPerGroup = 2;
 // Bytes of dy and x an SM should have on their way while its groups compute: below this, a
 // third ring buffer pays; above, more buffers only queue (measured, docs/kernel12.md).
 constexpr size_t kKernel12InFlightBytes = 56 * 1024;
-// Small rows (kernel12_row_chunks.cu): blocks of 256 or 512 threads, and the blocks an SM the
-// registers must allow (three of 256: 80 registers a thread; two of 512: 64).
+// Small rows (kernel12_row_chunks.cu): threads per block for items of `item_bytes`, and the
+// blocks an SM the registers must allow. A 16-bit row's vector is 8 elements, whose work hides
+// the shared-memory loads' latency only with 32 warps an SM: two blocks of 512 (64 registers a
+// thread). fp32 rows run three blocks of 256 (80 registers; 24 warps), which measured faster.
+constexpr int kernel12_chunk_threads(int item_bytes) { return item_bytes == 2 ? 512 : 256; }
 constexpr int kernel12_chunk_blocks_per_sm(int threads) { return threads == 512 ? 2 : 3; }
 
 // Split rows exist for the types whose sums are fp32 (the pair a group sends is two floats).
@@ -38,7 +41,8 @@ struct Kernel12Config {
   bool raw_weight = false;  // shared-memory mode: stage the weight as T, not acc_t (16-bit only)
   int split = 1;    // blocks sharing each row (2: a cluster of two, half a row each; not fp64)
   bool chunks = false;  // small rows: a ring buffer is `groups` consecutive rows (one per group,
-                        // a row held by tpr threads of one vector each), a bulk copy per tensor
+                        // a row held by tpr threads of one vector each), a bulk copy per tensor;
+                        // nb buffers per block, not per group
 };
 
 // Configurations that fit (16-byte aligned rows of C elements); empty if none. weight_f32 (a

@@ -1,37 +1,41 @@
-// Kernel 12's small rows (Hopper, sm_90): rows of a few hundred bytes (C up to 32 vectors of 16
-// bytes: bf16/fp16 C <= 256, fp32 C <= 128), streamed into shared memory a chunk of many
+// Kernel 12's small rows (Hopper, sm_90): rows of a few hundred bytes (at most a warp of 16-byte
+// vectors: bf16/fp16 C <= 256, fp32 C <= 128), streamed into shared memory a chunk of many
 // consecutive rows at a time.
 //
 // Why: a small row is held by a group of a few threads, so kernel 11's way of keeping rows in
 // flight (each thread loads its next row into registers before reducing the current one) costs
-// registers per byte in flight, and registers are what caps an SM's warps: its small rows ran a
-// quarter of the SM's warps, half their stalls waiting on loads, the issue slots busy 62% of the
-// time. Here the bytes in flight cost shared memory instead. Rows are contiguous, so the rows
-// [r0, r0 + groups) of a tensor are one contiguous span, and one bulk copy (cp.async.bulk,
-// "TMA") moves a whole chunk of them, one instruction for 8 KB. Each thread keeps one vector of
-// a row in registers, which leaves room for twice kernel 11's warps on an SM.
+// registers per byte in flight, and registers are what caps an SM's warps: its 16-bit small rows
+// ran 16 warps an SM, half their stalls waiting on global loads. Here the bytes in flight cost
+// shared memory instead. Rows are contiguous, so a chunk of consecutive rows of a tensor is one
+// contiguous span, and one bulk copy (cp.async.bulk, "TMA") moves it, one instruction for 8 KB.
+// A thread keeps one 16-byte vector of a row in registers, which leaves room for more warps.
 //
-// Work split. A block is THREADS threads in `groups` row groups of tpr threads (a
-// power of two from kMinRowThreads to 32); thread t of a group owns the columns
-// [t * VEC, (t + 1) * VEC) of every row, so its dbias/dweight sums stay in registers. A chunk is
-// `groups` consecutive rows, row g of it for group g. Block b of a segment's B blocks takes the
-// segment's chunks b, b + B, b + 2B, ... (the last chunk of a segment may be short).
+// Work split. A block is THREADS threads (kernel12_chunk_threads: 512 for 16-bit rows, two blocks
+// an SM; 256 for fp32, three) in kGroups row groups of TPR threads (the narrowest power of two
+// from kMinRowThreads that holds a row in one vector a thread); thread t of a group owns the
+// columns [t * VEC, (t + 1) * VEC) of every row, so its dbias/dweight sums stay in registers. A
+// chunk is RPG * kGroups consecutive rows (RPG rows a group: the pick takes one), row
+// r * kGroups + g of it for group g, so a warp's rows are adjacent in the buffer and its
+// shared-memory loads contiguous. Block b of a segment's B blocks takes the segment's chunks b,
+// b + B, b + 2B, ... (the last chunk of a segment may be short).
 //
-// The ring: NB buffers, each one chunk of dy and of x (and of dresidual, RESID), each with two
+// The ring: nb buffers, each one chunk of dy and of x (and of dresidual, RESID), each with two
 // mbarriers. `full` completes when thread 0 has announced the chunk's bytes and they have all
 // landed; `empty` completes when every warp of the block is done with the chunk (one arrival a
-// warp). Thread 0 refills a buffer once its `empty` phase has completed: at the start of chunk
-// k it waits for chunk k - 1 to be done with and copies chunk k - 1 + NB into its buffer, so NB -
-// 1 chunks are always on their way while the block computes on one. mean and rstd are too few
-// bytes for a bulk copy (and a short chunk's need not be a multiple of 16): each group loads its
-// next chunk's row's pair as it starts a chunk, a chunk's time ahead of their use.
+// warp). Thread 0 refills a buffer once its `empty` phase has completed: at the start of the
+// block's chunk k it waits for chunk k - 1 to be done with and copies chunk k - 1 + nb into its
+// buffer, so nb - 1 chunks are on their way while the block computes on one, and the SM's other
+// blocks have theirs in flight too. mean and rstd are too few bytes for a bulk copy (and a short
+// chunk's need not be a multiple of 16): each group loads the pairs of its rows of the block's
+// next chunk as it starts a chunk, a chunk's time ahead of their use.
 //
 // Per row (g_i = (offset + weight_i) dy_i, xhat_i = (x_i - mean) rstd, centered), as kernel 11's
 // small rows (kernel11_body.cuh):
-//   pass 1: s1 = sum g_i, s2 = sum g_i (x_i - mean): the thread's vector, then shuffles among
-//           the group's own lanes;
+//   pass 1: s1 = sum g_i, s2 = sum g_i (x_i - mean): the thread's vector, then xor-shuffles
+//           within the group;
 //   pass 2: dx_i = g_i rstd - (xhat_i b' + a') with a' = s1/C rstd and b' = s2 rstd/C rstd,
 //           straight to global memory; dbias_i += dy_i, dweight_i += dy_i xhat_i in registers.
+// The weight row is widened once per block, with RMSNorm's offset added, into shared memory.
 // RMS (RMSNorm, fixed when compiled): no mean, no s1 term, no dbias sums (the slot's dbias half
 // is written as zeros). At the end the warp's groups, which own the same columns, add their sums
 // by xor-shuffles across groups (a fixed order), the block adds its warps' sums in warp order
@@ -72,9 +76,9 @@ __device__ __forceinline__ V shared_vec(const T* p) {
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// Thread 0 starts the copies of chunk `chunk` (its first `n` rows exist) into buffer `b`. The
-// fence orders the block's reads of the buffer's last chunk, which the `empty` barrier made
-// visible to this thread, before the copy engine's writes.
+// Thread 0 starts the copies of a chunk (`bytes` of each tensor from `first_element` on) into the
+// buffers dst, whose barrier is `full`. The fence orders the block's reads of the buffers' last
+// chunk, which their `empty` barrier made visible to this thread, before the copy engine's writes.
 template <typename T, bool RESID>
 __device__ __forceinline__ void issue_chunk(uint64_t* full, T* const (&dst)[3], const T* dy, const T* x,
                                             const T* dresidual, int64_t first_element, uint32_t bytes) {
@@ -306,17 +310,19 @@ kernel12_chunks(T* dx, acc_t<T>* __restrict__ partials, const T* __restrict__ dy
     __stcg(slot + c, sb);       // .cg: kept in L2 for the finalize that reads it next
     __stcg(slot + C + c, sw);
   }
-  if (finish.dweight) finish_partials_in_grid_call(finish, partials, blocks_per_segment, C, kWarps, warp_sums);
+  if (finish.dweight) finish_partials_in_grid(finish, partials, blocks_per_segment, C, kWarps, warp_sums);
 #endif
 }
 
-template <typename T, typename O, bool RESID, int VEC, bool RMS, int THREADS, int TPR, int RPG>
+template <typename T, typename O, bool RESID, int VEC, bool RMS, int TPR, int RPG>
 cudaError_t launch(const NormBwdParams& p, const Kernel12Config& cfg, cudaStream_t stream) {
+  constexpr int kThreads = kernel12_chunk_threads(sizeof(T));
+  if (cfg.tpr * cfg.groups != kThreads) return cudaErrorInvalidValue;
   if (p.plan) {
     p.plan->kernel = 12;
     p.plan->path = "ring of row chunks (small rows)";
   }
-  return launch_with_partials<T, O>(p, kernel12_chunks<T, O, RESID, VEC, RMS, THREADS, TPR, RPG>, THREADS,
+  return launch_with_partials<T, O>(p, kernel12_chunks<T, O, RESID, VEC, RMS, kThreads, TPR, RPG>, kThreads,
                                     kernel12_chunk_smem_bytes(cfg, p.C, sizeof(T), sizeof(acc_t<T>), RESID),
                                     BlocksPerSm::kOccupancy, cfg.groups * cfg.nv, 1, stream, cfg.nb);
 }
@@ -325,11 +331,8 @@ template <typename T, typename O, bool RESID, int VEC, bool RMS>
 cudaError_t launch_tpr(const NormBwdParams& p, const Kernel12Config& cfg, cudaStream_t stream) {
   auto rows = [&](auto tpr) -> cudaError_t {
     constexpr int kTpr = decltype(tpr)::value;
-    const int threads = cfg.tpr * cfg.groups;
-    if (threads == 256 && cfg.nv == 1) return launch<T, O, RESID, VEC, RMS, 256, kTpr, 1>(p, cfg, stream);
-    if (threads == 256 && cfg.nv == 2) return launch<T, O, RESID, VEC, RMS, 256, kTpr, 2>(p, cfg, stream);
-    if (threads == 512 && cfg.nv == 1) return launch<T, O, RESID, VEC, RMS, 512, kTpr, 1>(p, cfg, stream);
-    if (threads == 512 && cfg.nv == 2) return launch<T, O, RESID, VEC, RMS, 512, kTpr, 2>(p, cfg, stream);
+    if (cfg.nv == 1) return launch<T, O, RESID, VEC, RMS, kTpr, 1>(p, cfg, stream);
+    if (cfg.nv == 2) return launch<T, O, RESID, VEC, RMS, kTpr, 2>(p, cfg, stream);
     return cudaErrorInvalidValue;
   };
   switch (cfg.tpr) {
@@ -344,8 +347,9 @@ cudaError_t launch_tpr(const NormBwdParams& p, const Kernel12Config& cfg, cudaSt
 }  // namespace
 
 // Rows of at most a warp of 16-byte vectors (fp64 keeps kernel 11's small rows: its sums take
-// two registers each). tpr: the narrowest power of two from kMinRowThreads that holds the row,
-// so a chunk is THREADS / tpr rows. Two to four buffers, where they fit.
+// two registers each). tpr: the narrowest power of two from kMinRowThreads that holds the row, so
+// a chunk is nv * kernel12_chunk_threads / tpr rows. One or two rows a group
+// (nv), two to four buffers, where they fit.
 std::vector<Kernel12Config> kernel12_chunk_candidates(Dtype dtype, int64_t C, const DeviceLimits& lim) {
   std::vector<Kernel12Config> out;
   const int item = dtype_bytes(dtype);
@@ -355,33 +359,25 @@ std::vector<Kernel12Config> kernel12_chunk_candidates(Dtype dtype, int64_t C, co
   cfg.chunks = true;
   cfg.tpr = kMinRowThreads;
   while (cfg.tpr < C / vec) cfg.tpr *= 2;
-  for (const int threads : {256, 512}) {
-    cfg.groups = threads / cfg.tpr;
-    for (int rows = 1; rows <= 2; ++rows) {
-      cfg.nv = rows;
-      for (int nb = 2; nb <= 4; ++nb) {
-        cfg.nb = nb;
-        if (kernel12_chunk_smem_bytes(cfg, C, item, 4, true) <= lim.smem_optin) out.push_back(cfg);
-      }
+  cfg.groups = kernel12_chunk_threads(item) / cfg.tpr;
+  for (int rows = 1; rows <= 2; ++rows) {
+    cfg.nv = rows;
+    for (int nb = 2; nb <= 4; ++nb) {
+      cfg.nb = nb;
+      if (kernel12_chunk_smem_bytes(cfg, C, item, 4, true) <= lim.smem_optin) out.push_back(cfg);
     }
   }
   return out;
 }
 
-// The buffers: the fewest with which an SM's blocks have kKernel12InFlightBytes of dy and x on
-// their way while each computes on one buffer, (nb - 1) chunks a block.
+// One row a group per chunk, two buffers: while a block computes on one chunk, its next is on
+// its way, and so are the chunks of the SM's other blocks (two or three blocks, 16 KB of dy and
+// x each). More buffers, or two rows a group, measured slower (docs/kernel12.md).
 bool kernel12_chunk_pick(Dtype dtype, int64_t C, const DeviceLimits& lim, Kernel12Config* cfg) {
   const std::vector<Kernel12Config> all = kernel12_chunk_candidates(dtype, C, lim);
-  for (const Kernel12Config& c : all) {
-    const size_t chunk = static_cast<size_t>(c.groups) * c.nv * C * dtype_bytes(dtype);
-    const size_t in_flight =
-        static_cast<size_t>(kernel12_chunk_blocks_per_sm(c.tpr * c.groups)) * (c.nb - 1) * 2 * chunk;
-    if (in_flight >= kKernel12InFlightBytes || &c == &all.back()) {
-      *cfg = c;
-      return true;
-    }
-  }
-  return false;
+  if (all.empty()) return false;
+  *cfg = all.front();
+  return true;
 }
 
 cudaError_t norm_bwd_kernel12_chunks(const NormBwdParams& p, const Kernel12Config& cfg, cudaStream_t stream) {
