@@ -21,8 +21,8 @@
 //
 // The ring: nb buffers, each one chunk of dy and of x (and of dresidual, RESID), each with two
 // mbarriers. `full` completes when thread 0 has announced the chunk's bytes and they have all
-// landed; `empty` completes when every warp of the block is done with the chunk (one arrival a
-// warp). Thread 0 refills a buffer once its `empty` phase has completed: at the start of the
+// landed; `empty` completes when every thread of the block is done with the chunk (one arrival a
+// thread). Thread 0 refills a buffer once its `empty` phase has completed: at the start of the
 // block's chunk k it waits for chunk k - 1 to be done with and copies chunk k - 1 + nb into its
 // buffer, so nb - 1 chunks are on their way while the block computes on one, and the SM's other
 // blocks have theirs in flight too. mean and rstd are too few bytes for a bulk copy (and a short
@@ -158,7 +158,7 @@ kernel12_chunks(T* dx, acc_t<T>* __restrict__ partials, const T* __restrict__ dy
   if (threadIdx.x == 0) {
     for (int b = 0; b < nb; ++b) {
       mbar_init(&full[b], 1);
-      mbar_init(&empty[b], kWarps);
+      mbar_init(&empty[b], THREADS);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -258,9 +258,11 @@ kernel12_chunks(T* dx, acc_t<T>* __restrict__ partials, const T* __restrict__ dy
         store_cs(reinterpret_cast<V*>(dx + row * C + col), dxv);   // written once
       }
     }
-    // The warp is done with this buffer: its reads happen before the refill (release).
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&empty[b]);
+    // This thread is done with the buffer: its reads happen before the refill (release). Every
+    // thread arrives, not one a warp after __syncwarp: compute-sanitizer's racecheck credits an
+    // arrival with the arriving thread's reads only, and reported the others' as racing with the
+    // refill's bulk copy.
+    mbar_arrive(&empty[b]);
 #pragma unroll
     for (int r = 0; r < RPG; ++r) {
       m[r] = next_m[r];
