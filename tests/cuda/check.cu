@@ -102,7 +102,8 @@ int check(const std::vector<int>& kernels) {
   // widest 16-bit row it splits. 12292 (a multiple of 4, not of 8) takes its wide-row path in
   // fp32, whose rows that wide do not split.
   // 40 to 512 (aligned) take kernel 11's small rows, groups narrower than a warp, in every dtype
-  // (kernel 12 hands them to kernel 11); 17, 33, 511 and 513 are their unaligned neighbours.
+  // (kernel 12 takes those of at most a warp of vectors in its ring of row chunks, fp64 aside);
+  // 17, 33, 511 and 513 are their unaligned neighbours.
   const std::vector<int64_t> cs = quick ? std::vector<int64_t>{1, 3, 40, 64, 128, 256, 768, 1601, 4096, 12292, 16384, 30000}
                                         : std::vector<int64_t>{1, 3, 8, 17, 33, 40, 64, 128, 256, 511, 512, 513, 768,
                                                                1600, 1601, 4096, 8192, 12288, 12292, 16384, 30000, 32768};
