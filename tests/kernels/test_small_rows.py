@@ -1,10 +1,10 @@
 """Small rows (C up to a few hundred: per-head QK-norm over head_dim, small models). The CUDA
 kernels hold such a row in a group of 4 to 32 threads, several groups to a warp (forward_rows.cu;
 kernel 12's ring of row chunks on sm_90, kernel 11's small rows elsewhere and for float64). Values
-and gradients of every norm op
-against the float64 reference on every platform, our forward and backward forced: the widths that
-pick each group size and their unaligned neighbours, row counts that leave some of a warp's
-groups without a row, 2^24 rows, per-example dweight under vmap, and bit-identical repeats."""
+and gradients of every norm op against the float64 reference on every platform, our forward and
+backward forced: the widths that pick each group size and their unaligned neighbours, row counts
+that leave some of a warp's groups without a row, 2^24 rows, per-example dweight under vmap, and
+bit-identical repeats."""
 from __future__ import annotations
 
 import jax
