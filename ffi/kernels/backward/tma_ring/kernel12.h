@@ -27,6 +27,19 @@ constexpr size_t kKernel12InFlightBytes = 56 * 1024;
 // thread). fp32 rows run three blocks of 256 (80 registers; 24 warps), which measured faster.
 constexpr int kernel12_chunk_threads(int item_bytes) { return item_bytes == 2 ? 512 : 256; }
 constexpr int kernel12_chunk_blocks_per_sm(int threads) { return threads == 512 ? 2 : 3; }
+// Their dynamic shared memory, as the launch sizes it and the kernel lays it out: [the weight row,
+// C accumulators, to a 128-byte boundary | the ring: nb buffers x `tensors` chunks of
+// chunk_bytes, whose memory the end's per-warp [dbias | dweight] sums reuse | full[nb] |
+// empty[nb]]. The ring's bytes are the larger of the two uses.
+__host__ __device__ inline size_t kernel12_chunk_weight_bytes(int64_t C, size_t acc) {
+  return round_up<size_t>(static_cast<size_t>(C) * acc, 128);
+}
+__host__ __device__ inline size_t kernel12_chunk_ring_bytes(size_t chunk_bytes, int nb, int tensors, int warps,
+                                                            int64_t C, size_t acc) {
+  const size_t buffers = static_cast<size_t>(nb) * tensors * chunk_bytes;
+  const size_t warp_sums = static_cast<size_t>(warps) * 2 * C * acc;
+  return buffers > warp_sums ? buffers : warp_sums;
+}
 
 // Split rows exist for the types whose sums are fp32 (the pair a group sends is two floats).
 template <typename T>
@@ -40,9 +53,9 @@ struct Kernel12Config {
   bool regs = false;  // copy each row to registers once (else both passes read shared memory)
   bool raw_weight = false;  // shared-memory mode: stage the weight as T, not acc_t (16-bit only)
   int split = 1;    // blocks sharing each row (2: a cluster of two, half a row each; not fp64)
-  bool chunks = false;  // small rows: a ring buffer is `groups` consecutive rows (one per group,
-                        // a row held by tpr threads of one vector each), a bulk copy per tensor;
-                        // nb buffers per block, not per group
+  bool chunks = false;  // small rows: a ring buffer is nv * groups consecutive rows (nv per
+                        // group, a row held by tpr threads of one vector each), a bulk copy per
+                        // tensor; nb buffers per block, not per group
 };
 
 // Configurations that fit (16-byte aligned rows of C elements); empty if none. weight_f32 (a
@@ -55,10 +68,10 @@ bool kernel12_pick(Dtype dtype, int64_t C, const DeviceLimits& lim, Kernel12Conf
 size_t kernel12_smem_bytes(const Kernel12Config& cfg, int64_t C, size_t item, size_t acc);
 cudaError_t norm_bwd_kernel12_config(const NormBwdParams& p, const Kernel12Config& cfg, cudaStream_t stream);
 
-// Small rows, a whole chunk of them per ring buffer (kernel12_row_chunks.cu): the
-// configurations (nb buffers of one block-wide chunk; empty where the row needs more than a warp
-// of 16-byte vectors, or for fp64), the pick, and the dynamic shared memory of a block (resid:
-// dresidual rides in the ring too).
+// Small rows, a whole chunk of them per ring buffer (the kernel: kernel12_row_chunks.cu; the
+// rest: kernel12_config.cu): the configurations (nb buffers of one block-wide chunk; empty where
+// the row needs more than a warp of 16-byte vectors, or for fp64), the pick, and the dynamic
+// shared memory of a block (resid: dresidual rides in the ring too).
 std::vector<Kernel12Config> kernel12_chunk_candidates(Dtype dtype, int64_t C, const DeviceLimits& lim);
 bool kernel12_chunk_pick(Dtype dtype, int64_t C, const DeviceLimits& lim, Kernel12Config* cfg);
 size_t kernel12_chunk_smem_bytes(const Kernel12Config& cfg, int64_t C, size_t item, size_t acc, bool resid);

@@ -1,6 +1,7 @@
-// Kernel 12's choices (host code): which path a call takes (ring, wide rows or kernel 11),
-// which ring configurations fit a row of C elements on this device, and which of them to run. The kernel and its launch are in
-// kernel12_bulk_copy_ring.cu; the configuration's fields are in kernel12.h.
+// Kernel 12's choices (host code): which path a call takes (ring, ring of row chunks, wide rows
+// or kernel 11), which configurations of each ring fit a row of C elements on this device, and
+// which of them to run. The kernels and their launches are in kernel12_bulk_copy_ring.cu and
+// kernel12_row_chunks.cu; the configuration's fields are in kernel12.h.
 #include <algorithm>
 #include <utility>
 #include <vector>
@@ -70,6 +71,48 @@ bool pick_buffers(const std::vector<Kernel12Config>& all, Dtype dtype, int64_t C
 }
 
 }  // namespace
+
+// The ring of row chunks' block (kernel12.h's layout): weight row, ring, two mbarriers a buffer.
+size_t kernel12_chunk_smem_bytes(const Kernel12Config& cfg, int64_t C, size_t item, size_t acc, bool resid) {
+  const size_t chunk = static_cast<size_t>(cfg.groups) * cfg.nv * C * item;
+  return kernel12_chunk_weight_bytes(C, acc) +
+         kernel12_chunk_ring_bytes(chunk, cfg.nb, resid ? 3 : 2, cfg.tpr * cfg.groups / 32, C, acc) +
+         2 * sizeof(uint64_t) * cfg.nb;
+}
+
+// Rows of at most a warp of 16-byte vectors (fp64 keeps kernel 11's small rows: its sums take
+// two registers each). tpr: the narrowest power of two from kMinRowThreads that holds the row, so
+// a chunk is nv * kernel12_chunk_threads / tpr rows. One or two rows a group (nv), two to four
+// buffers, where they fit.
+std::vector<Kernel12Config> kernel12_chunk_candidates(Dtype dtype, int64_t C, const DeviceLimits& lim) {
+  std::vector<Kernel12Config> out;
+  const int item = dtype_bytes(dtype);
+  const int vec = 16 / item;
+  if (dtype == Dtype::kF64 || C % vec != 0 || C / vec > 32) return out;
+  Kernel12Config cfg;
+  cfg.chunks = true;
+  cfg.tpr = kMinRowThreads;
+  while (cfg.tpr < C / vec) cfg.tpr *= 2;
+  cfg.groups = kernel12_chunk_threads(item) / cfg.tpr;
+  for (int rows = 1; rows <= 2; ++rows) {
+    cfg.nv = rows;
+    for (int nb = 2; nb <= 4; ++nb) {
+      cfg.nb = nb;
+      if (kernel12_chunk_smem_bytes(cfg, C, item, 4, true) <= lim.smem_optin) out.push_back(cfg);
+    }
+  }
+  return out;
+}
+
+// One row a group per chunk, two buffers: while a block computes on one chunk, its next is on
+// its way, and so are the chunks of the SM's other blocks (two or three blocks, 16 KB of dy and
+// x each). More buffers, or two rows a group, measured slower (docs/kernel12.md).
+bool kernel12_chunk_pick(Dtype dtype, int64_t C, const DeviceLimits& lim, Kernel12Config* cfg) {
+  const std::vector<Kernel12Config> all = kernel12_chunk_candidates(dtype, C, lim);
+  if (all.empty()) return false;
+  *cfg = all.front();
+  return true;
+}
 
 // Configurations whose ring fits the device's opt-in shared memory; split rows only where the
 // device launches clusters and has two SMs for one.

@@ -47,19 +47,9 @@
 #include "backward/tma_ring/bulk_copy.cuh"
 #include "backward/tma_ring/kernel12.h"
 
-#include <algorithm>
 #include <type_traits>
 
 namespace lnbwd {
-
-// The weight row, the ring's buffers (which the end's per-warp sums reuse) and the two mbarriers
-// of each buffer.
-size_t kernel12_chunk_smem_bytes(const Kernel12Config& cfg, int64_t C, size_t item, size_t acc, bool resid) {
-  const size_t chunk = static_cast<size_t>(cfg.groups) * cfg.nv * C * item;
-  const size_t ring = static_cast<size_t>(cfg.nb) * (resid ? 3 : 2) * chunk;
-  const size_t warp_sums = static_cast<size_t>(cfg.tpr * cfg.groups / 32) * 2 * C * acc;
-  return round_up<size_t>(C * acc, 128) + std::max(ring, warp_sums) + 2 * sizeof(uint64_t) * cfg.nb;
-}
 
 namespace {
 
@@ -114,15 +104,13 @@ kernel12_chunks(T* dx, acc_t<T>* __restrict__ partials, const T* __restrict__ dy
   const int col = (threadIdx.x % TPR) * VEC;   // this thread's columns of every row
   const bool has_col = col < C;                // a row narrower than its group leaves lanes idle
 
-  // Shared memory (kernel12_chunk_smem_bytes): [the weight row wt, C accumulators | nb buffers x
+  // Shared memory (kernel12.h, kernel12_chunk_ring_bytes): [the weight row wt | nb buffers x
   // kTensors chunks of kChunkRows * C elements (at the end, the warps' sums) | full[nb] | empty[nb]].
   extern __shared__ __align__(128) unsigned char smem[];
   A* wt = reinterpret_cast<A*>(smem);
-  unsigned char* ring = smem + round_up<size_t>(static_cast<size_t>(C) * sizeof(A), 128);
+  unsigned char* ring = smem + kernel12_chunk_weight_bytes(C, sizeof(A));
   const size_t chunk_elems = static_cast<size_t>(kChunkRows) * C;
-  const size_t ring_only = static_cast<size_t>(nb) * kTensors * chunk_elems * sizeof(T);
-  const size_t warp_sums_bytes = static_cast<size_t>(kWarps) * 2 * C * sizeof(A);
-  const size_t ring_bytes = ring_only > warp_sums_bytes ? ring_only : warp_sums_bytes;
+  const size_t ring_bytes = kernel12_chunk_ring_bytes(chunk_elems * sizeof(T), nb, kTensors, kWarps, C, sizeof(A));
   auto buffer = [&](int b, int tensor) {
     return reinterpret_cast<T*>(ring) + (static_cast<size_t>(b) * kTensors + tensor) * chunk_elems;
   };
@@ -259,9 +247,9 @@ kernel12_chunks(T* dx, acc_t<T>* __restrict__ partials, const T* __restrict__ dy
       }
     }
     // This thread is done with the buffer: its reads happen before the refill (release). Every
-    // thread arrives, not one a warp after __syncwarp: compute-sanitizer's racecheck credits an
-    // arrival with the arriving thread's reads only, and reported the others' as racing with the
-    // refill's bulk copy.
+    // thread arrives (the barrier counts THREADS): racecheck credits an arrival with the arriving
+    // thread's own reads only, so one arrival a warp after __syncwarp would leave the other lanes'
+    // reads racing, as it sees them, with the refill's bulk copy.
     mbar_arrive(&empty[b]);
 #pragma unroll
     for (int r = 0; r < RPG; ++r) {
@@ -348,42 +336,8 @@ cudaError_t launch_tpr(const NormBwdParams& p, const Kernel12Config& cfg, cudaSt
 
 }  // namespace
 
-// Rows of at most a warp of 16-byte vectors (fp64 keeps kernel 11's small rows: its sums take
-// two registers each). tpr: the narrowest power of two from kMinRowThreads that holds the row, so
-// a chunk is nv * kernel12_chunk_threads / tpr rows. One or two rows a group
-// (nv), two to four buffers, where they fit.
-std::vector<Kernel12Config> kernel12_chunk_candidates(Dtype dtype, int64_t C, const DeviceLimits& lim) {
-  std::vector<Kernel12Config> out;
-  const int item = dtype_bytes(dtype);
-  const int vec = 16 / item;
-  if (dtype == Dtype::kF64 || C % vec != 0 || C / vec > 32) return out;
-  Kernel12Config cfg;
-  cfg.chunks = true;
-  cfg.tpr = kMinRowThreads;
-  while (cfg.tpr < C / vec) cfg.tpr *= 2;
-  cfg.groups = kernel12_chunk_threads(item) / cfg.tpr;
-  for (int rows = 1; rows <= 2; ++rows) {
-    cfg.nv = rows;
-    for (int nb = 2; nb <= 4; ++nb) {
-      cfg.nb = nb;
-      if (kernel12_chunk_smem_bytes(cfg, C, item, 4, true) <= lim.smem_optin) out.push_back(cfg);
-    }
-  }
-  return out;
-}
-
-// One row a group per chunk, two buffers: while a block computes on one chunk, its next is on
-// its way, and so are the chunks of the SM's other blocks (two or three blocks, 16 KB of dy and
-// x each). More buffers, or two rows a group, measured slower (docs/kernel12.md).
-bool kernel12_chunk_pick(Dtype dtype, int64_t C, const DeviceLimits& lim, Kernel12Config* cfg) {
-  const std::vector<Kernel12Config> all = kernel12_chunk_candidates(dtype, C, lim);
-  if (all.empty()) return false;
-  *cfg = all.front();
-  return true;
-}
-
 cudaError_t norm_bwd_kernel12_chunks(const NormBwdParams& p, const Kernel12Config& cfg, cudaStream_t stream) {
-  if (!cfg.chunks || p.C > 32 * 16 / dtype_bytes(p.dtype)) return cudaErrorInvalidValue;
+  if (!cfg.chunks) return cudaErrorInvalidValue;
   return dispatch_types(p, [&](auto t, auto o, auto resid) -> cudaError_t {
     using T = decltype(t);
     using O = decltype(o);
@@ -392,9 +346,7 @@ cudaError_t norm_bwd_kernel12_chunks(const NormBwdParams& p, const Kernel12Confi
     if constexpr (sizeof(T) == 8) {
       return cudaErrorInvalidValue;
     } else {
-      if (!can_vectorize<T>(p) || cfg.tpr * vec < p.C) {
-        return cudaErrorInvalidValue;
-      }
+      if (!can_vectorize<T>(p) || cfg.tpr * vec < p.C) return cudaErrorInvalidValue;   // launch_tpr: tpr <= 32
       if (p.norm == NormKind::kRmsNorm) return launch_tpr<T, O, R, vec, true>(p, cfg, stream);
       return launch_tpr<T, O, R, vec, false>(p, cfg, stream);
     }
