@@ -6,8 +6,10 @@
 //   * layernorm (no bias) and RMSNorm (offset 0 and 1), every dtype, fp32 weights beside 16-bit
 //     data, no weight (forward), head counts 1 to 64, a single token, rows up to the widest
 //     kHeadRowsMaxBytes allows;
-//   * the backward on every kernel-11 configuration of groups up to a warp (norm_bwd_sets_config),
-//     in exactly the workspace norm_bwd_sets_workspace_bytes gives, twice to the same bits.
+//   * the backward on every kernel-11 configuration of groups up to a warp (norm_bwd_sets_config)
+//     and, on sm_90, every configuration of kernel 12's ring of row chunks
+//     (norm_bwd_kernel12_chunk_sets), with enough tokens that a block refills its buffers, in
+//     exactly the workspace norm_bwd_sets_workspace_bytes gives, twice to the same bits.
 // As the other checks: exact-size cudaMalloc buffers and NaN-poisoned outputs, so that
 // compute-sanitizer sees every stray access and unwritten output.
 //
@@ -183,8 +185,9 @@ int run_fwd(const Case& c, std::mt19937& gen) {
   return 0;
 }
 
-// cfg: a kernel-11 configuration to force (norm_bwd_sets_config), or null for norm_bwd_sets' pick.
-int run_bwd(const Case& c, const Kernel11Config* cfg, std::mt19937& gen) {
+// cfg: a kernel-11 configuration to force (norm_bwd_sets_config), chunks: one of kernel 12's
+// ring of row chunks (norm_bwd_kernel12_chunk_sets); neither: norm_bwd_sets' pick.
+int run_bwd(const Case& c, const Kernel11Config* cfg, std::mt19937& gen, const Kernel12Config* chunks = nullptr) {
   std::normal_distribution<double> n(0.0, 1.0);
   const Layout L{c};
   std::string label = label_of("bwd", c);
@@ -192,6 +195,11 @@ int run_bwd(const Case& c, const Kernel11Config* cfg, std::mt19937& gen) {
     char s[120];
     std::snprintf(s, sizeof(s), " cfg tpr %d nv %d%s%s", cfg->tpr, cfg->nv, cfg->prefetch ? " prefetch" : "",
                   cfg->reg_sums ? " reg sums" : "");
+    label += s;
+  }
+  if (chunks) {
+    char s[120];
+    std::snprintf(s, sizeof(s), " chunks tpr %d groups %d nb %d", chunks->tpr, chunks->groups, chunks->nb);
     label += s;
   }
   const Dtype st = stat_of(c.dtype), pd = c.pdtype;
@@ -274,7 +282,9 @@ int run_bwd(const Case& c, const Kernel11Config* cfg, std::mt19937& gen) {
     p[0].dweight = dwt.ptr;
     p[0].workspace = ws.ptr;
     p[0].workspace_bytes = ws.bytes;
-    cudaError_t err = cfg ? norm_bwd_sets_config(p[0], p[1], *cfg, 0) : norm_bwd_sets(p[0], p[1], 0);
+    cudaError_t err = cfg      ? norm_bwd_sets_config(p[0], p[1], *cfg, 0)
+                      : chunks ? norm_bwd_kernel12_chunk_sets(p[0], p[1], *chunks, 0)
+                               : norm_bwd_sets(p[0], p[1], 0);
     if (err == cudaSuccess) err = cudaDeviceSynchronize();
     if (err != cudaSuccess) {
       std::printf("FAIL %s: %s (workspace %zu bytes)\n", label.c_str(), cudaGetErrorString(err), ws.bytes);
@@ -362,6 +372,23 @@ int main() {
           if (cfg.tpr > 32) continue;
           count(run_bwd({NormKind::kRmsNorm, d, pd, true, true, 300, 32, 8, D, 1.0}, &cfg, gen));
           count(run_bwd({NormKind::kLayerNorm, d, pd, true, false, 37, 4, 2, D, 0.0}, &cfg, gen));
+        }
+        // Every configuration of kernel 12's ring of row chunks (sm_90; rows of at most a warp of
+        // vectors), on both layouts: 2500 tokens of 32 q and 8 k heads are 80000 and 20000 rows,
+        // several chunks a block, so buffers are refilled and phases flip; a chunk of k heads spans
+        // several tokens (several copies), one of q heads part of one. LNBWD_QUICK (the
+        // sanitizers are slow): 1200 tokens, still three or more chunks for some blocks of 132
+        // SMs, for the pick's configuration only.
+        if (lim.cc_major >= 9 && kernel12_has_code(0)) {
+          bool first = true;
+          for (const Kernel12Config& ch : kernel12_chunk_candidates(d, D, lim)) {
+            if (ch.nv != 1) continue;   // the sets' kernel takes one row a group per chunk
+            const int64_t many = !quick ? 2500 : first ? 1200 : 300;
+            first = false;
+            count(run_bwd({NormKind::kRmsNorm, d, pd, true, true, many, 32, 8, D, 1.0}, nullptr, gen, &ch));
+            count(run_bwd({NormKind::kLayerNorm, d, pd, true, false, many, 32, 8, D, 0.0}, nullptr, gen, &ch));
+            count(run_bwd({NormKind::kLayerNorm, d, pd, true, true, 37, 4, 2, D, 0.0}, nullptr, gen, &ch));
+          }
         }
       }
     }

@@ -18,11 +18,13 @@ ctl=$OUT/controls
 PLANTED=(oob race mask)
 # The planted bugs are in kernel 11's row loop (kernel11_body.cuh): each control is a copy of
 # kernel11_rows_in_registers.cu that includes a planted copy of the body instead. oob12 plants
-# kernel 11's out-of-bounds write in kernel 12's ring of row chunks (its own copy of
-# kernel12_row_chunks.cu), whose rows arrive by bulk copies rather than by the threads' loads.
+# kernel 11's out-of-bounds write in kernel 12's ring of row chunks (a copy of the block's walk,
+# kernel12_chunk_rows.cuh, and of kernel12_row_chunks.cu that includes it), whose rows arrive by
+# bulk copies rather than by the threads' loads.
 body=ffi/kernels/backward/registers/kernel11_body.cuh
 rows=ffi/kernels/backward/registers/kernel11_rows_in_registers.cu
 chunks=ffi/kernels/backward/tma_ring/kernel12_row_chunks.cu
+chunk_rows=ffi/kernels/backward/tma_ring/kernel12_chunk_rows.cuh
 
 if [ "$SAN_STEP" != run ]; then
   # The positive controls' sources, in scratch copies (deleted once compiled):
@@ -47,11 +49,13 @@ if [ "$SAN_STEP" != run ]; then
       echo "control $planted: the planted change did not apply"
     fi
   done
-  sed 's|store_cs(reinterpret_cast<V\*>(dx + row \* C + col), dxv);|store_cs(reinterpret_cast<V*>(dx + row * C + col + (row + 1 == rows_per_segment ? C : 0)), dxv);|' \
-    "$chunks" > "$ctl/kernel12_row_chunks_oob12.cu"
-  if cmp -s "$ctl/kernel12_row_chunks_oob12.cu" "$chunks"; then
+  sed 's|store_cs(reinterpret_cast<V\*>(dx + row_at + col), dxv);|store_cs(reinterpret_cast<V*>(dx + row_at + col + (row + 1 == rows ? C : 0)), dxv);|' \
+    ffi/kernels/backward/tma_ring/kernel12_chunk_rows.cuh > "$ctl/kernel12_chunk_rows_oob12.cuh"
+  if cmp -s "$ctl/kernel12_chunk_rows_oob12.cuh" "$chunk_rows"; then
     echo "control oob12: the planted change did not apply"
   else
+    sed 's|#include "backward/tma_ring/kernel12_chunk_rows.cuh"|#include "kernel12_chunk_rows_oob12.cuh"|' "$chunks" \
+      > "$ctl/kernel12_row_chunks_oob12.cu"
     planted_sources+=("$ctl/kernel12_row_chunks_oob12.cu")
   fi
   # The check with every kernel and the registry it reads, then the controls' copies of kernel

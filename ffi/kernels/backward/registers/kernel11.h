@@ -48,25 +48,6 @@ cudaError_t norm_bwd_kernel11_config(const NormBwdParams& p, const Kernel11Confi
 cudaError_t norm_bwd_sets_config(const NormBwdParams& a, const NormBwdParams& b, const Kernel11Config& cfg,
                                  cudaStream_t stream);
 
-#ifdef __CUDACC__
-// One set of rows for kernel11_sets: its own buffers, rows and layout (common/head_rows.h).
-template <typename T, typename O>
-struct BwdSet {
-  T* dx;
-  const T* dy;
-  const T* x;
-  const O* weight;
-  const stat_t<T>* mean;   // rstd for RMSNorm (read, multiplied by 0)
-  const stat_t<T>* rstd;
-  int64_t rows;
-  HeadRows heads;
-};
-template <typename T, typename O>
-struct BwdSets {
-  BwdSet<T, O> set[2];
-  int blocks0;   // blocks [0, blocks0) walk set 0's rows
-};
-#endif
 // Rows too wide for registers: two streaming passes per row (kernel11_wide_rows.cu).
 cudaError_t norm_bwd_kernel11_wide(const NormBwdParams& p, cudaStream_t stream);
 

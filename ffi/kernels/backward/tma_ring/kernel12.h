@@ -76,6 +76,28 @@ std::vector<Kernel12Config> kernel12_chunk_candidates(Dtype dtype, int64_t C, co
 bool kernel12_chunk_pick(Dtype dtype, int64_t C, const DeviceLimits& lim, Kernel12Config* cfg);
 size_t kernel12_chunk_smem_bytes(const Kernel12Config& cfg, int64_t C, size_t item, size_t acc, bool resid);
 cudaError_t norm_bwd_kernel12_chunks(const NormBwdParams& p, const Kernel12Config& cfg, cudaStream_t stream);
+// Calls f(std::integral_constant<int, TPR>{}) for the ring of row chunks' group width tpr (4 to
+// 32 threads, one 16-byte vector each of a row), the template argument the kernels need;
+// cudaErrorInvalidValue for any other.
+template <typename F>
+cudaError_t with_chunk_tpr(int tpr, F&& f) {
+  switch (tpr) {
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 8: return f(std::integral_constant<int, 8>{});
+    case 16: return f(std::integral_constant<int, 16>{});
+    case 32: return f(std::integral_constant<int, 32>{});
+  }
+  return cudaErrorInvalidValue;
+}
+// Whether rows of C take the ring of row chunks on this device (sm_90 code in the build, and rows
+// that kernel 11 would hold in groups narrower than a warp), and its configuration: the rule
+// norm_bwd_kernel12 and norm_bwd_sets (backward/sets.cu) share. The rows must also be 16-byte
+// aligned (can_vectorize), which the caller knows.
+bool kernel12_chunks_take(Dtype dtype, int64_t C, const DeviceLimits& lim, Kernel12Config* cfg);
+// QK-norm's two sets of rows (backward/sets.cuh) on the ring of row chunks, configuration cfg
+// (kernel12_chunk_sets.cu).
+cudaError_t norm_bwd_kernel12_chunk_sets(const NormBwdParams& a, const NormBwdParams& b, const Kernel12Config& cfg,
+                                         cudaStream_t stream);
 
 // Rows too wide for the per-group ring: one row per block, streamed in chunks, once per pass
 // (kernel12_wide_rows.cu). fp32, bf16 and fp16 with C up to 16384.

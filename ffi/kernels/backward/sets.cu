@@ -1,0 +1,65 @@
+// QK-norm's backward in one launch (backward/sets.cuh): which kernel takes the two sets, and the
+// workspace it needs. Small rows on sm_90 take kernel 12's ring of row chunks, by the rule that
+// sends one tensor's small rows there (kernel12_chunks_take); the others, kernel 11's row loop
+// with groups of at most a warp.
+#include "backward/launch.cuh"
+#include "backward/registers/kernel11.h"
+#include "backward/sets.cuh"
+#include "backward/tma_ring/kernel12.h"
+
+namespace lnbwd {
+
+bool bwd_sets_ok(const NormBwdParams& a, const NormBwdParams& b) {
+  const bool rms = a.norm == NormKind::kRmsNorm;
+  if (!rms && a.norm != NormKind::kLayerNorm) return false;
+  if (b.dtype != a.dtype || b.C != a.C || b.weight_f32 != a.weight_f32 || b.norm != a.norm || b.offset != a.offset) {
+    return false;
+  }
+  const int64_t item = dtype_bytes(a.dtype);
+  if (a.C < 1 || a.C * item > kHeadRowsMaxBytes || a.dbias != nullptr) return false;
+  for (const NormBwdParams* p : {&a, &b}) {
+    if (p->rows < 0 || p->dresidual != nullptr || !head_rows_ok(p->heads, p->C) || rms != (p->mean == nullptr)) {
+      return false;
+    }
+    // Every head row on a 16-byte boundary, as the kernels' vector loads and bulk copies need.
+    if (p->heads.heads > 0 && p->heads.token_stride * item % 16 != 0) return false;
+  }
+  return true;
+}
+
+cudaError_t norm_bwd_sets(const NormBwdParams& a, const NormBwdParams& b, cudaStream_t stream) {
+  if (!bwd_sets_ok(a, b)) return cudaErrorInvalidValue;
+  if (a.rows == 0 && b.rows == 0 && !a.plan_only) return cudaSuccess;
+  DeviceLimits lim;
+  LNBWD_RETURN_IF_CUDA_ERROR(device_limits(a.device, &lim));
+  Kernel12Config chunks;
+  if (kernel12_chunks_take(a.dtype, a.C, lim, &chunks)) return norm_bwd_kernel12_chunk_sets(a, b, chunks, stream);
+  Kernel11Config cfg;
+  if (!kernel11_pick(a.dtype, a.C, true, lim, &cfg, 32) || cfg.tpr > 32) return cudaErrorInvalidValue;
+  return norm_bwd_sets_config(a, b, cfg, stream);
+}
+
+cudaError_t norm_bwd_sets_workspace_bytes(Dtype dtype, int64_t rows_a, int64_t rows_b, int64_t C, int device,
+                                          LaunchPlan* plan) {
+  NormBwdParams a = {};
+  a.dtype = dtype;
+  a.C = C;
+  a.rows = rows_a;
+  a.segments = 1;
+  a.norm = NormKind::kRmsNorm;   // the plan is the same for both kinds
+  a.workspace_bytes = SIZE_MAX;  // no limit from the workspace: this asks what it must hold
+  a.device = device;
+  a.plan = plan;
+  a.plan_only = true;
+  NormBwdParams b = a;
+  b.rows = rows_b;
+  b.plan = nullptr;
+  if (rows_a + rows_b == 0) {
+    *plan = LaunchPlan{};
+    plan->workspace_bytes = kWorkspaceHeaderBytes;
+    return cudaSuccess;
+  }
+  return norm_bwd_sets(a, b, nullptr);
+}
+
+}  // namespace lnbwd
