@@ -147,9 +147,8 @@ cudaError_t norm_bwd_kernel11(const NormBwdParams& p, cudaStream_t stream);
 // and builds without sm_90 code (CUDA architectures without 90).
 cudaError_t norm_bwd_kernel12(const NormBwdParams& p, cudaStream_t stream);
 
-// QK-norm's backward: two sets of rows (attention's q heads and k heads) in ONE launch, then the
-// finalize (backward/sets.cu: kernel 12's ring of row chunks for small rows on sm_90, else kernel
-// 11's row loop). From each of a and b: its set's dx, dy,
+// QK-norm's backward: two sets of rows (attention's q heads and k heads) in ONE launch of kernel
+// 11's row loop, then the finalize (backward/sets.cu). From each of a and b: its set's dx, dy,
 // x, weight ([C]: one weight row each), mean, rstd, rows and heads layout (dy may be dx's own
 // buffer: the fused projection's cotangent, normalized in place). From a only: dtype, C,
 // weight_f32, norm, offset, workspace, device, plan; a.dweight is [2, C], row 0 set a's dweight

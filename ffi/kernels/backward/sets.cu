@@ -1,11 +1,12 @@
 // QK-norm's backward in one launch (backward/sets.cuh): which kernel takes the two sets, and the
-// workspace it needs. Small rows on sm_90 take kernel 12's ring of row chunks, by the rule that
-// sends one tensor's small rows there (kernel12_chunks_take); the others, kernel 11's row loop
-// with groups of at most a warp.
+// workspace it needs. Kernel 11's row loop with groups of at most a warp takes them. Kernel 12's
+// ring of row chunks over both sets at once (kernel12_chunk_sets.cu) is checked but not picked:
+// its blocks, split between the sets, walk them side by side, and that grid measured about 7%
+// slower than the same rows as two launches of the ring one set after the other (H100, bf16
+// D = 128: docs/results/2026-12-06-chunk_sets_h100.txt), no faster than kernel 11's sets.
 #include "backward/launch.cuh"
 #include "backward/registers/kernel11.h"
 #include "backward/sets.cuh"
-#include "backward/tma_ring/kernel12.h"
 
 namespace lnbwd {
 
@@ -32,8 +33,6 @@ cudaError_t norm_bwd_sets(const NormBwdParams& a, const NormBwdParams& b, cudaSt
   if (a.rows == 0 && b.rows == 0 && !a.plan_only) return cudaSuccess;
   DeviceLimits lim;
   LNBWD_RETURN_IF_CUDA_ERROR(device_limits(a.device, &lim));
-  Kernel12Config chunks;
-  if (kernel12_chunks_take(a.dtype, a.C, lim, &chunks)) return norm_bwd_kernel12_chunk_sets(a, b, chunks, stream);
   Kernel11Config cfg;
   if (!kernel11_pick(a.dtype, a.C, true, lim, &cfg, 32) || cfg.tpr > 32) return cudaErrorInvalidValue;
   return norm_bwd_sets_config(a, b, cfg, stream);

@@ -3,7 +3,7 @@
 // finalize_partials launch for both dweights. What the sets' kernels share: kernel11_sets
 // (registers/kernel11_sets.cu: kernel 11's row loop) and kernel12_chunk_sets
 // (tma_ring/kernel12_chunk_sets.cu: kernel 12's ring of row chunks, sm_90); norm_bwd_sets
-// (sets.cu) picks between them.
+// (sets.cu) picks kernel 11's and says why.
 //
 // Blocks are dealt to the sets in proportion to their rows (grouped-query attention has 4 to 8
 // times more q heads than k heads), so that the two sets' blocks finish together; a set with
