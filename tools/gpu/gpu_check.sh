@@ -51,7 +51,8 @@
 #              rows; empty: the ops' own shapes) in AB_DTYPES (default bfloat16,float32) beside
 #              AB_PEERS (default copy), first with the extension in jax_lnbwd/ (the change: OUT/ab_new),
 #              then with another build's, AB_BASE (a tools/gpu/prebuild.sh folder, default
-#              build/prebuilt_base: OUT/ab_base); jax_lnbwd/'s extension is put back after
+#              build/prebuilt_base: OUT/ab_base), from a copy of jax_lnbwd/ that holds it: the
+#              checkout's extension is never replaced, so a stage cut short leaves it in place
 # PEERS: the forward and l2 stages' --peers (by default every peer but Pallas, to keep the stages
 # short: name it in PEERS to add it).
 # The build stage first installs the wheels in PEER_WHEELS (default build/peer-wheels), when there
@@ -84,8 +85,8 @@ sanitizer() {
   [ -d "$dir/obj" ] && step=run
   SAN_STEP=$step run "$2" "tests/cuda/$3" "$dir" "$OUT/$2"
 }
-unpack_ext() {   # unpack_ext DIR: a tools/gpu/prebuild.sh folder's extension, into jax_lnbwd/
-  xz -dc "$1/ext.so.xz" > "jax_lnbwd/$(cat "$1/ext.name")"
+unpack_ext() {   # unpack_ext DIR [ROOT]: a tools/gpu/prebuild.sh folder's extension, into ROOT/jax_lnbwd/
+  xz -dc "$1/ext.so.xz" > "${2:-.}/jax_lnbwd/$(cat "$1/ext.name")"
 }
 install_peer_wheels() {   # the bench peers from PEER_WHEELS, when there are any
   ls "$PEER_WHEELS"/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps "$PEER_WHEELS"/*.whl
@@ -213,16 +214,25 @@ for stage in "$@"; do
       TAIL=40 run e2e python3 -m benchmarks.e2e ${E2E_ARGS:-} --out "$OUT/e2e" ;;
     ab)
       base=${AB_BASE:-build/prebuilt_base}
-      ext=jax_lnbwd/$(cat "$base/ext.name") || { status=1; continue; }
+      name=$(cat "$base/ext.name") || { status=1; continue; }
       ab_shapes=${AB_SHAPES-524288x64,262144x128,131072x256}
       ab_bench() {   # ab_bench TAG
         python3 -m benchmarks.kernels --op "${AB_OPS:-layernorm_bwd,rmsnorm_bwd}" --dtypes "${AB_DTYPES:-bfloat16,float32}" \
           ${ab_shapes:+--shapes "$ab_shapes"} --peers "${AB_PEERS:-copy}" --no-progress --out "$OUT/ab_$1"
       }
-      cp "$ext" "$OUT/ab_new.so" || { status=1; continue; }
       run ab_new ab_bench new
-      unpack_ext "$base" && run ab_base ab_bench base
-      cp "$OUT/ab_new.so" "$ext" && rm "$OUT/ab_new.so" || status=1 ;;
+      # The base: a copy of the package with the base's extension in place of ours, in a folder
+      # that is the bench's working directory (python -m puts it first on sys.path; the checkout
+      # follows on PYTHONPATH, for benchmarks/). A timeout that stops the stage here leaves the
+      # checkout's extension as it was.
+      tree=$(mktemp -d)
+      if cp -r jax_lnbwd "$tree/" && rm -f "$tree"/jax_lnbwd/_jax_lnbwd*.so && unpack_ext "$base" "$tree"; then
+        (OUT=$(cd "$OUT" && pwd) && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" && export PYTHONPATH &&
+          cd "$tree" && run ab_base ab_bench base && exit "$status") || status=1
+      else
+        status=1
+      fi
+      rm -rf "$tree" ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
 done
