@@ -1,9 +1,8 @@
 // QK-norm's backward in one launch (backward/sets.cuh): which kernel takes the two sets, and the
 // workspace it needs. Kernel 11's row loop with groups of at most a warp takes them. Kernel 12's
 // ring of row chunks over both sets at once (kernel12_chunk_sets.cu) is checked but not picked:
-// its blocks, split between the sets, walk them side by side, and that grid measured about 7%
-// slower than the same rows as two launches of the ring one set after the other (H100, bf16
-// D = 128: docs/results/2026-12-06-chunk_sets_h100.txt), no faster than kernel 11's sets.
+// its blocks, split between the sets, walk them side by side, which streams DRAM more slowly than
+// walking one set after the other, and it was no faster than kernel 11's sets (docs/kernel12.md).
 #include "backward/launch.cuh"
 #include "backward/registers/kernel11.h"
 #include "backward/sets.cuh"

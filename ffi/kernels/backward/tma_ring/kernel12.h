@@ -89,11 +89,6 @@ cudaError_t with_chunk_tpr(int tpr, F&& f) {
   }
   return cudaErrorInvalidValue;
 }
-// Whether rows of C take the ring of row chunks on this device (sm_90 code in the build, and rows
-// that kernel 11 would hold in groups narrower than a warp), and its configuration
-// (norm_bwd_kernel12's rule). The rows must also be 16-byte aligned (can_vectorize), which the
-// caller knows.
-bool kernel12_chunks_take(Dtype dtype, int64_t C, const DeviceLimits& lim, Kernel12Config* cfg);
 // QK-norm's two sets of rows (backward/sets.cuh) on the ring of row chunks, configuration cfg
 // (kernel12_chunk_sets.cu; norm_bwd_sets does not pick it, backward/sets.cu says why).
 cudaError_t norm_bwd_kernel12_chunk_sets(const NormBwdParams& a, const NormBwdParams& b, const Kernel12Config& cfg,

@@ -160,12 +160,6 @@ bool kernel12_pick(Dtype dtype, int64_t C, const DeviceLimits& lim, Kernel12Conf
   return pick_buffers(all, dtype, C, 1, cfg) || pick_buffers(all, dtype, C, 2, cfg);
 }
 
-bool kernel12_chunks_take(Dtype dtype, int64_t C, const DeviceLimits& lim, Kernel12Config* cfg) {
-  Kernel11Config small;
-  return lim.cc_major >= 9 && kernel11_pick(dtype, C, true, lim, &small) && small.tpr < 32 &&
-         kernel12_has_code(lim.device) && kernel12_chunk_pick(dtype, C, lim, cfg);
-}
-
 cudaError_t norm_bwd_kernel12(const NormBwdParams& p, cudaStream_t stream) {
   DeviceLimits lim;
   LNBWD_RETURN_IF_CUDA_ERROR(device_limits(p.device, &lim));
@@ -182,7 +176,7 @@ cudaError_t norm_bwd_kernel12(const NormBwdParams& p, cudaStream_t stream) {
   Kernel11Config small;
   if (vectorized && kernel11_pick(p.dtype, p.C, vectorized, lim, &small) && small.tpr < 32) {
     Kernel12Config chunks;
-    if (kernel12_chunks_take(p.dtype, p.C, lim, &chunks)) return norm_bwd_kernel12_chunks(p, chunks, stream);
+    if (hopper && kernel12_chunk_pick(p.dtype, p.C, lim, &chunks)) return norm_bwd_kernel12_chunks(p, chunks, stream);
     return norm_bwd_kernel11_config(p, small, stream);
   }
   if (hopper) {
