@@ -43,9 +43,9 @@ for o in "$OUT"/obj/*.o; do
   case $o in */forward_rows.cu.o | */kernel11_sets.cu.o | */kernel12_chunk_sets.cu.o) ;; *) others+=("$o") ;; esac
 done
 link "$ctl/qk_check_head_off" "${others[@]}" "$ctl"/*.o || exit 2
-# The plain check (every shape) runs beside the tools (the reduced set): it is the slowest single
-# step, and it needs the GPU far less than they need the host.
-("$OUT/qk_check" > "$LOGS/plain.log" 2>&1; echo "plain exit $?" >> "$LOGS/plain.log") &
+# The plain check (every shape, within the tools' time limit) runs beside the tools (the reduced
+# set): it is the slowest single step, and it needs the GPU far less than they need the host.
+(timeout "$TIMEOUT" "$OUT/qk_check" > "$LOGS/plain.log" 2>&1; echo "plain exit $?" >> "$LOGS/plain.log") &
 
 export LNBWD_QUICK=1   # the reduced shape set: the sanitizers are slow
 four_tools 'qk check: [0-9]+ cases, [0-9]+ failures' "$OUT/qk_check"
