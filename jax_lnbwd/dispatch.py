@@ -64,7 +64,9 @@ KERNEL_PLATFORMS = ("cuda",)
 # Where our CUDA kernels beat XLA's fusion of the same jnp, from the kernel bench on the H200
 # (docs/results/2026-12-03-crossover_h200.txt: every op, bf16 and fp32, C from 32 to 16384 at
 # 64 MB a tensor and at L2-sized shapes; docs/results/2026-12-04-small_rows_h200.txt: the
-# small-row kernels of layernorm and rmsnorm, C from 64 to 512 at 64 MB a tensor). For each
+# small-row kernels of layernorm and rmsnorm, C from 64 to 512 at 64 MB a tensor;
+# docs/results/2026-12-06-small_c_checks_h100.txt: the backward at C = 32, where kernel 12's ring of
+# row chunks and kernel 11's small rows both beat XLA's fusion, on the H100). For each
 # (op, direction, element bytes): (C, rows) pairs; our kernel runs when C >= c and rows >= r for
 # one of them. A pair marked ALIGNED holds only for rows of whole 16-byte vectors (C * itemsize a
 # multiple of 16): the small-row kernels run only those, and other rows of such widths take
@@ -84,10 +86,10 @@ CROSSOVERS = {
     ("add_layernorm", FORWARD, 4): ((64, 1),),
     ("add_rmsnorm", FORWARD, 2): ((128, 1),),
     ("add_rmsnorm", FORWARD, 4): ((64, 1),),
-    ("layernorm", BACKWARD, 2): ((256, 1024), (64, 65536, ALIGNED)),
-    ("layernorm", BACKWARD, 4): ((256, 1024), (64, 65536, ALIGNED)),
-    ("rmsnorm", BACKWARD, 2): ((256, 1024), (64, 65536, ALIGNED)),
-    ("rmsnorm", BACKWARD, 4): ((256, 1024), (64, 65536, ALIGNED)),
+    ("layernorm", BACKWARD, 2): ((256, 1024), (64, 65536, ALIGNED), (32, 1048576, ALIGNED)),
+    ("layernorm", BACKWARD, 4): ((256, 1024), (64, 65536, ALIGNED), (32, 1048576, ALIGNED)),
+    ("rmsnorm", BACKWARD, 2): ((256, 1024), (64, 65536, ALIGNED), (32, 1048576, ALIGNED)),
+    ("rmsnorm", BACKWARD, 4): ((256, 1024), (64, 65536, ALIGNED), (32, 1048576, ALIGNED)),
     # QK-norm as one op (qk_autodiff.py: q's and k's heads in one call; C is head_dim, rows are
     # q's and k's heads together), against the two-call path (each call dispatched as
     # rmsnorm/layernorm is, by the rows above) and XLA's fusion, at 16384 tokens of 32 q and 8 kv

@@ -55,10 +55,14 @@ def _decide(direction, shape, dtype="bfloat16", norm=RMSNORM, **kw):
     ("add_layernorm", FORWARD, "float32", 32, 1048576, False),
     ("add_rmsnorm", FORWARD, "bfloat16", 64, 524288, False),
     ("add_rmsnorm", FORWARD, "float64", 64, 524288, True),
-    # backward: C >= 256 with >= 1024 rows, or C >= 64 with >= 65536 rows (the small-row kernels)
+    # backward: C >= 256 with >= 1024 rows, C >= 64 with >= 65536 rows or C >= 32 with >= 1048576
+    # rows (the small-row kernels)
     ("layernorm", BACKWARD, "bfloat16", 128, 262144, True),
     ("layernorm", BACKWARD, "bfloat16", 128, 8192, False),
-    ("layernorm", BACKWARD, "bfloat16", 32, 1048576, False),
+    ("layernorm", BACKWARD, "bfloat16", 32, 1048576, True),
+    ("layernorm", BACKWARD, "bfloat16", 32, 524288, False),
+    ("rmsnorm", BACKWARD, "float32", 32, 1048576, True),
+    ("rmsnorm", BACKWARD, "float32", 16, 1048576, False),
     ("layernorm", BACKWARD, "bfloat16", 256, 131072, True),
     ("layernorm", BACKWARD, "bfloat16", 4096, 256, False),
     ("layernorm", BACKWARD, "bfloat16", 1024, 1024, True),
