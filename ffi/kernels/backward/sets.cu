@@ -1,9 +1,8 @@
 // QK-norm's backward in one launch (backward/sets.cuh): which kernel takes the two sets, and the
 // workspace it needs. Kernel 11's row loop with groups of at most a warp takes them. Kernel 12's
 // ring of row chunks over both sets at once (kernel12_chunk_sets.cu) is checked but not picked:
-// one grid over both sets streamed more slowly than two launches of the ring, whether its blocks
-// walked the sets side by side or one after the other, and it was no faster than kernel 11's
-// sets (docs/kernel12.md).
+// one grid over both sets streamed more slowly than two launches of the ring, and it was no
+// faster than kernel 11's sets (docs/kernel12.md).
 #include "backward/launch.cuh"
 #include "backward/registers/kernel11.h"
 #include "backward/sets.cuh"
