@@ -1,11 +1,12 @@
-// QK-norm's backward in one launch (backward/sets.cuh): which kernel takes the two sets, and the
-// workspace it needs. Kernel 11's row loop with groups of at most a warp takes them. Kernel 12's
-// ring of row chunks over both sets at once (kernel12_chunk_sets.cu) is checked but not picked:
-// one grid over both sets streamed more slowly than two launches of the ring, and it was no
-// faster than kernel 11's sets (docs/kernel12.md).
+// QK-norm's backward (backward/sets.cuh): which kernel takes the two sets, and the workspace it
+// needs. Rows that kernel 12's ring of row chunks takes (at most a warp of 16-byte vectors, sm_90
+// code on an sm_90 device) run on it, one launch a set (tma_ring/kernel12_chunk_sets.cu), as
+// norm_bwd_kernel12 runs such rows of one tensor; the others, kernel 11's row loop with groups of
+// at most a warp over both sets in one grid (registers/kernel11_sets.cu).
 #include "backward/launch.cuh"
 #include "backward/registers/kernel11.h"
 #include "backward/sets.cuh"
+#include "backward/tma_ring/kernel12.h"
 
 namespace lnbwd {
 
@@ -32,6 +33,13 @@ cudaError_t norm_bwd_sets(const NormBwdParams& a, const NormBwdParams& b, cudaSt
   if (a.rows == 0 && b.rows == 0 && !a.plan_only) return cudaSuccess;
   DeviceLimits lim;
   LNBWD_RETURN_IF_CUDA_ERROR(device_limits(a.device, &lim));
+  // A plan (the workspace query) has no buffers: it plans for aligned ones, as XLA's are.
+  const bool vectorized = a.plan_only || (can_vectorize(a) && can_vectorize(b));
+  Kernel12Config chunks;
+  if (vectorized && lim.cc_major >= 9 && kernel12_has_code(lim.device) &&
+      kernel12_chunk_pick(a.dtype, a.C, lim, &chunks)) {
+    return norm_bwd_kernel12_chunk_sets(a, b, chunks, stream);
+  }
   Kernel11Config cfg;
   if (!kernel11_pick(a.dtype, a.C, true, lim, &cfg, 32) || cfg.tpr > 32) return cudaErrorInvalidValue;
   return norm_bwd_sets_config(a, b, cfg, stream);

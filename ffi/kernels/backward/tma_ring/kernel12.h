@@ -89,8 +89,8 @@ cudaError_t with_chunk_tpr(int tpr, F&& f) {
   }
   return cudaErrorInvalidValue;
 }
-// QK-norm's two sets of rows (backward/sets.cuh) on the ring of row chunks, configuration cfg
-// (kernel12_chunk_sets.cu; norm_bwd_sets does not pick it, backward/sets.cu says why).
+// QK-norm's two sets of rows (backward/sets.cuh) on the ring of row chunks, configuration cfg,
+// one launch a set (kernel12_chunk_sets.cu; norm_bwd_sets picks it for rows it takes).
 cudaError_t norm_bwd_kernel12_chunk_sets(const NormBwdParams& a, const NormBwdParams& b, const Kernel12Config& cfg,
                                          cudaStream_t stream);
 

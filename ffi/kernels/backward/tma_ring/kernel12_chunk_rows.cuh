@@ -1,7 +1,7 @@
 // Kernel 12's ring of row chunks: one block's walk over its share of a tensor of small rows, from
 // the first chunk's bulk copy to the block's partial slot (the design: kernel12_row_chunks.cu).
 // Two kernels run it: kernel12_chunks (kernel12_row_chunks.cu: the segments of one tensor) and
-// kernel12_chunk_sets (kernel12_chunk_sets.cu: QK-norm's two sets of head rows in one grid).
+// kernel12_chunk_set (kernel12_chunk_sets.cu: one of QK-norm's two sets of head rows).
 #pragma once
 
 #include <type_traits>

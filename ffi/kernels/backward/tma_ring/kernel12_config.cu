@@ -172,12 +172,19 @@ cudaError_t norm_bwd_kernel12(const NormBwdParams& p, cudaStream_t stream) {
   // warp) take the ring of row chunks, a ring buffer a chunk of one row per group: a ring of
   // single rows would wait on a barrier per few hundred bytes. Where there is no chunk ring (no
   // sm_90 code, fp64), kernel 11's small rows.
+  // Rows that one warp of kernel 11 holds at two vectors a thread (1 KB rows: fp32 C = 256,
+  // 16-bit C = 512) stay on kernel 11 too: there its warps, each holding its row and the
+  // prefetched next one in registers, measured faster than the ring's groups, which wait on a
+  // barrier a row (docs/kernel12.md). Rows of more vectors a thread take the ring.
   const bool hopper = lim.cc_major >= 9 && vectorized && kernel12_has_code(lim.device);
   Kernel11Config small;
-  if (vectorized && kernel11_pick(p.dtype, p.C, vectorized, lim, &small) && small.tpr < 32) {
-    Kernel12Config chunks;
-    if (hopper && kernel12_chunk_pick(p.dtype, p.C, lim, &chunks)) return norm_bwd_kernel12_chunks(p, chunks, stream);
-    return norm_bwd_kernel11_config(p, small, stream);
+  if (vectorized && kernel11_pick(p.dtype, p.C, vectorized, lim, &small)) {
+    if (small.tpr < 32) {
+      Kernel12Config chunks;
+      if (hopper && kernel12_chunk_pick(p.dtype, p.C, lim, &chunks)) return norm_bwd_kernel12_chunks(p, chunks, stream);
+      return norm_bwd_kernel11_config(p, small, stream);
+    }
+    if (small.tpr == 32 && small.nv <= 2) return norm_bwd_kernel11_config(p, small, stream);
   }
   if (hopper) {
     Kernel12Config cfg;
