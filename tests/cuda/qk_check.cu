@@ -13,7 +13,9 @@
 // As the other checks: exact-size cudaMalloc buffers and NaN-poisoned outputs, so that
 // compute-sanitizer sees every stray access and unwritten output.
 //
-//   qk_check           (LNBWD_QUICK=1: fewer shapes, for the sanitizers)
+//   qk_check           (LNBWD_QUICK=1: fewer shapes, for the sanitizers; LNBWD_DTYPE=float32,
+//                       bfloat16, float16 or float64: that dtype's cases only, so that a caller
+//                       can run the dtypes side by side)
 //
 // Build:
 //   nvcc -O3 -lineinfo -std=c++17 -arch=sm_90 -Iffi/kernels -Iffi -Icuda_harness tests/cuda/qk_check.cu ffi/registry.cc \
@@ -335,6 +337,7 @@ int main() {
   // Line-buffered, so that a run stopped by a time limit still shows how far it got.
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   const bool quick = std::getenv("LNBWD_QUICK") != nullptr;
+  const char* only = std::getenv("LNBWD_DTYPE");
   std::mt19937 gen(4321);
   int cases = 0, failures = 0;
   auto count = [&](int result) {
@@ -349,6 +352,7 @@ int main() {
   const std::vector<Heads> heads = quick ? std::vector<Heads>{{37, 4, 2}, {1, 64, 1}}
                                          : std::vector<Heads>{{300, 32, 8}, {37, 4, 2}, {1, 64, 1}, {129, 1, 1}, {5, 64, 64}};
   for (Dtype d : kAllDtypes) {
+    if (only && std::string(only) != dtype_name(d)) continue;
     const int64_t item = dtype_item_bytes(d), widest = kHeadRowsMaxBytes / item;
     std::vector<int64_t> dims;
     for (int64_t D : {8, 32, 64, 80, 128, 256, 512, 1024}) {

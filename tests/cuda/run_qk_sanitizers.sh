@@ -44,16 +44,23 @@ for o in "$OUT"/obj/*.o; do
 done
 link "$ctl/qk_check_head_off" "${others[@]}" "$ctl"/*.o || exit 2
 # The plain check (every shape, within the tools' time limit) runs beside the tools (the reduced
-# set): it is the slowest single step, and it needs the GPU far less than they need the host.
-(timeout "$TIMEOUT" "$OUT/qk_check" > "$LOGS/plain.log" 2>&1; echo "plain exit $?" >> "$LOGS/plain.log") &
+# set): it is the slowest single step, and it needs the GPU far less than they need the host. One
+# process a dtype, side by side: one process's float64 reference is what takes the time.
+plain_dtypes=(float32 bfloat16 float16 float64)
+for d in "${plain_dtypes[@]}"; do
+  (LNBWD_DTYPE=$d timeout "$TIMEOUT" "$OUT/qk_check" > "$LOGS/plain_$d.log" 2>&1
+   echo "plain exit $?" >> "$LOGS/plain_$d.log") &
+done
 
 export LNBWD_QUICK=1   # the reduced shape set: the sanitizers are slow
 four_tools 'qk check: [0-9]+ cases, [0-9]+ failures' "$OUT/qk_check"
 # The planted walk past the buffer's end must be reported.
 run_control head_off_by_one memcheck "$ctl/qk_check_head_off" > "$LOGS/head_off_by_one.result" &
 wait
-tail -3 "$LOGS/plain.log"
 status=0
-grep -q "^plain exit 0$" "$LOGS/plain.log" || status=1
+for d in "${plain_dtypes[@]}"; do
+  echo "plain $d: $(grep -E "^qk check" "$LOGS/plain_$d.log") ($(tail -n 1 "$LOGS/plain_$d.log"))"
+  grep -q "^plain exit 0$" "$LOGS/plain_$d.log" || status=1
+done
 verdict head_off_by_one || status=1
 exit $status

@@ -126,3 +126,47 @@ def test_repeats_are_bit_identical(platform, C):
     for _ in range(2):
         for a, o in zip(first, ours_vjp(platform, "layernorm", x, w, b, dy)):
             assert np.array_equal(a.view(np.uint16), o.view(np.uint16))
+
+
+def _plans_on_hopper():
+    """The nanobind module and JAX's first GPU, where that GPU runs kernel 12 (sm_90 and a build
+    with its code: kernel 12 plans 2 KB bf16 rows on its ring); else the test skips."""
+    from jax_lnbwd import _jax_lnbwd, kernels
+
+    dev = kernels._cuda_device()
+    if dev is None or not hasattr(_jax_lnbwd, "launch_plan"):
+        pytest.skip("needs a CUDA build on a GPU")
+    if _jax_lnbwd.launch_plan(12, "bfloat16", 32768, 1024, 1, dev)["kernel"] != 12:
+        pytest.skip("kernel 12 does not run here (not sm_90, or no sm_90 code)")
+    return _jax_lnbwd, dev
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,C,kernel,path", [
+    ("bfloat16", 128, 12, "ring of row chunks"),   # a group narrower than a warp: the chunk ring
+    ("float32", 128, 12, "ring of row chunks"),
+    ("float32", 256, 11, ""),                      # 1 KB rows, a warp at two vectors a thread
+    ("bfloat16", 512, 11, ""),
+    ("float32", 512, 12, "ring"),                  # more vectors a thread: kernel 12's row ring
+    ("bfloat16", 1024, 12, "ring"),
+])
+def test_backward_pick_by_row_bytes(dtype, C, kernel, path):
+    """The backward's default (kernel 12's launcher) by the row's bytes on sm_90: small rows on
+    the ring of row chunks, 1 KB rows on kernel 11, wider rows on the ring."""
+    module, dev = _plans_on_hopper()
+    plan = module.launch_plan(12, dtype, (1 << 25) // (C * np.dtype(np_dtype(dtype)).itemsize), C, 1, dev)
+    assert plan["kernel"] == kernel and plan["path"].startswith(path), plan
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,D,kernel,path", [
+    ("bfloat16", 64, 12, "ring of row chunks, a launch a set"),
+    ("bfloat16", 256, 12, "ring of row chunks, a launch a set"),
+    ("float32", 128, 12, "ring of row chunks, a launch a set"),
+    ("float32", 256, 11, "head rows, two sets"),   # wider than a warp of vectors: kernel 11's sets
+])
+def test_qk_backward_pick(dtype, D, kernel, path):
+    """QK-norm's backward on sm_90: rows the chunk ring takes run on it, one launch a set."""
+    module, dev = _plans_on_hopper()
+    plan = module.qk_launch_plan(dtype, 16384 * 32, 16384 * 8, D, dev)
+    assert plan["kernel"] == kernel and plan["path"] == path, plan
