@@ -162,11 +162,12 @@ nb::dict PlanDict(int kernel, const std::string& dtype, int64_t rows, int64_t C,
   return PlanFields(plan);
 }
 
-// The launch QK-norm's backward makes for q's rows_q and k's rows_k rows of D (both forms: the
-// fused one's rows are tokens * heads), and its workspace (norm_bwd_sets_workspace_bytes).
-nb::dict QkPlanDict(const std::string& dtype, int64_t rows_q, int64_t rows_k, int64_t D, int device) {
+// The launch QK-norm's backward makes for q's rows_q and k's rows_k rows of D (fused: the fused
+// projection's, whose rows are tokens * heads; else q and k of their own), and its workspace
+// (norm_bwd_sets_workspace_bytes).
+nb::dict QkPlanDict(const std::string& dtype, int64_t rows_q, int64_t rows_k, int64_t D, int device, bool fused) {
   LaunchPlan plan;
-  const cudaError_t err = norm_bwd_sets_workspace_bytes(ParseDtype(dtype), rows_q, rows_k, D, device, &plan);
+  const cudaError_t err = norm_bwd_sets_workspace_bytes(ParseDtype(dtype), rows_q, rows_k, D, fused, device, &plan);
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
     throw std::runtime_error("qk_norm: no one-launch backward for rows of D=" + std::to_string(D) + " " + dtype +
@@ -238,7 +239,7 @@ NB_MODULE(_jax_lnbwd, m) {
         nb::arg("segments"), nb::arg("device"), nb::arg("op") = "launch_plan");
   // The launch and workspace of QK-norm's one-launch backward (norm_bwd_sets_workspace_bytes).
   m.def("qk_launch_plan", &lnbwd::QkPlanDict, nb::arg("dtype"), nb::arg("rows_q"), nb::arg("rows_k"), nb::arg("D"),
-        nb::arg("device"));
+        nb::arg("device"), nb::arg("fused") = false);
 #endif
   // The widest row QK-norm's one-launch kernels hold, in bytes (kernels/common/head_rows.h); they
   // also need rows of a multiple of 16 bytes. jax_lnbwd runs other rows as two norm calls.

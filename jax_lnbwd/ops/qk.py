@@ -47,14 +47,16 @@ from . import ffi
 __all__ = ["qk_fwd_call", "qk_fused_fwd_call", "qk_bwd_call", "qk_fused_bwd_call", "qk_workspace_bytes"]
 
 
-def qk_workspace_bytes(dtype, rows_q: int, rows_k: int, D: int) -> int:
-    """Scratch the QK-norm backward's CUDA kernels use for q's rows_q and k's rows_k rows of D:
-    on JAX's first GPU, what the C++ that plans their launch says (qk_launch_plan); without one
-    (a CPU-only build or machine, where the workspace goes unused) the workspace's header alone."""
+def qk_workspace_bytes(dtype, rows_q: int, rows_k: int, D: int, fused: bool = False) -> int:
+    """Scratch the QK-norm backward's CUDA kernels use for q's rows_q and k's rows_k rows of D
+    (fused: head rows of the fused projection, which take other kernels than q and k of their
+    own): on JAX's first GPU, what the C++ that plans their launch says (qk_launch_plan); without
+    one (a CPU-only build or machine, where the workspace goes unused) the workspace's header
+    alone."""
     dev = _cuda_device()
     plan = getattr(_jax_lnbwd, "qk_launch_plan", None)
     if dev is not None and plan is not None:
-        return int(plan(dtype_name(dtype), int(rows_q), int(rows_k), int(D), dev)["workspace_bytes"])
+        return int(plan(dtype_name(dtype), int(rows_q), int(rows_k), int(D), dev, fused=fused)["workspace_bytes"])
     return WORKSPACE_HEADER_BYTES
 
 
@@ -141,7 +143,7 @@ def qk_fused_bwd_call(norm: Norm, dqkv_out, qkv, q_weight, k_weight, q_stats, k_
     q_mean, q_rstd = _mean_rstd(norm, q_stats, qkv.dtype)
     k_mean, k_rstd = _mean_rstd(norm, k_stats, qkv.dtype)
     operands = (dqkv_out, qkv, q_weight.reshape(1, -1), k_weight.reshape(1, -1), q_mean, q_rstd, k_mean, k_rstd)
-    ws = qk_workspace_bytes(qkv.dtype, tokens * q_heads, tokens * kv_heads, D)
+    ws = qk_workspace_bytes(qkv.dtype, tokens * q_heads, tokens * kv_heads, D, fused=True)
     results = ((qkv.shape, qkv.dtype), ((2, D), q_weight.dtype), ((ws,), np.uint8))
     dqkv, dweights, _ = ffi.call(
         QK_TARGETS.fused_bwd, operands, results, op="qk_norm_fused_bwd", aliases={0: 0},

@@ -251,7 +251,7 @@ int run_bwd(const Case& c, const Kernel11Config* cfg, std::mt19937& gen, const K
   }
   if (c.fused) rdx[1] = rdx[0];
   LaunchPlan plan;
-  CHECK_CUDA(norm_bwd_sets_workspace_bytes(c.dtype, L.rows(0), L.rows(1), c.D, 0, &plan));
+  CHECK_CUDA(norm_bwd_sets_workspace_bytes(c.dtype, L.rows(0), L.rows(1), c.D, c.fused, 0, &plan));
   DeviceBuf ws(plan.workspace_bytes), dwt(2 * c.D * dtype_item_bytes(pd));
   DeviceBuf xin0 = upload(hx[0]), xin1 = upload(c.fused ? std::vector<unsigned char>{} : hx[1]);
   DeviceBuf wq = upload(hw[0]), wk = upload(hw[1]);

@@ -220,7 +220,7 @@ def test_fused_unaliased(platform, norm):
                  jax.ShapeDtypeStruct((rows_q,), stat), jax.ShapeDtypeStruct((mean_k,), stat),
                  jax.ShapeDtypeStruct((rows_k,), stat))
     bwd_types = (jax.ShapeDtypeStruct(qkv.shape, qkv.dtype), jax.ShapeDtypeStruct((2, 16), np.float32),
-                 jax.ShapeDtypeStruct((qk_workspace_bytes("bfloat16", rows_q, rows_k, 16),), np.uint8))
+                 jax.ShapeDtypeStruct((qk_workspace_bytes("bfloat16", rows_q, rows_k, 16, fused=True),), np.uint8))
 
     def unaliased(qkv, dqkv_out, qw, kw):
         out, qm, qr, km, kr = jax.ffi.ffi_call(QK_TARGETS.fused_fwd, fwd_types)(

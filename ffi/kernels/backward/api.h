@@ -147,18 +147,21 @@ cudaError_t norm_bwd_kernel11(const NormBwdParams& p, cudaStream_t stream);
 // and builds without sm_90 code (CUDA architectures without 90).
 cudaError_t norm_bwd_kernel12(const NormBwdParams& p, cudaStream_t stream);
 
-// QK-norm's backward: two sets of rows (attention's q heads and k heads) in ONE launch of kernel
-// 11's row loop, then the finalize (backward/sets.cu). From each of a and b: its set's dx, dy,
+// QK-norm's backward: two sets of rows (attention's q heads and k heads) in one launch of kernel
+// 11's row loop over both, or one launch of kernel 12's ring of row chunks a set, then one
+// finalize for both (backward/sets.cu says which). From each of a and b: its set's dx, dy,
 // x, weight ([C]: one weight row each), mean, rstd, rows and heads layout (dy may be dx's own
 // buffer: the fused projection's cotangent, normalized in place). From a only: dtype, C,
 // weight_f32, norm, offset, workspace, device, plan; a.dweight is [2, C], row 0 set a's dweight
 // and row 1 set b's; dbias is null (QK-norm has no bias; layernorm's dbias sums are dropped).
 // Rows must be 16-byte aligned and at most kHeadRowsMaxBytes (common/head_rows.h), no dresidual,
-// one segment: cudaErrorInvalidValue otherwise. Deterministic, as kernel 11.
+// one segment: cudaErrorInvalidValue otherwise. Deterministic, as kernels 11 and 12.
 cudaError_t norm_bwd_sets(const NormBwdParams& a, const NormBwdParams& b, cudaStream_t stream);
 // The workspace norm_bwd_sets uses for sets of rows_a and rows_b rows of C on `device` (-1: the
-// current one), as norm_bwd_workspace_bytes does for kernel 11.
-cudaError_t norm_bwd_sets_workspace_bytes(Dtype dtype, int64_t rows_a, int64_t rows_b, int64_t C, int device,
-                                          LaunchPlan* plan);
+// current one), as norm_bwd_workspace_bytes does for kernels 11 and 12; fused: the sets are head
+// rows of the fused projection, else q and k in buffers of their own (the forms take different
+// kernels).
+cudaError_t norm_bwd_sets_workspace_bytes(Dtype dtype, int64_t rows_a, int64_t rows_b, int64_t C, bool fused,
+                                          int device, LaunchPlan* plan);
 
 }  // namespace lnbwd

@@ -1,8 +1,11 @@
 // QK-norm's backward (backward/sets.cuh): which kernel takes the two sets, and the workspace it
-// needs. Rows that kernel 12's ring of row chunks takes (at most a warp of 16-byte vectors, sm_90
-// code on an sm_90 device) run on it, one launch a set (tma_ring/kernel12_chunk_sets.cu), as
-// norm_bwd_kernel12 runs such rows of one tensor; the others, kernel 11's row loop with groups of
-// at most a warp over both sets in one grid (registers/kernel11_sets.cu).
+// needs. q and k in buffers of their own, in rows narrower than a warp of 16-byte vectors (16-bit
+// D <= 128, fp32 D <= 64), run on kernel 12's ring of row chunks, one launch a set
+// (tma_ring/kernel12_chunk_sets.cu), where sm_90 code runs: there it streams as two calls of the
+// ring do, ahead of kernel 11's sets. The others take kernel 11's row loop with groups of at most
+// a warp over both sets in one grid (registers/kernel11_sets.cu): rows of a whole warp (512
+// bytes) and the fused projection's head rows ran as fast or faster there than on the ring
+// (docs/kernel12.md).
 #include "backward/launch.cuh"
 #include "backward/registers/kernel11.h"
 #include "backward/sets.cuh"
@@ -35,9 +38,10 @@ cudaError_t norm_bwd_sets(const NormBwdParams& a, const NormBwdParams& b, cudaSt
   LNBWD_RETURN_IF_CUDA_ERROR(device_limits(a.device, &lim));
   // A plan (the workspace query) has no buffers: it plans for aligned ones, as XLA's are.
   const bool vectorized = a.plan_only || (can_vectorize(a) && can_vectorize(b));
+  const bool contiguous = a.heads.heads == 0 && b.heads.heads == 0;
   Kernel12Config chunks;
-  if (vectorized && lim.cc_major >= 9 && kernel12_has_code(lim.device) &&
-      kernel12_chunk_pick(a.dtype, a.C, lim, &chunks)) {
+  if (contiguous && vectorized && lim.cc_major >= 9 && kernel12_has_code(lim.device) &&
+      kernel12_chunk_pick(a.dtype, a.C, lim, &chunks) && chunks.tpr < 32) {
     return norm_bwd_kernel12_chunk_sets(a, b, chunks, stream);
   }
   Kernel11Config cfg;
@@ -45,8 +49,8 @@ cudaError_t norm_bwd_sets(const NormBwdParams& a, const NormBwdParams& b, cudaSt
   return norm_bwd_sets_config(a, b, cfg, stream);
 }
 
-cudaError_t norm_bwd_sets_workspace_bytes(Dtype dtype, int64_t rows_a, int64_t rows_b, int64_t C, int device,
-                                          LaunchPlan* plan) {
+cudaError_t norm_bwd_sets_workspace_bytes(Dtype dtype, int64_t rows_a, int64_t rows_b, int64_t C, bool fused,
+                                          int device, LaunchPlan* plan) {
   NormBwdParams a = {};
   a.dtype = dtype;
   a.C = C;
@@ -65,6 +69,9 @@ cudaError_t norm_bwd_sets_workspace_bytes(Dtype dtype, int64_t rows_a, int64_t r
     plan->workspace_bytes = kWorkspaceHeaderBytes;
     return cudaSuccess;
   }
+  // The fused projection's head rows: the plan depends on the layout's kind only (one head a
+  // token stands in for the real widths).
+  if (fused) a.heads = b.heads = HeadRows{1, C};
   return norm_bwd_sets(a, b, nullptr);
 }
 

@@ -19,6 +19,7 @@
 #pragma once
 
 #include <algorithm>
+#include <climits>
 
 #include "backward/launch.cuh"
 #include "backward/partials_finalize.h"
@@ -82,7 +83,7 @@ enum class SetsGrid {
 };
 
 // The grid both ways of launching plan, and the finalize both end with. `blocks` blocks: as many
-// as fit at once (kernel, threads, smem), no more than the rows have steps of rows_per_block
+// as fit at once (kernel, threads, smem; at most max_per_sm an SM), no more than the rows have steps of rows_per_block
 // rows (both sets' together for one grid, the larger set's apart: each launch has the same
 // blocks, since each fills a whole segment of slots) and no more than the workspace has pairs of
 // slots (a block, or a block of each launch, has one in each set's segment). Fills the plan; with
@@ -90,8 +91,8 @@ enum class SetsGrid {
 // launch(blocks, norm), which launches the sets' kernels, then the finalize.
 template <typename T, typename Launch>
 cudaError_t run_sets_grid(const NormBwdParams& a, const NormBwdParams& b, SetsGrid grid, const void* kernel,
-                          int threads, size_t smem, int rows_per_block, int kernel_id, const char* path,
-                          cudaStream_t stream, Launch&& launch) {
+                          int threads, size_t smem, int max_per_sm, int rows_per_block, int kernel_id,
+                          const char* path, cudaStream_t stream, Launch&& launch) {
   LaunchPlan own;
   LaunchPlan& plan = a.plan ? *a.plan : own;
   plan.kernel = kernel_id;
@@ -104,6 +105,7 @@ cudaError_t run_sets_grid(const NormBwdParams& a, const NormBwdParams& b, SetsGr
   int resident = 0;
   LNBWD_RETURN_IF_CUDA_ERROR(resident_units(a.device, kernel, threads, smem, 1, &resident));
   if (resident < 1) return cudaErrorInvalidConfiguration;
+  resident = std::min(resident, max_per_sm);
   const int need = grid == SetsGrid::kApart ? 1 : (a.rows > 0) + (b.rows > 0);
   const int64_t steps_a = ceil_div<int64_t>(a.rows, rows_per_block), steps_b = ceil_div<int64_t>(b.rows, rows_per_block);
   int64_t blocks = static_cast<int64_t>(resident) * lim.sms;
@@ -136,8 +138,8 @@ cudaError_t launch_sets_grid(const NormBwdParams& a, const NormBwdParams& b,
                              size_t smem, int rows_per_block, int kernel_id, const char* path, cudaStream_t stream,
                              Args... extra) {
   return run_sets_grid<T>(
-      a, b, SetsGrid::kOneGrid, reinterpret_cast<const void*>(kernel), threads, smem, rows_per_block, kernel_id, path,
-      stream, [&](int blocks, NormArgs<acc_t<T>> norm) -> cudaError_t {
+      a, b, SetsGrid::kOneGrid, reinterpret_cast<const void*>(kernel), threads, smem, INT_MAX, rows_per_block,
+      kernel_id, path, stream, [&](int blocks, NormArgs<acc_t<T>> norm) -> cudaError_t {
         const double share = static_cast<double>(a.rows) / static_cast<double>(a.rows + b.rows);
         BwdSets<T, O> s;
         s.set[0] = bwd_set_of<T, O>(a);
@@ -151,17 +153,18 @@ cudaError_t launch_sets_grid(const NormBwdParams& a, const NormBwdParams& b,
 }
 
 // One launch a set, set 0's then set 1's, each kernel<<<blocks, threads, smem>>>(partials +
-// segment's slots, set, C, norm, extra...) over its own set's rows, every block writing its slot
-// of the set's segment (zeros where the set has no rows for it). The second launch starts when
-// the first has ended (stream order); the finalize, launched early by the second, waits for it.
+// segment's slots, set, C, norm, extra...) over its own set's rows, at most max_per_sm blocks an
+// SM, every block writing its slot of the set's segment (zeros where the set has no rows for it).
+// The second launch starts when the first has ended (stream order); the finalize, launched early
+// by the second, waits for it.
 template <typename T, typename O, typename... Extra, typename... Args>
 cudaError_t launch_sets_apart(const NormBwdParams& a, const NormBwdParams& b,
                               void (*kernel)(acc_t<T>*, BwdSet<T, O>, int, NormArgs<acc_t<T>>, Extra...), int threads,
-                              size_t smem, int rows_per_block, int kernel_id, const char* path, cudaStream_t stream,
-                              Args... extra) {
+                              size_t smem, int max_per_sm, int rows_per_block, int kernel_id, const char* path,
+                              cudaStream_t stream, Args... extra) {
   return run_sets_grid<T>(
-      a, b, SetsGrid::kApart, reinterpret_cast<const void*>(kernel), threads, smem, rows_per_block, kernel_id, path,
-      stream, [&](int blocks, NormArgs<acc_t<T>> norm) -> cudaError_t {
+      a, b, SetsGrid::kApart, reinterpret_cast<const void*>(kernel), threads, smem, max_per_sm, rows_per_block,
+      kernel_id, path, stream, [&](int blocks, NormArgs<acc_t<T>> norm) -> cudaError_t {
         int k = 0;
         for (const NormBwdParams* p : {&a, &b}) {
           acc_t<T>* segment = partials_of<T>(a) + static_cast<size_t>(k++) * blocks * 2 * a.C;
