@@ -31,14 +31,15 @@ bool bwd_sets_ok(const NormBwdParams& a, const NormBwdParams& b) {
   return true;
 }
 
-cudaError_t norm_bwd_sets(const NormBwdParams& a, const NormBwdParams& b, cudaStream_t stream) {
-  if (!bwd_sets_ok(a, b)) return cudaErrorInvalidValue;
-  if (a.rows == 0 && b.rows == 0 && !a.plan_only) return cudaSuccess;
+namespace {
+
+// The pick, for sets laid out as `contiguous` says (the workspace query plans a layout it is told,
+// without the real heads).
+cudaError_t run_sets(const NormBwdParams& a, const NormBwdParams& b, bool contiguous, cudaStream_t stream) {
   DeviceLimits lim;
   LNBWD_RETURN_IF_CUDA_ERROR(device_limits(a.device, &lim));
   // A plan (the workspace query) has no buffers: it plans for aligned ones, as XLA's are.
   const bool vectorized = a.plan_only || (can_vectorize(a) && can_vectorize(b));
-  const bool contiguous = a.heads.heads == 0 && b.heads.heads == 0;
   Kernel12Config chunks;
   if (contiguous && vectorized && lim.cc_major >= 9 && kernel12_has_code(lim.device) &&
       kernel12_chunk_pick(a.dtype, a.C, lim, &chunks) && chunks.tpr < 32) {
@@ -47,6 +48,14 @@ cudaError_t norm_bwd_sets(const NormBwdParams& a, const NormBwdParams& b, cudaSt
   Kernel11Config cfg;
   if (!kernel11_pick(a.dtype, a.C, true, lim, &cfg, 32) || cfg.tpr > 32) return cudaErrorInvalidValue;
   return norm_bwd_sets_config(a, b, cfg, stream);
+}
+
+}  // namespace
+
+cudaError_t norm_bwd_sets(const NormBwdParams& a, const NormBwdParams& b, cudaStream_t stream) {
+  if (!bwd_sets_ok(a, b)) return cudaErrorInvalidValue;
+  if (a.rows == 0 && b.rows == 0 && !a.plan_only) return cudaSuccess;
+  return run_sets(a, b, a.heads.heads == 0 && b.heads.heads == 0, stream);
 }
 
 cudaError_t norm_bwd_sets_workspace_bytes(Dtype dtype, int64_t rows_a, int64_t rows_b, int64_t C, bool fused,
@@ -69,10 +78,8 @@ cudaError_t norm_bwd_sets_workspace_bytes(Dtype dtype, int64_t rows_a, int64_t r
     plan->workspace_bytes = kWorkspaceHeaderBytes;
     return cudaSuccess;
   }
-  // The fused projection's head rows: the plan depends on the layout's kind only (one head a
-  // token stands in for the real widths).
-  if (fused) a.heads = b.heads = HeadRows{1, C};
-  return norm_bwd_sets(a, b, nullptr);
+  if (!bwd_sets_ok(a, b)) return cudaErrorInvalidValue;
+  return run_sets(a, b, !fused, nullptr);
 }
 
 }  // namespace lnbwd
