@@ -3,11 +3,10 @@
 // dweights. Two ways of launching the sets' blocks, which share their plan and the finalize
 // (run_sets_grid):
 //   * one grid over both sets (launch_sets_grid): kernel11_sets (registers/kernel11_sets.cu:
-//     kernel 11's row loop) and, for head rows inside the fused projection,
-//     kernel12_chunk_sets (tma_ring/kernel12_chunk_sets.cu: kernel 12's ring of row chunks);
-//   * one launch a set (launch_sets_apart): q and k in buffers of their own on the ring of row
-//     chunks (kernel12_chunk_set), each launch on the whole grid, which streamed faster than one
-//     grid over both sets (docs/kernel12.md).
+//     kernel 11's row loop);
+//   * one launch a set (launch_sets_apart): kernel12_chunk_set (tma_ring/kernel12_chunk_sets.cu:
+//     kernel 12's ring of row chunks), each launch on the whole grid, which streamed faster than
+//     one grid of the ring over both sets (docs/kernel12.md).
 // norm_bwd_sets (sets.cu) picks.
 //
 // One grid: blocks are dealt to the sets in proportion to their rows (grouped-query attention has
