@@ -141,10 +141,12 @@ cudaError_t norm_bwd_workspace_bytes(int kernel, Dtype dtype, int64_t rows, int6
 cudaError_t norm_bwd_kernel11(const NormBwdParams& p, cudaStream_t stream);
 
 // Kernel 12: rows streamed into a shared-memory ring by the bulk copy engine (sm_90), sums in
-// registers, per-block partials as kernel 11 (see kernel12_bulk_copy_ring.cu). Falls back to
-// kernel 11 for small rows (where kernel 11 holds a row in a group narrower than a warp),
-// misaligned rows, rows too wide for the ring in the device's shared memory, GPUs before sm_90,
-// and builds without sm_90 code (CUDA architectures without 90).
+// registers, per-block partials as kernel 11 (see kernel12_bulk_copy_ring.cu); small rows (kernel
+// 11 holds one in a group narrower than a warp) on its ring of row chunks
+// (kernel12_row_chunks.cu). Falls back to kernel 11 for 1 KB rows (a warp of kernel 11 at two
+// vectors a thread), misaligned rows, rows too wide for the ring in the device's shared memory,
+// fp64 small rows, GPUs before sm_90, and builds without sm_90 code (CUDA architectures without
+// 90). kernel12_config.cu's norm_bwd_kernel12 says why.
 cudaError_t norm_bwd_kernel12(const NormBwdParams& p, cudaStream_t stream);
 
 // QK-norm's backward: two sets of rows (attention's q heads and k heads) in one launch of kernel

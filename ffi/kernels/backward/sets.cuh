@@ -82,12 +82,12 @@ enum class SetsGrid {
 };
 
 // The grid both ways of launching plan, and the finalize both end with. `blocks` blocks: as many
-// as fit at once (kernel, threads, smem; at most max_per_sm an SM), no more than the rows have steps of rows_per_block
-// rows (both sets' together for one grid, the larger set's apart: each launch has the same
-// blocks, since each fills a whole segment of slots) and no more than the workspace has pairs of
-// slots (a block, or a block of each launch, has one in each set's segment). Fills the plan; with
-// a.plan_only launches nothing (norm_bwd_sets_workspace_bytes). Otherwise calls
-// launch(blocks, norm), which launches the sets' kernels, then the finalize.
+// as fit at once (kernel, threads, smem; at most max_per_sm an SM), no more than the rows have
+// steps of rows_per_block rows (both sets' together for one grid, the larger set's apart: each
+// launch has the same blocks, since each fills a whole segment of slots) and no more than the
+// workspace has pairs of slots (a block, or a block of each launch, has one in each set's
+// segment). Fills the plan; with a.plan_only launches nothing (norm_bwd_sets_workspace_bytes).
+// Otherwise calls launch(blocks, norm), which launches the sets' kernels, then the finalize.
 template <typename T, typename Launch>
 cudaError_t run_sets_grid(const NormBwdParams& a, const NormBwdParams& b, SetsGrid grid, const void* kernel,
                           int threads, size_t smem, int max_per_sm, int rows_per_block, int kernel_id,
@@ -106,7 +106,8 @@ cudaError_t run_sets_grid(const NormBwdParams& a, const NormBwdParams& b, SetsGr
   if (resident < 1) return cudaErrorInvalidConfiguration;
   resident = std::min(resident, max_per_sm);
   const int need = grid == SetsGrid::kApart ? 1 : (a.rows > 0) + (b.rows > 0);
-  const int64_t steps_a = ceil_div<int64_t>(a.rows, rows_per_block), steps_b = ceil_div<int64_t>(b.rows, rows_per_block);
+  const int64_t steps_a = ceil_div<int64_t>(a.rows, rows_per_block);
+  const int64_t steps_b = ceil_div<int64_t>(b.rows, rows_per_block);
   int64_t blocks = static_cast<int64_t>(resident) * lim.sms;
   blocks = std::min(blocks, grid == SetsGrid::kApart ? std::max(steps_a, steps_b) : steps_a + steps_b);
   blocks = std::min(blocks, partial_slots<T>(a) / 2);
