@@ -104,6 +104,12 @@ acc_t<T>* partials_of(const NormBwdParams& p) {
 
 inline unsigned int* flag_of(const NormBwdParams& p) { return static_cast<unsigned int*>(p.workspace); }
 
+// The kernels' NormArgs (norm_weight.cuh) for p's norm kind and offset.
+template <typename T>
+NormArgs<acc_t<T>> norm_args_of(const NormBwdParams& p) {
+  return {acc_t<T>(p.norm == NormKind::kRmsNorm ? 0 : 1), static_cast<acc_t<T>>(kernel_offset(p.norm, p.offset))};
+}
+
 // The current device's SM count and shared-memory opt-in, as device_limits reports them (the
 // llm.c kernels' launchers; kernels 11 and 12 ask device_limits for p.device).
 inline cudaError_t sm_count(int* out) {
@@ -234,8 +240,7 @@ cudaError_t launch_with_partials(const NormBwdParams& p, PartialsKernel<T, O, Ex
     attrs[n_attrs].val.cooperative = 1;
     ++n_attrs;
   }
-  const NormArgs<acc_t<T>> norm = {acc_t<T>(rms ? 0 : 1),
-                                    static_cast<acc_t<T>>(kernel_offset(p.norm, p.offset))};
+  const NormArgs<acc_t<T>> norm = norm_args_of<T>(p);
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned int>(bps * p.segments));
   cfg.blockDim = dim3(threads);

@@ -119,9 +119,7 @@ cudaError_t run_sets_grid(const NormBwdParams& a, const NormBwdParams& b, SetsGr
       kWorkspaceHeaderBytes + static_cast<size_t>(plan.slots) * 2 * static_cast<size_t>(a.C) * sizeof(acc_t<T>);
   if (a.plan_only) return cudaSuccess;
 
-  const NormArgs<acc_t<T>> norm = {acc_t<T>(a.norm == NormKind::kRmsNorm ? 0 : 1),
-                                    static_cast<acc_t<T>>(kernel_offset(a.norm, a.offset))};
-  LNBWD_RETURN_IF_CUDA_ERROR(launch(static_cast<int>(blocks), norm));
+  LNBWD_RETURN_IF_CUDA_ERROR(launch(static_cast<int>(blocks), norm_args_of<T>(a)));
   // Both dweights: segments of `blocks` slots each, into a.dweight's two rows.
   NormBwdParams f = a;
   f.segments = 2;
