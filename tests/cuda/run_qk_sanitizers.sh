@@ -18,7 +18,7 @@ source tests/cuda/sanitize_lib.sh
 ctl=$OUT/controls
 kernels=(ffi/registry.cc $(find ffi/kernels -name "*.cu" | sort))
 # Only the sets' kernels use head rows: the control compiles only their files again.
-sets=(forward/forward_rows.cu backward/registers/kernel11_sets.cu backward/tma_ring/kernel12_chunk_sets.cu)
+sets=(forward/forward_rows.cu backward/registers/kernel11_sets.cu)
 
 if [ "$SAN_STEP" != run ]; then
   # The control's headers: a copy of ffi/kernels whose head rows are one head off.
@@ -40,7 +40,7 @@ mkdir -p "$LOGS"
 link "$OUT/qk_check" "$OUT"/obj/*.o || exit 2
 others=()
 for o in "$OUT"/obj/*.o; do
-  case $o in */forward_rows.cu.o | */kernel11_sets.cu.o | */kernel12_chunk_sets.cu.o) ;; *) others+=("$o") ;; esac
+  case $o in */forward_rows.cu.o | */kernel11_sets.cu.o) ;; *) others+=("$o") ;; esac
 done
 link "$ctl/qk_check_head_off" "${others[@]}" "$ctl"/*.o || exit 2
 # The plain check (every shape, within the tools' time limit) runs beside the tools (the reduced

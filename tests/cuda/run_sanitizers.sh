@@ -49,7 +49,7 @@ if [ "$SAN_STEP" != run ]; then
       echo "control $planted: the planted change did not apply"
     fi
   done
-  sed 's|store_cs(reinterpret_cast<V\*>(dx + row_at + col), dxv);|store_cs(reinterpret_cast<V*>(dx + row_at + col + (row + 1 == rows ? C : 0)), dxv);|' \
+  sed 's|store_cs(reinterpret_cast<V\*>(dx + row \* C + col), dxv);|store_cs(reinterpret_cast<V*>(dx + row * C + col + (row + 1 == rows ? C : 0)), dxv);|' \
     ffi/kernels/backward/tma_ring/kernel12_chunk_rows.cuh > "$ctl/kernel12_chunk_rows_oob12.cuh"
   if cmp -s "$ctl/kernel12_chunk_rows_oob12.cuh" "$chunk_rows"; then
     echo "control oob12: the planted change did not apply"

@@ -160,18 +160,18 @@ def test_backward_pick_by_row_bytes(dtype, C, kernel, path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,D,fused,kernel,path", [
-    ("bfloat16", 64, False, 12, "ring of row chunks, a launch a set"),   # rows narrower than a warp
+    ("bfloat16", 64, False, 12, "ring of row chunks, a launch a set"),   # rows of at most a warp
     ("bfloat16", 128, False, 12, "ring of row chunks, a launch a set"),
+    ("bfloat16", 256, False, 12, "ring of row chunks, a launch a set"),
     ("float32", 64, False, 12, "ring of row chunks, a launch a set"),
-    ("bfloat16", 256, False, 11, "head rows, two sets"),                 # a warp's row: kernel 11's sets
-    ("float32", 128, False, 11, "head rows, two sets"),
-    ("float32", 256, False, 11, "head rows, two sets"),
+    ("float32", 128, False, 12, "ring of row chunks, a launch a set"),
+    ("float32", 256, False, 11, "head rows, two sets"),                  # 1 KB rows: kernel 11's sets
     ("bfloat16", 64, True, 11, "head rows, two sets"),                   # the fused projection
     ("float32", 64, True, 11, "head rows, two sets"),
 ])
 def test_qk_backward_pick(dtype, D, fused, kernel, path):
-    """QK-norm's backward on sm_90: q and k of their own in rows narrower than a warp of vectors
-    run on the chunk ring, one launch a set; the rest on kernel 11's sets in one grid."""
+    """QK-norm's backward on sm_90: q and k of their own in rows of at most a warp of vectors run
+    on the chunk ring, one launch a set; the rest on kernel 11's sets in one grid."""
     module, dev = _plans_on_hopper()
     plan = module.qk_launch_plan(dtype, 16384 * 32, 16384 * 8, D, dev, fused=fused)
     assert plan["kernel"] == kernel and plan["path"] == path, plan

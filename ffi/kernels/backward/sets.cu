@@ -1,11 +1,11 @@
 // QK-norm's backward (backward/sets.cuh): which kernel takes the two sets, and the workspace it
-// needs. q and k in buffers of their own, in rows narrower than a warp of 16-byte vectors (16-bit
-// D <= 128, fp32 D <= 64), run on kernel 12's ring of row chunks, one launch a set
-// (tma_ring/kernel12_chunk_sets.cu), where sm_90 code runs: there it streams as two calls of the
-// ring do, ahead of kernel 11's sets. The others take kernel 11's row loop with groups of at most
-// a warp over both sets in one grid (registers/kernel11_sets.cu): rows of a whole warp (512
-// bytes) and the fused projection's head rows ran as fast or faster there than on the ring
-// (docs/kernel12.md).
+// needs. q and k in buffers of their own, in rows of at most a warp of 16-byte vectors (16-bit
+// D <= 256, fp32 D <= 128), run where sm_90 code runs on kernel 12's ring of row chunks, one
+// launch of a tensor's kernel a set (tma_ring/kernel12_chunk_sets.cu): there they stream as two
+// calls of the ring do. The others take kernel 11's row loop with groups of at most a warp over
+// both sets in one grid (registers/kernel11_sets.cu): 1 KB rows (fp32 D = 256, which a tensor's
+// backward also leaves to kernel 11), and the fused projection's head rows, which kernel 11 reads
+// in place (docs/kernel12.md).
 #include "backward/launch.cuh"
 #include "backward/registers/kernel11.h"
 #include "backward/sets.cuh"
@@ -42,7 +42,7 @@ cudaError_t run_sets(const NormBwdParams& a, const NormBwdParams& b, bool contig
   const bool vectorized = a.plan_only || (can_vectorize(a) && can_vectorize(b));
   Kernel12Config chunks;
   if (contiguous && vectorized && lim.cc_major >= 9 && kernel12_has_code(lim.device) &&
-      kernel12_chunk_pick(a.dtype, a.C, lim, &chunks) && chunks.tpr < 32) {
+      kernel12_chunk_pick(a.dtype, a.C, lim, &chunks)) {
     return norm_bwd_kernel12_chunk_sets(a, b, chunks, stream);
   }
   Kernel11Config cfg;

@@ -4,9 +4,10 @@
 // (run_sets_grid):
 //   * one grid over both sets (launch_sets_grid): kernel11_sets (registers/kernel11_sets.cu:
 //     kernel 11's row loop);
-//   * one launch a set (launch_sets_apart): kernel12_chunk_set (tma_ring/kernel12_chunk_sets.cu:
-//     kernel 12's ring of row chunks), each launch on the whole grid, which streamed faster than
-//     one grid of the ring over both sets (docs/kernel12.md).
+//   * one launch a set (SetsGrid::kApart): kernel12_chunks (tma_ring/kernel12_chunk_sets.cu:
+//     kernel 12's ring of row chunks, the kernel of a tensor's backward), each launch on the
+//     whole grid, which streamed faster than one grid of the ring over both sets
+//     (docs/kernel12.md).
 // norm_bwd_sets (sets.cu) picks.
 //
 // One grid: blocks are dealt to the sets in proportion to their rows (grouped-query attention has
@@ -147,30 +148,6 @@ cudaError_t launch_sets_grid(const NormBwdParams& a, const NormBwdParams& b,
         kernel<<<static_cast<unsigned int>(blocks), threads, smem, stream>>>(partials_of<T>(a), s,
                                                                             static_cast<int>(a.C), norm, extra...);
         return cudaGetLastError();
-      });
-}
-
-// One launch a set, set 0's then set 1's, each kernel<<<blocks, threads, smem>>>(partials +
-// segment's slots, set, C, norm, extra...) over its own set's rows, at most max_per_sm blocks an
-// SM, every block writing its slot of the set's segment (zeros where the set has no rows for it).
-// The second launch starts when the first has ended (stream order); the finalize, launched early
-// by the second, waits for it.
-template <typename T, typename O, typename... Extra, typename... Args>
-cudaError_t launch_sets_apart(const NormBwdParams& a, const NormBwdParams& b,
-                              void (*kernel)(acc_t<T>*, BwdSet<T, O>, int, NormArgs<acc_t<T>>, Extra...), int threads,
-                              size_t smem, int max_per_sm, int rows_per_block, int kernel_id, const char* path,
-                              cudaStream_t stream, Args... extra) {
-  return run_sets_grid<T>(
-      a, b, SetsGrid::kApart, reinterpret_cast<const void*>(kernel), threads, smem, max_per_sm, rows_per_block,
-      kernel_id, path, stream, [&](int blocks, NormArgs<acc_t<T>> norm) -> cudaError_t {
-        int k = 0;
-        for (const NormBwdParams* p : {&a, &b}) {
-          acc_t<T>* segment = partials_of<T>(a) + static_cast<size_t>(k++) * blocks * 2 * a.C;
-          kernel<<<static_cast<unsigned int>(blocks), threads, smem, stream>>>(segment, bwd_set_of<T, O>(*p),
-                                                                              static_cast<int>(a.C), norm, extra...);
-          LNBWD_RETURN_IF_CUDA_ERROR(cudaGetLastError());
-        }
-        return cudaSuccess;
       });
 }
 

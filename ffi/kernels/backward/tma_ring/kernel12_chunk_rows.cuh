@@ -1,7 +1,7 @@
 // Kernel 12's ring of row chunks: one block's walk over its share of a tensor of small rows, from
-// the first chunk's bulk copy to the block's partial slot (the design: kernel12_row_chunks.cu).
-// Two kernels run it: kernel12_chunks (kernel12_row_chunks.cu: the segments of one tensor) and
-// kernel12_chunk_set (kernel12_chunk_sets.cu: one of QK-norm's two sets of head rows).
+// the first chunk's bulk copy to the block's partial slot (the design: kernel12_row_chunks.cu),
+// and kernel12_chunks, the kernel that runs it over a tensor's segments. Two launches use that
+// kernel: a tensor's (kernel12_row_chunks.cu) and one a set of QK-norm's two (kernel12_chunk_sets.cu).
 #pragma once
 
 #include <type_traits>
@@ -10,7 +10,6 @@
 #include "backward/norm_weight.cuh"
 #include "backward/tma_ring/bulk_copy.cuh"
 #include "backward/tma_ring/kernel12.h"
-#include "common/head_rows.h"
 
 namespace lnbwd {
 
@@ -40,48 +39,20 @@ __device__ __forceinline__ void issue_chunk(uint64_t* full, T* const (&dst)[3], 
   if constexpr (RESID) bulk_copy_to_shared(dst[2], dresidual + first_element, bytes, full);
 }
 
-// The same for head rows (common/head_rows.h): the chunk's rows r0 .. r0 + n - 1 are contiguous
-// within a token and jump at each token's end, so each token's run of them is one copy (a chunk
-// of 16-bit rows of 128 spans one token of 32 q heads, or four of 8 k heads). The barrier is told
-// the chunk's bytes once. Rows one head a token laid end to end (token_stride = heads * C) are
-// one span, one copy.
-template <typename T>
-__device__ __forceinline__ void issue_head_chunk(uint64_t* full, T* const (&dst)[3], const T* dy, const T* x,
-                                                 const HeadRows& h, int C, int64_t r0, int64_t n) {
-  fence_before_bulk_copy();
-  mbar_arrive_expect_bytes(full, static_cast<uint32_t>(2 * n * C * sizeof(T)));
-  const bool one_span = h.token_stride == h.heads * C;
-  TokenHead th = token_head(h, r0);
-  for (int64_t done = 0; done < n;) {
-    // The rows left in this token (all of them for one span), from the chunk's next row on.
-    const int64_t run = one_span ? n - done : h.heads - th.head;
-    const int64_t take = n - done < run ? n - done : run;
-    const int64_t from = head_row_offset(h, C, th);
-    const uint32_t bytes = static_cast<uint32_t>(take * C * sizeof(T));
-    bulk_copy_to_shared(dst[0] + done * C, dy + from, bytes, full);
-    bulk_copy_to_shared(dst[1] + done * C, x + from, bytes, full);
-    done += take;
-    th = {th.token + 1, 0};
-  }
-}
-
 // One block's share of `rows` rows: the chunks first, first + bps, first + 2 bps, ... of
 // THREADS / TPR * RPG rows each; its [dbias | dweight] sums go to `slot` (2 * C accumulators).
 // Returns the shared memory that holds the warps' sums, free for the grid's finish.
-// dresidual may be dx's own buffer (aliased), and so may dy (QK-norm's fused projection, whose
-// cotangent is written over in place): the ring reads a chunk of them before any thread writes
-// that chunk's dx, and no other chunk shares its rows.
+// dresidual may be dx's own buffer (aliased): the ring reads a chunk of it before any thread
+// writes that chunk's dx, and no other chunk shares its rows.
 // TPR: threads per row group; RPG: rows each group takes per chunk (a chunk is RPG * groups
 // rows, row r * groups + g of it for group g, so a warp's rows are adjacent in the buffer).
-// HEADS: the rows are head rows laid out by `heads`, else row r is at r * C.
-template <typename T, typename O, bool RESID, int VEC, bool RMS, int THREADS, int TPR, int RPG, bool HEADS>
+template <typename T, typename O, bool RESID, int VEC, bool RMS, int THREADS, int TPR, int RPG>
 __device__ __forceinline__ acc_t<T>* kernel12_chunk_rows(T* dx, acc_t<T>* __restrict__ slot, const T* __restrict__ dy,
                                                          const T* __restrict__ x, const O* __restrict__ weight,
                                                          const T* dresidual, const stat_t<T>* __restrict__ mean,
                                                          const stat_t<T>* __restrict__ rstd, int64_t rows,
-                                                         int64_t first, int bps, const HeadRows& heads, int C,
-                                                         NormArgs<acc_t<T>> norm, int nb) {
-  static_assert(!(HEADS && RESID), "head rows have no dresidual");
+                                                         int64_t first, int bps, int C, NormArgs<acc_t<T>> norm,
+                                                         int nb) {
   using A = acc_t<T>;
   using V = Packed<T, VEC>;
   using AV = Packed<A, VEC>;
@@ -119,8 +90,7 @@ __device__ __forceinline__ acc_t<T>* kernel12_chunk_rows(T* dx, acc_t<T>* __rest
     const int64_t r0 = c * kChunkRows;
     const int64_t n = rows - r0 < kChunkRows ? rows - r0 : kChunkRows;
     T* const dst[3] = {buffer(b, 0), buffer(b, 1), buffer(b, kTensors - 1)};
-    if constexpr (HEADS) issue_head_chunk<T>(&full[b], dst, dy, x, heads, C, r0, n);
-    else issue_chunk<T, RESID>(&full[b], dst, dy, x, dresidual, r0 * C, static_cast<uint32_t>(n * C * sizeof(T)));
+    issue_chunk<T, RESID>(&full[b], dst, dy, x, dresidual, r0 * C, static_cast<uint32_t>(n * C * sizeof(T)));
   };
   if (threadIdx.x == 0) {
     for (int b = 0; b < nb; ++b) {
@@ -222,13 +192,7 @@ __device__ __forceinline__ acc_t<T>* kernel12_chunk_rows(T* dx, acc_t<T>* __rest
           if constexpr (!RMS) db[q] += d;
           dw[q] += d * xhat;
         }
-        // The row's first element in dx. Head rows: one 32-bit division a row (token_head), which
-        // costs fewer registers than a HeadCursor's carried offsets, and registers are what caps
-        // the SM's warps here.
-        int64_t row_at;
-        if constexpr (HEADS) row_at = head_row_offset(heads, C, row);
-        else row_at = row * C;
-        store_cs(reinterpret_cast<V*>(dx + row_at + col), dxv);   // written once
+        store_cs(reinterpret_cast<V*>(dx + row * C + col), dxv);   // written once
       }
     }
     // This thread is done with the buffer: its reads happen before the refill (release). Every
@@ -287,5 +251,30 @@ __device__ __forceinline__ acc_t<T>* kernel12_chunk_rows(T* dx, acc_t<T>* __rest
   return warp_sums;
 }
 #endif
+
+namespace {
+
+// (PartialsKernel, launch.cuh.) Segment s's blocks walk its rows as one tensor
+// (kernel12_chunk_rows.cuh), each writing its own slot.
+template <typename T, typename O, bool RESID, int VEC, bool RMS, int THREADS, int TPR, int RPG>
+__global__ void __launch_bounds__(THREADS, kernel12_chunk_blocks_per_sm(THREADS))
+kernel12_chunks(T* dx, acc_t<T>* __restrict__ partials, const T* __restrict__ dy, const T* __restrict__ x,
+                const O* __restrict__ weight, const T* dresidual, const stat_t<T>* __restrict__ mean,
+                const stat_t<T>* __restrict__ rstd, int64_t rows_per_segment, int blocks_per_segment,
+                int64_t weight_stride, int C, NormArgs<acc_t<T>> norm, GridFinish<T, O> finish, int nb) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  allow_finalize_launch();
+  const int64_t segment = blockIdx.x / blocks_per_segment;
+  const int64_t row0 = segment * rows_per_segment;   // the segment's first row
+  if constexpr (RESID) dresidual += row0 * C;
+  acc_t<T>* warp_sums = kernel12_chunk_rows<T, O, RESID, VEC, RMS, THREADS, TPR, RPG>(
+      dx + row0 * C, partials + static_cast<size_t>(blockIdx.x) * 2 * C, dy + row0 * C, x + row0 * C,
+      weight + segment * weight_stride, dresidual, mean + row0, rstd + row0, rows_per_segment,
+      blockIdx.x % blocks_per_segment, blocks_per_segment, C, norm, nb);
+  if (finish.dweight) finish_partials_in_grid(finish, partials, blocks_per_segment, C, THREADS / 32, warp_sums);
+#endif
+}
+
+}  // namespace
 
 }  // namespace lnbwd

@@ -1,10 +1,13 @@
-// QK-norm's backward on kernel 12's ring of row chunks (sm_90): one launch a set
-// (launch_sets_apart, backward/sets.cuh), each on the whole grid, each block walking its share of
-// the set's rows as kernel12_chunks walks a segment's (kernel12_chunk_rows.cuh), then one
-// finalize_partials launch for both dweights. That streams as two calls of the ring do, with one
-// finalize and one custom call fewer; one grid over both sets streamed more slowly than two
-// launches (docs/kernel12.md). q and k in buffers of their own take one bulk copy a chunk; head
-// rows inside the fused projection a token's run of heads per copy (issue_head_chunk).
+// QK-norm's backward on kernel 12's ring of row chunks (sm_90), for q and k in buffers of their
+// own: one launch of kernel12_chunks a set (kernel12_chunk_rows.cuh, the kernel a tensor's
+// backward runs), each on the whole grid over its own set's rows as one segment, writing its
+// set's segment of partial slots; then one finalize_partials launch for both dweights
+// (run_sets_grid, backward/sets.cuh). That streams as two calls of the ring do, with one finalize
+// and one custom call fewer. One grid over both sets streamed more slowly than two launches
+// (docs/kernel12.md). Head rows inside the fused projection are not taken here: kernel 11's sets
+// run them (backward/sets.cu).
+#include <climits>
+
 #include "backward/launch.cuh"
 #include "backward/sets.cuh"
 #include "backward/tma_ring/kernel12.h"
@@ -14,39 +17,36 @@ namespace lnbwd {
 
 namespace {
 
-// One set's rows on the whole grid: block b writes slot b of `segment` (the set's slots), zeros
-// if the set has no chunk for it. One row a group per chunk (the pick's). HEADS: the set's rows
-// are head rows inside wider token rows (the fused projection), else contiguous.
-template <typename T, typename O, int VEC, bool RMS, int THREADS, int TPR, bool HEADS>
-__global__ void __launch_bounds__(THREADS, kernel12_chunk_blocks_per_sm(THREADS))
-kernel12_chunk_set(acc_t<T>* __restrict__ segment, BwdSet<T, O> set, int C, NormArgs<acc_t<T>> norm, int nb) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  allow_finalize_launch();
-  kernel12_chunk_rows<T, O, false, VEC, RMS, THREADS, TPR, 1, HEADS>(
-      set.dx, segment + static_cast<size_t>(blockIdx.x) * 2 * C, set.dy, set.x, set.weight, nullptr, set.mean,
-      set.rstd, set.rows, blockIdx.x, static_cast<int>(gridDim.x), set.heads, C, norm, nb);
-#endif
-}
-
-template <typename T, typename O, int VEC, bool RMS, int TPR>
+template <typename T, typename O, int VEC, bool RMS, int TPR, int RPG>
 cudaError_t launch(const NormBwdParams& a, const NormBwdParams& b, const Kernel12Config& cfg, cudaStream_t stream) {
   constexpr int kThreads = kernel12_chunk_threads(sizeof(T));
-  if (cfg.tpr * cfg.groups != kThreads || cfg.nv != 1) return cudaErrorInvalidValue;
+  if (cfg.tpr * cfg.groups != kThreads) return cudaErrorInvalidValue;
   const size_t smem = kernel12_chunk_smem_bytes(cfg, a.C, sizeof(T), sizeof(acc_t<T>), false);
-  const bool heads = a.heads.heads > 0 || b.heads.heads > 0;
-  auto kernel = heads ? kernel12_chunk_set<T, O, VEC, RMS, kThreads, TPR, true>
-                      : kernel12_chunk_set<T, O, VEC, RMS, kThreads, TPR, false>;
-  // As many blocks an SM as kernel12_chunks runs, the count it measured fastest at (kernel12.h);
-  // this kernel's fewer registers would let more fit.
-  return launch_sets_apart<T, O>(a, b, kernel, kThreads, smem, kernel12_chunk_blocks_per_sm(kThreads), cfg.groups, 12,
-                                 "ring of row chunks, a launch a set", stream, cfg.nb);
+  auto kernel = kernel12_chunks<T, O, false, VEC, RMS, kThreads, TPR, RPG>;
+  // As many blocks an SM as fit, as a tensor's launch runs (launch_with_partials, kOccupancy).
+  return run_sets_grid<T>(
+      a, b, SetsGrid::kApart, reinterpret_cast<const void*>(kernel), kThreads, smem, INT_MAX, cfg.groups * cfg.nv, 12,
+      "ring of row chunks, a launch a set", stream, [&](int blocks, NormArgs<acc_t<T>> norm) -> cudaError_t {
+        int k = 0;
+        for (const NormBwdParams* p : {&a, &b}) {
+          // The set's rows as one segment of `blocks` blocks, into its own segment of slots;
+          // no finish in the grid (finish.dweight null): run_sets_grid's finalize adds both.
+          const BwdSet<T, O> s = bwd_set_of<T, O>(*p);
+          acc_t<T>* segment = partials_of<T>(a) + static_cast<size_t>(k++) * blocks * 2 * a.C;
+          kernel<<<static_cast<unsigned int>(blocks), kThreads, smem, stream>>>(
+              s.dx, segment, s.dy, s.x, s.weight, nullptr, s.mean, s.rstd, s.rows, blocks, 0, static_cast<int>(a.C),
+              norm, GridFinish<T, O>{}, cfg.nb);
+          LNBWD_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+        }
+        return cudaSuccess;
+      });
 }
 
 }  // namespace
 
 cudaError_t norm_bwd_kernel12_chunk_sets(const NormBwdParams& a, const NormBwdParams& b, const Kernel12Config& cfg,
                                          cudaStream_t stream) {
-  if (!cfg.chunks || !bwd_sets_ok(a, b)) return cudaErrorInvalidValue;
+  if (!cfg.chunks || !bwd_sets_ok(a, b) || a.heads.heads > 0 || b.heads.heads > 0) return cudaErrorInvalidValue;
   return dispatch_types(a, [&](auto t, auto o, auto) -> cudaError_t {
     using T = decltype(t);
     using O = decltype(o);
@@ -59,8 +59,14 @@ cudaError_t norm_bwd_kernel12_chunk_sets(const NormBwdParams& a, const NormBwdPa
       }
       return with_chunk_tpr(cfg.tpr, [&](auto tpr) -> cudaError_t {
         constexpr int kTpr = decltype(tpr)::value;
-        if (a.norm == NormKind::kRmsNorm) return launch<T, O, vec, true, kTpr>(a, b, cfg, stream);
-        return launch<T, O, vec, false, kTpr>(a, b, cfg, stream);
+        auto rows = [&](auto rpg) -> cudaError_t {
+          constexpr int kRpg = decltype(rpg)::value;
+          if (a.norm == NormKind::kRmsNorm) return launch<T, O, vec, true, kTpr, kRpg>(a, b, cfg, stream);
+          return launch<T, O, vec, false, kTpr, kRpg>(a, b, cfg, stream);
+        };
+        if (cfg.nv == 1) return rows(std::integral_constant<int, 1>{});
+        if (cfg.nv == 2) return rows(std::integral_constant<int, 2>{});
+        return cudaErrorInvalidValue;
       });
     }
   });

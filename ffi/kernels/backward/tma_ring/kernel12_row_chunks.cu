@@ -42,9 +42,9 @@
 // into its partial slot, and the slots are added in slot order (launch_with_partials,
 // backward/launch.cuh). Deterministic.
 //
-// A block's walk, from its first copy to its slot, is kernel12_chunk_rows.cuh, which QK-norm's
-// two sets of head rows share (kernel12_chunk_sets.cu); this file is its kernel over a tensor's
-// segments, and the launch.
+// A block's walk, from its first copy to its slot, and the kernel over a tensor's segments are
+// kernel12_chunk_rows.cuh, which QK-norm's two sets of rows share (kernel12_chunk_sets.cu); this
+// file is a tensor's launch.
 #include "backward/launch.cuh"
 #include "backward/partials_finalize.h"
 #include "backward/tma_ring/kernel12.h"
@@ -53,27 +53,6 @@
 namespace lnbwd {
 
 namespace {
-
-// (PartialsKernel, launch.cuh.) Segment s's blocks walk its rows as one tensor
-// (kernel12_chunk_rows.cuh), each writing its own slot.
-template <typename T, typename O, bool RESID, int VEC, bool RMS, int THREADS, int TPR, int RPG>
-__global__ void __launch_bounds__(THREADS, kernel12_chunk_blocks_per_sm(THREADS))
-kernel12_chunks(T* dx, acc_t<T>* __restrict__ partials, const T* __restrict__ dy, const T* __restrict__ x,
-                const O* __restrict__ weight, const T* dresidual, const stat_t<T>* __restrict__ mean,
-                const stat_t<T>* __restrict__ rstd, int64_t rows_per_segment, int blocks_per_segment,
-                int64_t weight_stride, int C, NormArgs<acc_t<T>> norm, GridFinish<T, O> finish, int nb) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  allow_finalize_launch();
-  const int64_t segment = blockIdx.x / blocks_per_segment;
-  const int64_t row0 = segment * rows_per_segment;   // the segment's first row
-  if constexpr (RESID) dresidual += row0 * C;
-  acc_t<T>* warp_sums = kernel12_chunk_rows<T, O, RESID, VEC, RMS, THREADS, TPR, RPG, false>(
-      dx + row0 * C, partials + static_cast<size_t>(blockIdx.x) * 2 * C, dy + row0 * C, x + row0 * C,
-      weight + segment * weight_stride, dresidual, mean + row0, rstd + row0, rows_per_segment,
-      blockIdx.x % blocks_per_segment, blocks_per_segment, HeadRows{}, C, norm, nb);
-  if (finish.dweight) finish_partials_in_grid(finish, partials, blocks_per_segment, C, THREADS / 32, warp_sums);
-#endif
-}
 
 template <typename T, typename O, bool RESID, int VEC, bool RMS, int TPR, int RPG>
 cudaError_t launch(const NormBwdParams& p, const Kernel12Config& cfg, cudaStream_t stream) {
