@@ -4,7 +4,9 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <string>
+#include <vector>
 
 #include "harness.cuh"
 
@@ -57,6 +59,23 @@ std::string label_of(const char* dir, const Case& c) {
                 c.weight ? "" : " no weight", c.fused ? "fused" : "separate", (long long)c.tokens, (long long)c.hq,
                 (long long)c.hk, (long long)c.D, c.offset);
   return s;
+}
+
+// The fused layout's v heads, which both directions must leave as they were: `before` is the
+// buffer's bytes before the launch (the forward's input, the backward's incoming cotangent),
+// `got` after it. False (with a FAIL line) at the first token whose v heads changed.
+bool v_heads_untouched(const Case& c, const std::vector<unsigned char>& got, const std::vector<unsigned char>& before,
+                       const std::string& label) {
+  const Layout L{c};
+  const size_t it = dtype_item_bytes(c.dtype);
+  for (int64_t t = 0; t < c.tokens; ++t) {
+    const size_t v0 = (t * L.width() + (c.hq + c.hk) * c.D) * it, vn = c.hk * c.D * it;
+    if (std::memcmp(got.data() + v0, before.data() + v0, vn) != 0) {
+      std::printf("FAIL %s: token %lld's v heads changed\n", label.c_str(), (long long)t);
+      return false;
+    }
+  }
+  return true;
 }
 
 }  // namespace
