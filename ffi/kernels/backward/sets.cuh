@@ -19,7 +19,6 @@
 #pragma once
 
 #include <algorithm>
-#include <climits>
 
 #include "backward/launch.cuh"
 #include "backward/partials_finalize.h"
@@ -83,16 +82,16 @@ enum class SetsGrid {
 };
 
 // The grid both ways of launching plan, and the finalize both end with. `blocks` blocks: as many
-// as fit at once (kernel, threads, smem; at most max_per_sm an SM), no more than the rows have
-// steps of rows_per_block rows (both sets' together for one grid, the larger set's apart: each
-// launch has the same blocks, since each fills a whole segment of slots) and no more than the
-// workspace has pairs of slots (a block, or a block of each launch, has one in each set's
-// segment). Fills the plan; with a.plan_only launches nothing (norm_bwd_sets_workspace_bytes).
-// Otherwise calls launch(blocks, norm), which launches the sets' kernels, then the finalize.
+// as fit at once (kernel, threads, smem), no more than the rows have steps of rows_per_block
+// rows (both sets' together for one grid, the larger set's apart: each launch has the same
+// blocks, since each fills a whole segment of slots) and no more than the workspace has pairs of
+// slots (a block, or a block of each launch, has one in each set's segment). Fills the plan;
+// with a.plan_only launches nothing (norm_bwd_sets_workspace_bytes). Otherwise calls
+// launch(blocks, norm), which launches the sets' kernels, then the finalize.
 template <typename T, typename Launch>
 cudaError_t run_sets_grid(const NormBwdParams& a, const NormBwdParams& b, SetsGrid grid, const void* kernel,
-                          int threads, size_t smem, int max_per_sm, int rows_per_block, int kernel_id,
-                          const char* path, cudaStream_t stream, Launch&& launch) {
+                          int threads, size_t smem, int rows_per_block, int kernel_id, const char* path,
+                          cudaStream_t stream, Launch&& launch) {
   LaunchPlan own;
   LaunchPlan& plan = a.plan ? *a.plan : own;
   plan.kernel = kernel_id;
@@ -105,7 +104,6 @@ cudaError_t run_sets_grid(const NormBwdParams& a, const NormBwdParams& b, SetsGr
   int resident = 0;
   LNBWD_RETURN_IF_CUDA_ERROR(resident_units(a.device, kernel, threads, smem, 1, &resident));
   if (resident < 1) return cudaErrorInvalidConfiguration;
-  resident = std::min(resident, max_per_sm);
   const int need = grid == SetsGrid::kApart ? 1 : (a.rows > 0) + (b.rows > 0);
   const int64_t steps_a = ceil_div<int64_t>(a.rows, rows_per_block);
   const int64_t steps_b = ceil_div<int64_t>(b.rows, rows_per_block);
@@ -137,8 +135,8 @@ cudaError_t launch_sets_grid(const NormBwdParams& a, const NormBwdParams& b,
                              size_t smem, int rows_per_block, int kernel_id, const char* path, cudaStream_t stream,
                              Args... extra) {
   return run_sets_grid<T>(
-      a, b, SetsGrid::kOneGrid, reinterpret_cast<const void*>(kernel), threads, smem, INT_MAX, rows_per_block,
-      kernel_id, path, stream, [&](int blocks, NormArgs<acc_t<T>> norm) -> cudaError_t {
+      a, b, SetsGrid::kOneGrid, reinterpret_cast<const void*>(kernel), threads, smem, rows_per_block, kernel_id, path,
+      stream, [&](int blocks, NormArgs<acc_t<T>> norm) -> cudaError_t {
         const double share = static_cast<double>(a.rows) / static_cast<double>(a.rows + b.rows);
         BwdSets<T, O> s;
         s.set[0] = bwd_set_of<T, O>(a);

@@ -6,8 +6,6 @@
 // and one custom call fewer. One grid over both sets streamed more slowly than two launches
 // (docs/kernel12.md). Head rows inside the fused projection are not taken here: kernel 11's sets
 // run them (backward/sets.cu).
-#include <climits>
-
 #include "backward/launch.cuh"
 #include "backward/sets.cuh"
 #include "backward/tma_ring/kernel12.h"
@@ -25,7 +23,7 @@ cudaError_t launch(const NormBwdParams& a, const NormBwdParams& b, const Kernel1
   auto kernel = kernel12_chunks<T, O, false, VEC, RMS, kThreads, TPR, RPG>;
   // As many blocks an SM as fit, as a tensor's launch runs (launch_with_partials, kOccupancy).
   return run_sets_grid<T>(
-      a, b, SetsGrid::kApart, reinterpret_cast<const void*>(kernel), kThreads, smem, INT_MAX, cfg.groups * cfg.nv, 12,
+      a, b, SetsGrid::kApart, reinterpret_cast<const void*>(kernel), kThreads, smem, cfg.groups * cfg.nv, 12,
       "ring of row chunks, a launch a set", stream, [&](int blocks, NormArgs<acc_t<T>> norm) -> cudaError_t {
         int k = 0;
         for (const NormBwdParams* p : {&a, &b}) {
