@@ -10,7 +10,9 @@
 //
 //   check [kernel ...]   (default: every kernel in the registry)
 //   LNBWD_QUICK=1: fewer shapes (for the sanitizers); LNBWD_QUICK_MAX_ELEMENTS caps rows * C,
-//   LNBWD_MAX_C caps C (a control whose planted bug only small rows reach).
+//   LNBWD_MAX_C caps C (a control whose planted bug only small rows reach); LNBWD_SHARD=K/N checks
+//   the K-th of N parts (cuda_harness/shard.h; a part is one (dtype, C, rows) at a time, and the
+//   refusals are part 0's).
 //
 // Build (tools/tune/build.sh OUT_DIR check does this, sharing its compile of the kernels with
 // tune; run_sanitizers.sh builds it the same way, with -lineinfo):
@@ -19,6 +21,7 @@
 #include <memory>
 
 #include "harness.cuh"
+#include "shard.h"
 
 namespace {
 
@@ -126,15 +129,18 @@ int check(const std::vector<int>& kernels) {
   const char* max_c_env = std::getenv("LNBWD_MAX_C");
   const int64_t max_c = max_c_env ? std::atoll(max_c_env) : INT64_MAX;
   const Dtype ds[] = {Dtype::kF32, Dtype::kBF16, Dtype::kF16, Dtype::kF64};
+  const Shard shard = shard_from_env("check");
   int failures = 0, checked = 0;
-  failures += check_refusals(kernels, &checked);
+  if (shard.first()) failures += check_refusals(kernels, &checked);
   struct Worst { double dx = 0, dw = 0, db = 0; int cases = 0; };
   std::vector<std::vector<Worst>> worst(MaxKernelId() + 1, std::vector<Worst>(4));
+  int64_t group = 0;   // the (dtype, C, rows) checked so far: LNBWD_SHARD's parts
   for (Dtype d : ds) {
     for (int64_t C : cs) {
       if (C > max_c) continue;
       for (int64_t rows : rs) {
         if (rows * C > max_elements || (rows == ring_rows && C > 256)) continue;
+        if (!shard.mine(group++)) continue;
         std::unique_ptr<Problem> pb;           // made when a kernel first needs it
         for (int kernel : kernels) {
           const KernelFacts& k = facts(kernel);

@@ -17,7 +17,8 @@
 //
 //   qk_check           (LNBWD_QUICK=1: fewer shapes, for the sanitizers; LNBWD_DTYPE=float32,
 //                       bfloat16, float16 or float64: that dtype's cases only, so that a caller
-//                       can run the dtypes side by side)
+//                       can run the dtypes side by side; LNBWD_SHARD=K/N: the K-th of N parts,
+//                       cuda_harness/shard.h, a part one (dtype, parameter dtype, D) at a time)
 //
 // Build:
 //   nvcc -O3 -lineinfo -std=c++17 -arch=sm_90 -Iffi/kernels -Iffi -Icuda_harness tests/cuda/qk_check.cu ffi/registry.cc \
@@ -30,12 +31,15 @@
 
 #include "qk_check_bwd.cuh"
 #include "qk_check_fwd.cuh"
+#include "shard.h"
 
 int main() {
   // Line-buffered, so that a run stopped by a time limit still shows how far it got.
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   const bool quick = std::getenv("LNBWD_QUICK") != nullptr;
   const char* only = std::getenv("LNBWD_DTYPE");
+  const Shard shard = shard_from_env("qk_check");
+  int64_t group = 0;   // the (dtype, parameter dtype, D) checked so far: LNBWD_SHARD's parts
   std::mt19937 gen(4321);
   int cases = 0, failures = 0;
   auto count = [&](int result) {
@@ -59,6 +63,7 @@ int main() {
     for (Dtype pd : {d, Dtype::kF32}) {
       if (pd != d && (d == Dtype::kF32 || d == Dtype::kF64)) continue;
       for (int64_t D : dims) {
+        if (!shard.mine(group++)) continue;
         for (auto [tokens, hq, hk] : heads) {
           for (bool fused : {false, true}) {
             for (NormKind norm : {NormKind::kRmsNorm, NormKind::kLayerNorm}) {

@@ -9,7 +9,7 @@
 # sees and memcheck cannot.)
 # Needs a GPU (sm_90), nvcc and compute-sanitizer; SAN_STEP=build compiles without a GPU, and
 # SAN_STEP=run links and runs those objects (sanitize_lib.sh).
-#   [SAN_STEP=all|build|run] [LNBWD_SANITIZER_TIMEOUT=900] tests/cuda/run_qk_sanitizers.sh [OUT_DIR [LOG_DIR]]
+#   [SAN_STEP=all|build|run] [PLAIN_PARTS=3] [LNBWD_SANITIZER_TIMEOUT=900] tests/cuda/run_qk_sanitizers.sh [OUT_DIR [LOG_DIR]]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:-/tmp/qk_sanitizers}
@@ -45,11 +45,18 @@ done
 link "$ctl/qk_check_head_off" "${others[@]}" "$ctl"/*.o || exit 2
 # The plain check (every shape, within the tools' time limit) runs beside the tools (the reduced
 # set): it is the slowest single step, and it needs the GPU far less than they need the host. One
-# process a dtype, side by side: one process's float64 reference is what takes the time.
+# process a dtype and part (PLAIN_PARTS a dtype, LNBWD_SHARD: cuda_harness/shard.h), side by side:
+# one process's float64 reference is what takes the time.
 plain_dtypes=(float32 bfloat16 float16 float64)
+parts=${PLAIN_PARTS:-3}
+plain_logs=()
 for d in "${plain_dtypes[@]}"; do
-  (LNBWD_DTYPE=$d timeout "$TIMEOUT" "$OUT/qk_check" > "$LOGS/plain_$d.log" 2>&1
-   echo "plain exit $?" >> "$LOGS/plain_$d.log") &
+  for ((k = 0; k < parts; ++k)); do
+    log=$LOGS/plain_${d}_part$k.log
+    plain_logs+=("$log")
+    (LNBWD_DTYPE=$d LNBWD_SHARD=$k/$parts timeout "$TIMEOUT" "$OUT/qk_check" > "$log" 2>&1
+     echo "plain exit $?" >> "$log") &
+  done
 done
 
 export LNBWD_QUICK=1   # the reduced shape set: the sanitizers are slow
@@ -58,9 +65,11 @@ four_tools 'qk check: [0-9]+ cases, [0-9]+ failures' "$OUT/qk_check"
 run_control head_off_by_one memcheck "$ctl/qk_check_head_off" > "$LOGS/head_off_by_one.result" &
 wait
 status=0
-for d in "${plain_dtypes[@]}"; do
-  echo "plain $d: $(grep -E "^qk check" "$LOGS/plain_$d.log") ($(tail -n 1 "$LOGS/plain_$d.log"))"
-  grep -q "^plain exit 0$" "$LOGS/plain_$d.log" || status=1
+for log in "${plain_logs[@]}"; do
+  name=${log##*/plain_}
+  name=${name%.log}
+  echo "plain ${name%_part*} (part ${name##*_part}/$parts): $(grep -E "^qk check" "$log") ($(tail -n 1 "$log"))"
+  grep -q "^plain exit 0$" "$log" || status=1
 done
 verdict head_off_by_one || status=1
 exit $status

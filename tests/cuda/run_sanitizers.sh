@@ -6,8 +6,10 @@
 # shuffles naming lanes that have left, which hang the check itself: run_plain_control, stopped
 # after LNBWD_HANG_LIMIT seconds). Needs a GPU (sm_90), nvcc and compute-sanitizer; SAN_STEP=build
 # compiles without a GPU, and SAN_STEP=run links and runs those objects (sanitize_lib.sh).
-#   [SAN_STEP=all|build|run] [JOBS=12] [KERNELS="11 12"] [LNBWD_SANITIZER_TIMEOUT=400] [LNBWD_HANG_LIMIT=60]
-#     tests/cuda/run_sanitizers.sh [OUT_DIR [LOG_DIR]]
+#   [SAN_STEP=all|build|run] [JOBS=12] [KERNELS="11 12"] [RACECHECK_PARTS=4] [LNBWD_SANITIZER_TIMEOUT=400]
+#     [LNBWD_HANG_LIMIT=60] tests/cuda/run_sanitizers.sh [OUT_DIR [LOG_DIR]]
+# racecheck, the slowest tool, checks each kernel in RACECHECK_PARTS processes side by side, each
+# on its part of the cases (LNBWD_SHARD, cuda_harness/shard.h): one result line a part.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:-/tmp/sanitizers}
@@ -94,21 +96,33 @@ controls() {
 
 status=0
 export LNBWD_QUICK=1   # the check's reduced shape set: the sanitizers are slow
-# One (tool, kernel) pair per process, JOBS at a time: the GPU has room for all of them.
-# racecheck is the slowest on kernels with many shared-memory accesses: smaller launches.
-sanitize_kernel() {   # sanitize_kernel TOOL KERNEL: one line of result
-  local tool=$1 kernel=$2
+# One (tool, kernel, part) per process, JOBS at a time: the GPU has room for all of them.
+# racecheck is the slowest on kernels with many shared-memory accesses: smaller launches, and
+# each kernel's cases in RACECHECK_PARTS parts.
+sanitize_kernel() {   # sanitize_kernel TOOL KERNEL K/N: one line of result
+  local tool=$1 kernel=$2 part=$3 label="$1 kernel $2" log=$LOGS/$1-k$2
   [ "$tool" = racecheck ] && export LNBWD_QUICK_MAX_ELEMENTS=3500000
-  sanitize "$tool kernel $kernel" "$tool" "$LOGS/$tool-k$kernel.log" 'check: [0-9]+ cases, [0-9]+ failures' \
+  if [ "$part" != 0/1 ]; then
+    label+=" (part $part)"
+    log+="-part${part%/*}"
+  fi
+  LNBWD_SHARD=$part sanitize "$label" "$tool" "$log.log" 'check: [0-9]+ cases, [0-9]+ failures' \
     "$OUT/check" "$kernel"
 }
 export -f sanitize sanitize_kernel
 export OUT LOGS TIMEOUT
 controls > "$LOGS/controls.txt" 2>&1 &
 ctl_pid=$!
+parts=${RACECHECK_PARTS:-4}
 for tool in racecheck memcheck synccheck initcheck; do   # the slowest first
-  for kernel in ${KERNELS:-1 2 3 4 5 6 7 8 9 10 11 12}; do echo "$tool $kernel"; done
-done | xargs -P "${JOBS:-12}" -n 2 bash -c 'sanitize_kernel "$@"' _ | sort -k1,1 -k3,3n | tee "$LOGS/summary.txt"
+  for kernel in ${KERNELS:-1 2 3 4 5 6 7 8 9 10 11 12}; do
+    if [ "$tool" = racecheck ]; then
+      for ((k = 0; k < parts; ++k)); do echo "$tool $kernel $k/$parts"; done
+    else
+      echo "$tool $kernel 0/1"
+    fi
+  done
+done | xargs -P "${JOBS:-12}" -n 3 bash -c 'sanitize_kernel "$@"' _ | sort -k1,1 -k3,3n -k5,5 | tee "$LOGS/summary.txt"
 grep -q FAILED "$LOGS/summary.txt" && status=1
 wait $ctl_pid
 cat "$LOGS/controls.txt"

@@ -54,6 +54,7 @@ case $name in check) what=check ;; *_check) what="${name%_check} check" ;; *) wh
   ((planted)) && echo "echo PLANTED"
   echo "echo \"objects: ${#objs[@]}\""
   echo 'echo "max C: ${LNBWD_MAX_C:-none}"'
+  echo 'echo "part: ${LNBWD_SHARD:-all}"'
   # A planted mask bug hangs the real check (its groups wait at shuffles for lanes that have left).
   [[ $name == check_mask ]] && echo '[ -n "${STUB_BLIND:-}" ] || sleep 5'
 } > "$out"
@@ -153,6 +154,35 @@ def test_the_mask_control_runs_small_rows_only(stubs, tmp_path):
         assert "max C: none" in (logs / log).read_text(), log
     # Kernel 12's planted write is in its ring of row chunks, which takes C <= 256.
     assert "max C: 256" in (logs / "oob12.log").read_text()
+
+
+def test_racecheck_and_the_plain_qk_check_run_in_parts(stubs, tmp_path):
+    # The slow runs are spread over processes side by side, each on its part of the cases
+    # (LNBWD_SHARD, cuda_harness/shard.h), one result line a part: racecheck of every kernel
+    # (RACECHECK_PARTS), and the plain QK check of every dtype (PLAIN_PARTS). The other tools
+    # check every case in one process.
+    out, logs = tmp_path / "objects", tmp_path / "logs"
+    assert script("run_sanitizers.sh", stubs, "build", out).returncode == 0
+    ran = script("run_sanitizers.sh", dict(stubs, RACECHECK_PARTS="3"), "run", out, logs)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    for kernel in (11, 12):
+        for k in range(3):
+            line = f"racecheck kernel {kernel} (part {k}/3): ERROR SUMMARY: 0 errors (check: 7 cases, 0 failures)"
+            assert line in ran.stdout, ran.stdout
+            assert f"part: {k}/3" in (logs / f"racecheck-k{kernel}-part{k}.log").read_text()
+        assert "part: 0/1" in (logs / f"memcheck-k{kernel}.log").read_text()
+    assert len([l for l in ran.stdout.splitlines() if l.startswith("racecheck kernel")]) == 6
+
+    qk_out, qk_logs = tmp_path / "qk_objects", tmp_path / "qk_logs"
+    assert script("run_qk_sanitizers.sh", stubs, "build", qk_out).returncode == 0
+    ran = script("run_qk_sanitizers.sh", dict(stubs, PLAIN_PARTS="2"), "run", qk_out, qk_logs)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    for dtype in ("float32", "bfloat16", "float16", "float64"):
+        for k in range(2):
+            line = f"plain {dtype} (part {k}/2): qk check: 7 cases, 0 failures (plain exit 0)"
+            assert line in ran.stdout, ran.stdout
+            assert f"part: {k}/2" in (qk_logs / f"plain_{dtype}_part{k}.log").read_text()
+    assert "part: all" in (qk_logs / "memcheck.log").read_text()
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
