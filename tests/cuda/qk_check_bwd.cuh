@@ -3,7 +3,6 @@
 // norm_bwd_sets_workspace_bytes gives, twice to the same bits.
 #pragma once
 
-#include <cstring>
 #include <random>
 #include <vector>
 

@@ -49,11 +49,10 @@ link "$ctl/qk_check_head_off" "${others[@]}" "$ctl"/*.o || exit 2
 # one process's float64 reference is what takes the time.
 plain_dtypes=(float32 bfloat16 float16 float64)
 parts=${PLAIN_PARTS:-3}
-plain_logs=()
+plain_log() { echo "$LOGS/plain_$1_part$2.log"; }   # plain_log DTYPE PART
 for d in "${plain_dtypes[@]}"; do
   for ((k = 0; k < parts; ++k)); do
-    log=$LOGS/plain_${d}_part$k.log
-    plain_logs+=("$log")
+    log=$(plain_log "$d" "$k")
     (LNBWD_DTYPE=$d LNBWD_SHARD=$k/$parts timeout "$TIMEOUT" "$OUT/qk_check" > "$log" 2>&1
      echo "plain exit $?" >> "$log") &
   done
@@ -65,11 +64,12 @@ four_tools 'qk check: [0-9]+ cases, [0-9]+ failures' "$OUT/qk_check"
 run_control head_off_by_one memcheck "$ctl/qk_check_head_off" > "$LOGS/head_off_by_one.result" &
 wait
 status=0
-for log in "${plain_logs[@]}"; do
-  name=${log##*/plain_}
-  name=${name%.log}
-  echo "plain ${name%_part*} (part ${name##*_part}/$parts): $(grep -E "^qk check" "$log") ($(tail -n 1 "$log"))"
-  grep -q "^plain exit 0$" "$log" || status=1
+for d in "${plain_dtypes[@]}"; do
+  for ((k = 0; k < parts; ++k)); do
+    log=$(plain_log "$d" "$k")
+    echo "plain $d (part $k/$parts): $(grep -E "^qk check" "$log") ($(tail -n 1 "$log"))"
+    grep -q "^plain exit 0$" "$log" || status=1
+  done
 done
 verdict head_off_by_one || status=1
 exit $status
