@@ -198,3 +198,45 @@ def test_our_call_is_captured(runs):
         assert call in captured.get(result["module"], set()), (
             f"{_case_id(case)}: {call} not in a command buffer of {result['module']}: {captured}")
         assert call not in (captured_off or {}).get(result["module"], set())
+
+
+# QK-norm's one op: its backward runs both sets' launches and one finalize in one custom call, the
+# second set's launch programmatic where a row is at most 128 bytes (bf16 D = 64; kernel12.h), a
+# dependency that stream capture must record. Both switches "ffi": the one op at any size.
+QK_SCRIPT = r'''
+import hashlib, json, sys
+import jax, jax.numpy as jnp, numpy as np
+from jax_lnbwd import qk_norm
+out = []
+for dtype, tokens, hq, hk, D in json.loads(sys.argv[1]):
+    def loss(q, k, wq, wk, rq, rk):
+        qo, ko = qk_norm(q, k, wq, wk)
+        return jnp.sum(qo.astype(jnp.float32) * rq) + jnp.sum(ko.astype(jnp.float32) * rk)
+    fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    hashes = []
+    for seed in (0, 1, 0, 1, 0):
+        rng = np.random.default_rng(seed)
+        q, rq = (jnp.asarray(rng.standard_normal((tokens, hq, D)), t) for t in (dtype, jnp.float32))
+        k, rk = (jnp.asarray(rng.standard_normal((tokens, hk, D)), t) for t in (dtype, jnp.float32))
+        wq, wk = (jnp.asarray(1 + 0.1 * rng.standard_normal(D), dtype) for _ in range(2))
+        hashes.append([hashlib.sha256(np.asarray(o).tobytes()).hexdigest() for o in fn(q, k, wq, wk, rq, rk)])
+    out.append(hashes)
+print("RESULT " + json.dumps(out))
+'''
+QK_CASES = [("bfloat16", 2048, 32, 8, 64), ("bfloat16", 2048, 32, 8, 128), ("float32", 1024, 16, 4, 64)]
+
+
+def test_qk_norm_is_bit_identical_with_graphs():
+    def run(flags):
+        env = dict(os.environ, JAX_PLATFORMS="cuda", XLA_PYTHON_CLIENT_PREALLOCATE="false", JAX_LNBWD_FORWARD="ffi",
+                   JAX_LNBWD_BACKWARD="ffi", XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip())
+        proc = subprocess.run([sys.executable, "-c", QK_SCRIPT, json.dumps(QK_CASES)], env=env, cwd=CHILD_CWD,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(next(l for l in reversed(proc.stdout.splitlines()) if l.startswith("RESULT "))[7:])
+    with_graphs, without = run(GRAPHS), run(NO_GRAPHS)
+    for case, g, n in zip(QK_CASES, with_graphs, without):
+        assert g == n, case
+        a, b = g[0::2], g[1::2]
+        assert all(h == a[0] for h in a) and all(h == b[0] for h in b), case
+        assert a[0] != b[0], f"{case}: inputs A and B gave the same gradients"

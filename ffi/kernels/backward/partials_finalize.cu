@@ -51,6 +51,8 @@ finalize_partials(O* __restrict__ dweight, O* __restrict__ dbias, const acc_t<T>
                                   static_cast<int>(blockDim.x / 32), sums);
 }
 
+}  // namespace
+
 // Whether the finalize launch may carry the programmatic-serialization attribute: griddepcontrol
 // needs sm_90, and stream capture (XLA's command buffers) records programmatic dependencies from
 // CUDA 12.3 on; an older driver that is capturing gets a plain launch, and so does the legacy
@@ -69,6 +71,8 @@ bool dependent_launch_ok(const DeviceLimits& lim, cudaStream_t stream) {
   }
   return capturing == cudaStreamCaptureStatusNone;
 }
+
+namespace {
 
 template <typename T, typename O, int V, int MAX_WARPS>
 cudaError_t launch(const NormBwdParams& p, const DeviceLimits& lim, int slots, cudaStream_t stream) {

@@ -12,6 +12,10 @@ namespace lnbwd {
 cudaError_t finalize_partials_launch(const NormBwdParams& p, const DeviceLimits& lim, int slots,
                                      cudaStream_t stream);
 
+// Whether a launch on `stream` may carry the programmatic-serialization attribute (sm_90, and a
+// driver whose stream capture records the dependency; partials_finalize.cu).
+bool dependent_launch_ok(const DeviceLimits& lim, cudaStream_t stream);
+
 #ifdef __CUDACC__
 // Called by a kernel whose partials finalize_partials sums, once per thread, at its start: from
 // the moment every block of the grid has called it, the finalize kernel may launch and wait on
@@ -20,6 +24,17 @@ cudaError_t finalize_partials_launch(const NormBwdParams& p, const DeviceLimits&
 __device__ __forceinline__ void allow_finalize_launch() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Called by a kernel that may be launched programmatically after another writer of the same
+// finalize's slots (QK-norm's second set, kernel12_chunk_sets.cu), once per thread, after its
+// last write: the block ends only once that earlier grid has ended and its writes are visible, so
+// that the finalize, which waits for this grid alone, finds both grids' slots written. A no-op
+// for a grid launched plainly, and before sm_90.
+__device__ __forceinline__ void wait_for_earlier_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
 #endif

@@ -27,6 +27,11 @@ constexpr size_t kKernel12InFlightBytes = 56 * 1024;
 // thread). fp32 rows run three blocks of 256 (80 registers; 24 warps), which measured faster.
 constexpr int kernel12_chunk_threads(int item_bytes) { return item_bytes == 2 ? 512 : 256; }
 constexpr int kernel12_chunk_blocks_per_sm(int threads) { return threads == 512 ? 2 : 3; }
+// QK-norm's two sets (kernel12_chunk_sets.cu): the second set's launch is programmatic, its
+// blocks starting in the first set's tail, where a row is at most this many bytes (a 16-bit
+// head_dim of 64). There a set streams in the least time, so the tail between the two grids is
+// the largest share of it; at longer rows the overlap measured no gain (docs/kernel12.md).
+constexpr size_t kKernel12SetsOverlapRowBytes = 128;
 // Their dynamic shared memory, as the launch sizes it and the kernel lays it out: [the weight row,
 // C accumulators, to a 128-byte boundary | the ring: nb buffers x `tensors` chunks of
 // chunk_bytes, whose memory the end's per-warp [dbias | dweight] sums reuse | full[nb] |

@@ -271,6 +271,7 @@ kernel12_chunks(T* dx, acc_t<T>* __restrict__ partials, const T* __restrict__ dy
       dx + row0 * C, partials + static_cast<size_t>(blockIdx.x) * 2 * C, dy + row0 * C, x + row0 * C,
       weight + segment * weight_stride, dresidual, mean + row0, rstd + row0, rows_per_segment,
       blockIdx.x % blocks_per_segment, blocks_per_segment, C, norm, nb);
+  wait_for_earlier_grid();   // QK-norm's second set: its finalize reads the first set's slots too
   if (finish.dweight) finish_partials_in_grid(finish, partials, blocks_per_segment, C, THREADS / 32, warp_sums);
 #endif
 }

@@ -3,9 +3,9 @@
 // backward runs), each on the whole grid over its own set's rows as one segment, writing its
 // set's segment of partial slots; then one finalize_partials launch for both dweights
 // (run_sets_grid, backward/sets.cuh). That streams as two calls of the ring do, with one finalize
-// and one custom call fewer. One grid over both sets streamed more slowly than two launches
-// (docs/kernel12.md). Head rows inside the fused projection are not taken here: kernel 11's sets
-// run them (backward/sets.cu).
+// and one custom call fewer; for short rows the second launch is programmatic (below). One grid
+// over both sets streamed more slowly than two launches (docs/kernel12.md). Head rows inside the
+// fused projection are not taken here: kernel 11's sets run them (backward/sets.cu).
 #include "backward/launch.cuh"
 #include "backward/sets.cuh"
 #include "backward/tma_ring/kernel12.h"
@@ -25,16 +25,36 @@ cudaError_t launch(const NormBwdParams& a, const NormBwdParams& b, const Kernel1
   return run_sets_grid<T>(
       a, b, SetsGrid::kApart, reinterpret_cast<const void*>(kernel), kThreads, smem, cfg.groups * cfg.nv, 12,
       "ring of row chunks, a launch a set", stream, [&](int blocks, NormArgs<acc_t<T>> norm) -> cudaError_t {
+        // For short rows (kKernel12SetsOverlapRowBytes) the second set's launch is programmatic
+        // where the stream allows it: its blocks start as the first set's leave the SMs (the first
+        // grid lets dependents launch from its start), and each ends only once the first grid has
+        // (wait_for_earlier_grid), so that the finalize, launched the same way after it, finds
+        // both sets' slots.
+        DeviceLimits lim;
+        LNBWD_RETURN_IF_CUDA_ERROR(device_limits(a.device, &lim));
+        const bool overlap = static_cast<size_t>(a.C) * sizeof(T) <= kKernel12SetsOverlapRowBytes &&
+                             dependent_launch_ok(lim, stream);
+        cudaLaunchAttribute dependent;
+        dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        dependent.val.programmaticStreamSerializationAllowed = 1;
         int k = 0;
         for (const NormBwdParams* p : {&a, &b}) {
           // The set's rows as one segment of `blocks` blocks, into its own segment of slots;
           // no finish in the grid (finish.dweight null): run_sets_grid's finalize adds both.
           const BwdSet<T, O> s = bwd_set_of<T, O>(*p);
-          acc_t<T>* segment = partials_of<T>(a) + static_cast<size_t>(k++) * blocks * 2 * a.C;
-          kernel<<<static_cast<unsigned int>(blocks), kThreads, smem, stream>>>(
-              s.dx, segment, s.dy, s.x, s.weight, nullptr, s.mean, s.rstd, s.rows, blocks, 0, static_cast<int>(a.C),
-              norm, GridFinish<T, O>{}, cfg.nb);
-          LNBWD_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+          acc_t<T>* segment = partials_of<T>(a) + static_cast<size_t>(k) * blocks * 2 * a.C;
+          cudaLaunchConfig_t launch = {};
+          launch.gridDim = dim3(static_cast<unsigned int>(blocks));
+          launch.blockDim = dim3(kThreads);
+          launch.dynamicSmemBytes = smem;
+          launch.stream = stream;
+          launch.attrs = &dependent;
+          launch.numAttrs = k > 0 && overlap ? 1 : 0;
+          LNBWD_RETURN_IF_CUDA_ERROR(cudaLaunchKernelEx(&launch, kernel, s.dx, segment, s.dy, s.x, s.weight,
+                                                        static_cast<const T*>(nullptr), s.mean, s.rstd, s.rows, blocks,
+                                                        int64_t{0}, static_cast<int>(a.C), norm, GridFinish<T, O>{},
+                                                        cfg.nb));
+          ++k;
         }
         return cudaSuccess;
       });
