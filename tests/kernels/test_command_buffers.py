@@ -97,15 +97,21 @@ print("RESULT " + json.dumps(results))
 '''
 
 
-def run_cases(flags: str):
-    """Run SCRIPT under XLA_FLAGS += flags; (its results, its stderr)."""
-    env = dict(os.environ, **LOG_ENV, JAX_PLATFORMS="cuda", XLA_PYTHON_CLIENT_PREALLOCATE="false",
+def run_script(script: str, cases, flags: str, env_extra: dict | None = None):
+    """Run `script` on the JSON of `cases` in a child process on CUDA, under XLA_FLAGS += flags and
+    env_extra; (the JSON of its RESULT line, its stderr)."""
+    env = dict(os.environ, **(env_extra or {}), JAX_PLATFORMS="cuda", XLA_PYTHON_CLIENT_PREALLOCATE="false",
                XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip())
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(CASES)], env=env, cwd=CHILD_CWD, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], env=env, cwd=CHILD_CWD, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, f"XLA_FLAGS={env['XLA_FLAGS']}: exit {proc.returncode}\n{proc.stderr[-5000:]}"
     line = next(line for line in reversed(proc.stdout.splitlines()) if line.startswith("RESULT "))
     return json.loads(line[len("RESULT "):]), proc.stderr
+
+
+def run_cases(flags: str):
+    """Run SCRIPT on CASES under XLA_FLAGS += flags, with XLA's command buffer log; (its results, its stderr)."""
+    return run_script(SCRIPT, CASES, flags, LOG_ENV)
 
 
 def captured_thunks(log: str) -> dict[str, set[str]] | None:
@@ -176,14 +182,7 @@ RAW_CASES = [("bfloat16", (3, 333, 768), None), ("float32", (4096, 1600), None),
 
 
 def test_raw_op_is_bit_identical_with_graphs():
-    def run(flags):
-        env = dict(os.environ, JAX_PLATFORMS="cuda", XLA_PYTHON_CLIENT_PREALLOCATE="false",
-                   XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip())
-        proc = subprocess.run([sys.executable, "-c", RAW_SCRIPT, json.dumps(RAW_CASES)], env=env, cwd=CHILD_CWD,
-                              capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return json.loads(next(l for l in reversed(proc.stdout.splitlines()) if l.startswith("RESULT "))[7:])
-    with_graphs, without = run(GRAPHS), run(NO_GRAPHS)
+    (with_graphs, _), (without, _) = (run_script(RAW_SCRIPT, RAW_CASES, flags) for flags in (GRAPHS, NO_GRAPHS))
     for case, g, n in zip(RAW_CASES, with_graphs, without):
         assert all(h == n[0] for h in g + n), case
 
@@ -227,14 +226,8 @@ QK_CASES = [("bfloat16", 2048, 32, 8, 64), ("bfloat16", 2048, 32, 8, 128), ("flo
 
 
 def test_qk_norm_is_bit_identical_with_graphs():
-    def run(flags):
-        env = dict(os.environ, JAX_PLATFORMS="cuda", XLA_PYTHON_CLIENT_PREALLOCATE="false", JAX_LNBWD_FORWARD="ffi",
-                   JAX_LNBWD_BACKWARD="ffi", XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip())
-        proc = subprocess.run([sys.executable, "-c", QK_SCRIPT, json.dumps(QK_CASES)], env=env, cwd=CHILD_CWD,
-                              capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return json.loads(next(l for l in reversed(proc.stdout.splitlines()) if l.startswith("RESULT "))[7:])
-    with_graphs, without = run(GRAPHS), run(NO_GRAPHS)
+    ffi = {"JAX_LNBWD_FORWARD": "ffi", "JAX_LNBWD_BACKWARD": "ffi"}
+    (with_graphs, _), (without, _) = (run_script(QK_SCRIPT, QK_CASES, flags, ffi) for flags in (GRAPHS, NO_GRAPHS))
     for case, g, n in zip(QK_CASES, with_graphs, without):
         assert g == n, case
         a, b = g[0::2], g[1::2]
