@@ -87,7 +87,8 @@ enum class SetsGrid {
 // blocks, since each fills a whole segment of slots) and no more than the workspace has pairs of
 // slots (a block, or a block of each launch, has one in each set's segment). Fills the plan;
 // with a.plan_only launches nothing (norm_bwd_sets_workspace_bytes). Otherwise calls
-// launch(blocks, norm), which launches the sets' kernels, then the finalize.
+// launch(blocks, norm, lim), which launches the sets' kernels (lim: the device's limits, read
+// here once), then the finalize.
 template <typename T, typename Launch>
 cudaError_t run_sets_grid(const NormBwdParams& a, const NormBwdParams& b, SetsGrid grid, const void* kernel,
                           int threads, size_t smem, int rows_per_block, int kernel_id, const char* path,
@@ -118,7 +119,7 @@ cudaError_t run_sets_grid(const NormBwdParams& a, const NormBwdParams& b, SetsGr
       kWorkspaceHeaderBytes + static_cast<size_t>(plan.slots) * 2 * static_cast<size_t>(a.C) * sizeof(acc_t<T>);
   if (a.plan_only) return cudaSuccess;
 
-  LNBWD_RETURN_IF_CUDA_ERROR(launch(static_cast<int>(blocks), norm_args_of<T>(a)));
+  LNBWD_RETURN_IF_CUDA_ERROR(launch(static_cast<int>(blocks), norm_args_of<T>(a), lim));
   // Both dweights: segments of `blocks` slots each, into a.dweight's two rows.
   NormBwdParams f = a;
   f.segments = 2;
@@ -136,7 +137,7 @@ cudaError_t launch_sets_grid(const NormBwdParams& a, const NormBwdParams& b,
                              Args... extra) {
   return run_sets_grid<T>(
       a, b, SetsGrid::kOneGrid, reinterpret_cast<const void*>(kernel), threads, smem, rows_per_block, kernel_id, path,
-      stream, [&](int blocks, NormArgs<acc_t<T>> norm) -> cudaError_t {
+      stream, [&](int blocks, NormArgs<acc_t<T>> norm, const DeviceLimits&) -> cudaError_t {
         const double share = static_cast<double>(a.rows) / static_cast<double>(a.rows + b.rows);
         BwdSets<T, O> s;
         s.set[0] = bwd_set_of<T, O>(a);

@@ -24,14 +24,12 @@ cudaError_t launch(const NormBwdParams& a, const NormBwdParams& b, const Kernel1
   // As many blocks an SM as fit, as a tensor's launch runs (launch_with_partials, kOccupancy).
   return run_sets_grid<T>(
       a, b, SetsGrid::kApart, reinterpret_cast<const void*>(kernel), kThreads, smem, cfg.groups * cfg.nv, 12,
-      "ring of row chunks, a launch a set", stream, [&](int blocks, NormArgs<acc_t<T>> norm) -> cudaError_t {
+      "ring of row chunks, a launch a set", stream, [&](int blocks, NormArgs<acc_t<T>> norm, const DeviceLimits& lim) -> cudaError_t {
         // For short rows (kKernel12SetsOverlapRowBytes) the second set's launch is programmatic
         // where the stream allows it: its blocks start as the first set's leave the SMs (the first
         // grid lets dependents launch from its start), and each ends only once the first grid has
         // (wait_for_earlier_grid), so that the finalize, launched the same way after it, finds
         // both sets' slots.
-        DeviceLimits lim;
-        LNBWD_RETURN_IF_CUDA_ERROR(device_limits(a.device, &lim));
         const bool overlap = static_cast<size_t>(a.C) * sizeof(T) <= kKernel12SetsOverlapRowBytes &&
                              dependent_launch_ok(lim, stream);
         cudaLaunchAttribute dependent;
