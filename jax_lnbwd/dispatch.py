@@ -66,7 +66,11 @@ KERNEL_PLATFORMS = ("cuda",)
 # 64 MB a tensor and at L2-sized shapes; docs/results/2026-12-04-small_rows_h200.txt: the
 # small-row kernels of layernorm and rmsnorm, C from 64 to 512 at 64 MB a tensor;
 # docs/results/2026-12-06-small_c_checks_h100.txt: the backward at C = 32, where kernel 12's ring of
-# row chunks and kernel 11's small rows both beat XLA's fusion, on the H100). For each
+# row chunks and kernel 11's small rows both beat XLA's fusion, on the H100;
+# docs/results/2026-12-07-small_c_qk_h100.txt: the forward of layernorm, add_layernorm and 16-bit
+# rmsnorm at C = 32 with 2^20 rows, and 16-bit add_layernorm at C = 64 with 2^19 rows, where the
+# small-row forward runs 1.5-2.1x XLA's fusion, on the H100; the other forwards there not
+# measured yet). For each
 # (op, direction, element bytes): (C, rows) pairs; our kernel runs when C >= c and rows >= r for
 # one of them. A pair marked ALIGNED holds only for rows of whole 16-byte vectors (C * itemsize a
 # multiple of 16): the small-row kernels run only those, and other rows of such widths take
@@ -78,12 +82,12 @@ KERNEL_PLATFORMS = ("cuda",)
 # added in the kernel.
 ALIGNED = "aligned"
 CROSSOVERS = {
-    ("layernorm", FORWARD, 2): ((256, 1), (64, 65536, ALIGNED)),
-    ("layernorm", FORWARD, 4): ((128, 1), (64, 65536, ALIGNED)),
-    ("rmsnorm", FORWARD, 2): ((128, 1), (64, 65536, ALIGNED)),
+    ("layernorm", FORWARD, 2): ((256, 1), (64, 65536, ALIGNED), (32, 1048576, ALIGNED)),
+    ("layernorm", FORWARD, 4): ((128, 1), (64, 65536, ALIGNED), (32, 1048576, ALIGNED)),
+    ("rmsnorm", FORWARD, 2): ((128, 1), (64, 65536, ALIGNED), (32, 1048576, ALIGNED)),
     ("rmsnorm", FORWARD, 4): ((128, 1), (64, 65536, ALIGNED)),
-    ("add_layernorm", FORWARD, 2): ((128, 1),),
-    ("add_layernorm", FORWARD, 4): ((64, 1),),
+    ("add_layernorm", FORWARD, 2): ((128, 1), (64, 524288, ALIGNED), (32, 1048576, ALIGNED)),
+    ("add_layernorm", FORWARD, 4): ((64, 1), (32, 1048576, ALIGNED)),
     ("add_rmsnorm", FORWARD, 2): ((128, 1),),
     ("add_rmsnorm", FORWARD, 4): ((64, 1),),
     ("layernorm", BACKWARD, 2): ((256, 1024), (64, 65536, ALIGNED), (32, 1048576, ALIGNED)),

@@ -38,12 +38,18 @@ def _decide(direction, shape, dtype="bfloat16", norm=RMSNORM, **kw):
 
 @pytest.mark.parametrize("op,direction,dtype,C,rows,ours", [
     # forward: layernorm bf16 from C 256, fp32 from 128; rmsnorm from 128; the add ops bf16 128, fp32 64;
-    # layernorm and rmsnorm also from C 64 with >= 65536 rows (the small-row kernels)
+    # layernorm and rmsnorm also from C 64 with >= 65536 rows, 16-bit add_layernorm from C 64 with
+    # >= 524288 rows; layernorm, add_layernorm and 16-bit rmsnorm from C 32 with >= 1048576 rows
+    # (the small-row kernels)
     ("layernorm", FORWARD, "bfloat16", 128, 262144, True),
     ("layernorm", FORWARD, "bfloat16", 128, 8192, False),
     ("layernorm", FORWARD, "bfloat16", 256, 131072, True),
     ("layernorm", FORWARD, "float32", 64, 524288, True),
-    ("layernorm", FORWARD, "float32", 32, 1048576, False),
+    ("layernorm", FORWARD, "float32", 32, 1048576, True),
+    ("layernorm", FORWARD, "float32", 32, 524288, False),
+    ("rmsnorm", FORWARD, "bfloat16", 32, 1048576, True),
+    ("rmsnorm", FORWARD, "bfloat16", 16, 1048576, False),
+    ("rmsnorm", FORWARD, "float32", 34, 1048576, False),   # not 16-byte rows
     ("layernorm", FORWARD, "float32", 128, 262144, True),
     ("rmsnorm", FORWARD, "bfloat16", 64, 524288, True),
     ("rmsnorm", FORWARD, "bfloat16", 64, 8192, False),
@@ -52,7 +58,11 @@ def _decide(direction, shape, dtype="bfloat16", norm=RMSNORM, **kw):
     ("rmsnorm", FORWARD, "float32", 64, 524288, True),
     ("add_layernorm", FORWARD, "bfloat16", 128, 262144, True),
     ("add_layernorm", FORWARD, "float32", 64, 524288, True),
-    ("add_layernorm", FORWARD, "float32", 32, 1048576, False),
+    ("add_layernorm", FORWARD, "float32", 32, 1048576, True),
+    ("add_layernorm", FORWARD, "float32", 32, 524288, False),
+    ("add_layernorm", FORWARD, "bfloat16", 64, 524288, True),
+    ("add_layernorm", FORWARD, "bfloat16", 64, 262144, False),
+    ("rmsnorm", FORWARD, "float32", 32, 1048576, False),
     ("add_rmsnorm", FORWARD, "bfloat16", 64, 524288, False),
     ("add_rmsnorm", FORWARD, "float64", 64, 524288, True),
     # backward: C >= 256 with >= 1024 rows, C >= 64 with >= 65536 rows or C >= 32 with >= 1048576
