@@ -69,8 +69,9 @@ KERNEL_PLATFORMS = ("cuda",)
 # row chunks and kernel 11's small rows both beat XLA's fusion, on the H100;
 # docs/results/2026-12-07-small_c_qk_h100.txt: the forward of layernorm, add_layernorm and 16-bit
 # rmsnorm at C = 32 with 2^20 rows, and 16-bit add_layernorm at C = 64 with 2^19 rows, where the
-# small-row forward runs 1.5-2.1x XLA's fusion, on the H100; the other forwards there not
-# measured yet). For each
+# small-row forward runs 1.5-2.1x XLA's fusion, on the H100; docs/results/2026-12-07-forward_rows_h100.txt:
+# rmsnorm and add_rmsnorm at C = 32 from 2^18 rows and 16-bit add_rmsnorm at C = 64 from 2^16
+# rows, 1.05-1.6x XLA's fusion, on the H100). For each
 # (op, direction, element bytes): (C, rows) pairs; our kernel runs when C >= c and rows >= r for
 # one of them. A pair marked ALIGNED holds only for rows of whole 16-byte vectors (C * itemsize a
 # multiple of 16): the small-row kernels run only those, and other rows of such widths take
@@ -84,12 +85,12 @@ ALIGNED = "aligned"
 CROSSOVERS = {
     ("layernorm", FORWARD, 2): ((256, 1), (64, 65536, ALIGNED), (32, 1048576, ALIGNED)),
     ("layernorm", FORWARD, 4): ((128, 1), (64, 65536, ALIGNED), (32, 1048576, ALIGNED)),
-    ("rmsnorm", FORWARD, 2): ((128, 1), (64, 65536, ALIGNED), (32, 1048576, ALIGNED)),
-    ("rmsnorm", FORWARD, 4): ((128, 1), (64, 65536, ALIGNED)),
+    ("rmsnorm", FORWARD, 2): ((128, 1), (64, 65536, ALIGNED), (32, 262144, ALIGNED)),
+    ("rmsnorm", FORWARD, 4): ((128, 1), (64, 65536, ALIGNED), (32, 262144, ALIGNED)),
     ("add_layernorm", FORWARD, 2): ((128, 1), (64, 524288, ALIGNED), (32, 1048576, ALIGNED)),
     ("add_layernorm", FORWARD, 4): ((64, 1), (32, 1048576, ALIGNED)),
-    ("add_rmsnorm", FORWARD, 2): ((128, 1),),
-    ("add_rmsnorm", FORWARD, 4): ((64, 1),),
+    ("add_rmsnorm", FORWARD, 2): ((128, 1), (64, 65536, ALIGNED), (32, 262144, ALIGNED)),
+    ("add_rmsnorm", FORWARD, 4): ((64, 1), (32, 262144, ALIGNED)),
     ("layernorm", BACKWARD, 2): ((256, 1024), (64, 65536, ALIGNED), (32, 1048576, ALIGNED)),
     ("layernorm", BACKWARD, 4): ((256, 1024), (64, 65536, ALIGNED), (32, 1048576, ALIGNED)),
     ("rmsnorm", BACKWARD, 2): ((256, 1024), (64, 65536, ALIGNED), (32, 1048576, ALIGNED)),

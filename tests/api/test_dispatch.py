@@ -39,8 +39,9 @@ def _decide(direction, shape, dtype="bfloat16", norm=RMSNORM, **kw):
 @pytest.mark.parametrize("op,direction,dtype,C,rows,ours", [
     # forward: layernorm bf16 from C 256, fp32 from 128; rmsnorm from 128; the add ops bf16 128, fp32 64;
     # layernorm and rmsnorm also from C 64 with >= 65536 rows, 16-bit add_layernorm from C 64 with
-    # >= 524288 rows; layernorm, add_layernorm and 16-bit rmsnorm from C 32 with >= 1048576 rows
-    # (the small-row kernels)
+    # >= 524288 rows, 16-bit add_rmsnorm from C 64 with >= 65536 rows; layernorm and add_layernorm
+    # from C 32 with >= 1048576 rows, rmsnorm and add_rmsnorm from C 32 with >= 262144 rows (the
+    # small-row kernels)
     ("layernorm", FORWARD, "bfloat16", 128, 262144, True),
     ("layernorm", FORWARD, "bfloat16", 128, 8192, False),
     ("layernorm", FORWARD, "bfloat16", 256, 131072, True),
@@ -62,8 +63,16 @@ def _decide(direction, shape, dtype="bfloat16", norm=RMSNORM, **kw):
     ("add_layernorm", FORWARD, "float32", 32, 524288, False),
     ("add_layernorm", FORWARD, "bfloat16", 64, 524288, True),
     ("add_layernorm", FORWARD, "bfloat16", 64, 262144, False),
-    ("rmsnorm", FORWARD, "float32", 32, 1048576, False),
-    ("add_rmsnorm", FORWARD, "bfloat16", 64, 524288, False),
+    ("rmsnorm", FORWARD, "float32", 32, 262144, True),
+    ("rmsnorm", FORWARD, "float32", 32, 131072, False),
+    ("rmsnorm", FORWARD, "bfloat16", 32, 262144, True),
+    ("rmsnorm", FORWARD, "bfloat16", 32, 131072, False),
+    ("add_rmsnorm", FORWARD, "bfloat16", 64, 65536, True),
+    ("add_rmsnorm", FORWARD, "bfloat16", 64, 32768, False),
+    ("add_rmsnorm", FORWARD, "bfloat16", 36, 262144, False),   # not 16-byte rows
+    ("add_rmsnorm", FORWARD, "bfloat16", 32, 262144, True),
+    ("add_rmsnorm", FORWARD, "float32", 32, 262144, True),
+    ("add_rmsnorm", FORWARD, "float32", 32, 131072, False),
     ("add_rmsnorm", FORWARD, "float64", 64, 524288, True),
     # backward: C >= 256 with >= 1024 rows, C >= 64 with >= 65536 rows or C >= 32 with >= 1048576
     # rows (the small-row kernels)
