@@ -72,6 +72,25 @@ bool dependent_launch_ok(const DeviceLimits& lim, cudaStream_t stream) {
   return capturing == cudaStreamCaptureStatusNone;
 }
 
+cudaLaunchConfig_t launch_config(dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool programmatic) {
+  // One attribute for every launch: cudaLaunchKernelEx reads it during the call and no launch
+  // changes it.
+  static cudaLaunchAttribute programmatic_attr = [] {
+    cudaLaunchAttribute a = {};
+    a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    a.val.programmaticStreamSerializationAllowed = 1;
+    return a;
+  }();
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = &programmatic_attr;
+  cfg.numAttrs = programmatic ? 1 : 0;
+  return cfg;
+}
+
 namespace {
 
 template <typename T, typename O, int V, int MAX_WARPS>
@@ -79,15 +98,8 @@ cudaError_t launch(const NormBwdParams& p, const DeviceLimits& lim, int slots, c
   const int64_t tiles = ceil_div<int64_t>(p.C, 32 * V);
   if (tiles * p.segments > INT32_MAX) return cudaErrorInvalidConfiguration;
   const int warps = static_cast<int>(std::clamp<int64_t>(ceil_div<int64_t>(slots, kBatch<V>), 1, MAX_WARPS));
-  cudaLaunchAttribute dependent;
-  dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  dependent.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned int>(tiles * p.segments));
-  cfg.blockDim = dim3(32 * warps);
-  cfg.stream = stream;
-  cfg.attrs = &dependent;
-  cfg.numAttrs = dependent_launch_ok(lim, stream) ? 1 : 0;
+  cudaLaunchConfig_t cfg = launch_config(dim3(static_cast<unsigned int>(tiles * p.segments)), dim3(32 * warps), 0,
+                                         stream, dependent_launch_ok(lim, stream));
   return cudaLaunchKernelEx(&cfg, finalize_partials<T, O, V, MAX_WARPS>, static_cast<O*>(p.dweight),
                             static_cast<O*>(p.dbias), static_cast<const acc_t<T>*>(partials_of<T>(p)), slots,
                             static_cast<int>(p.C), static_cast<int>(tiles));

@@ -16,6 +16,11 @@ cudaError_t finalize_partials_launch(const NormBwdParams& p, const DeviceLimits&
 // driver whose stream capture records the dependency; partials_finalize.cu).
 bool dependent_launch_ok(const DeviceLimits& lim, cudaStream_t stream);
 
+// The configuration of a cudaLaunchKernelEx launch of `grid` blocks of `block` threads with
+// `smem` bytes of dynamic shared memory on `stream`; `programmatic` adds the programmatic-
+// serialization attribute (pass what dependent_launch_ok answered, or false).
+cudaLaunchConfig_t launch_config(dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool programmatic);
+
 #ifdef __CUDACC__
 // Called by a kernel whose partials finalize_partials sums, once per thread, at its start: from
 // the moment every block of the grid has called it, the finalize kernel may launch and wait on

@@ -7,6 +7,7 @@
 // over both sets streamed more slowly than two launches (docs/kernel12.md). Head rows inside the
 // fused projection are not taken here: kernel 11's sets run them (backward/sets.cu).
 #include "backward/launch.cuh"
+#include "backward/partials_finalize.h"
 #include "backward/sets.cuh"
 #include "backward/tma_ring/kernel12.h"
 #include "backward/tma_ring/kernel12_chunk_rows.cuh"
@@ -32,22 +33,14 @@ cudaError_t launch(const NormBwdParams& a, const NormBwdParams& b, const Kernel1
         // both sets' slots.
         const bool overlap = static_cast<size_t>(a.C) * sizeof(T) <= kKernel12SetsOverlapRowBytes &&
                              dependent_launch_ok(lim, stream);
-        cudaLaunchAttribute dependent;
-        dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        dependent.val.programmaticStreamSerializationAllowed = 1;
         int k = 0;
         for (const NormBwdParams* p : {&a, &b}) {
           // The set's rows as one segment of `blocks` blocks, into its own segment of slots;
           // no finish in the grid (finish.dweight null): run_sets_grid's finalize adds both.
           const BwdSet<T, O> s = bwd_set_of<T, O>(*p);
           acc_t<T>* segment = partials_of<T>(a) + static_cast<size_t>(k) * blocks * 2 * a.C;
-          cudaLaunchConfig_t launch = {};
-          launch.gridDim = dim3(static_cast<unsigned int>(blocks));
-          launch.blockDim = dim3(kThreads);
-          launch.dynamicSmemBytes = smem;
-          launch.stream = stream;
-          launch.attrs = &dependent;
-          launch.numAttrs = k > 0 && overlap ? 1 : 0;
+          cudaLaunchConfig_t launch = launch_config(dim3(static_cast<unsigned int>(blocks)), dim3(kThreads), smem,
+                                                    stream, k > 0 && overlap);
           LNBWD_RETURN_IF_CUDA_ERROR(cudaLaunchKernelEx(&launch, kernel, s.dx, segment, s.dy, s.x, s.weight,
                                                         static_cast<const T*>(nullptr), s.mean, s.rstd, s.rows, blocks,
                                                         int64_t{0}, static_cast<int>(a.C), norm, GridFinish<T, O>{},
