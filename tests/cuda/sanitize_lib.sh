@@ -108,11 +108,12 @@ run_control() {
 }
 
 # run_plain_control NAME SECONDS COMMAND...: positive control NAME's binary run plainly, for a
-# planted bug that no sanitizer reports: a row group's shuffles naming lanes that have left the
-# row loop. synccheck does not check a shuffle's mask (one that leaves out the calling lane went
-# unreported), and the group then waits at its shuffle for lanes that never arrive: a hang, which
-# ends in no summary at all. The check itself must notice, by failing or by not finishing within
-# SECONDS. Prints one line, as control_report does.
+# planted bug that no sanitizer reports: kernel 11's row group whose shuffles name lanes that have
+# left the row loop (synccheck does not check a shuffle's mask: one that leaves out the calling
+# lane went unreported), so that the group waits at its shuffle for lanes that never arrive, a
+# hang which ends in no summary at all; or the forward's row sums taken across two groups, wrong
+# values from well-formed shuffles. The check itself must notice, by failing or by not finishing
+# within SECONDS. Prints one line, as control_report does.
 run_plain_control() {
   local name=$1 limit=$2 rc tally
   shift 2
