@@ -4,7 +4,8 @@ where their logs go, and their exit status.
 tests/cuda/run_*sanitizers.sh compile a standalone check and its positive controls (SAN_STEP=build:
 nvcc, no GPU) and link and run them under compute-sanitizer (SAN_STEP=run: a GPU). Here stubs
 stand in for nvcc (an "object" names its source; a "binary" prints its check's count line, and
-PLANTED when a control's object is linked in, and hangs when it is the mask control's) and for
+PLANTED when a control's object is linked in, hangs when it is the mask control's, and fails cases
+when it is the cross control's) and for
 compute-sanitizer (it runs the binary and reports errors where it printed PLANTED), so that a
 script that mixes up its objects, its controls or its status fails here, not in a device call. The tools' own verdicts are the GPU's
 (tools/gpu/gpu_check.sh).
@@ -57,6 +58,8 @@ case $name in check) what=check ;; *_check) what="${name%_check} check" ;; *) wh
   echo 'echo "part: ${LNBWD_SHARD:-all}"'
   # A planted mask bug hangs the real check (its groups wait at shuffles for lanes that have left).
   [[ $name == check_mask ]] && echo '[ -n "${STUB_BLIND:-}" ] || sleep 5'
+  # A planted sum across row groups gives the real check wrong values: it counts failures.
+  [[ $name == check_cross ]] && echo '[ -n "${STUB_BLIND:-}" ] || { echo "control: 7 cases, 3 failures"; exit 1; }'
 } > "$out"
 chmod +x "$out"
 """
@@ -86,8 +89,8 @@ echo "========= ERROR SUMMARY: 0 errors"
 SCRIPTS = {
     "run_qk_sanitizers.sh": ("qk check", ["head_off_by_one"], ["qk_check", "controls/qk_check_head_off"]),
     "run_rms_sanitizers.sh": ("rms check", ["one_buffer"], ["rms_check", "controls/rms_check_one_buffer"]),
-    "run_forward_sanitizers.sh": ("forward check", ["oob", "race", "oob_s", "mask"],
-                                  ["forward_check"] + [f"controls/check_{p}" for p in ("oob", "race", "oob_s", "mask")]),
+    "run_forward_sanitizers.sh": ("forward check", ["oob", "race", "oob_s", "cross"],
+                                  ["forward_check"] + [f"controls/check_{p}" for p in ("oob", "race", "oob_s", "cross")]),
     "run_sanitizers.sh": ("check", ["oob", "race", "mask", "oob12"],
                           ["check"] + [f"controls/check_{p}" for p in ("oob", "race", "mask", "oob12")]),
 }
@@ -154,6 +157,18 @@ def test_the_mask_control_runs_small_rows_only(stubs, tmp_path):
         assert "max C: none" in (logs / log).read_text(), log
     # Kernel 12's planted write is in its ring of row chunks, which takes C <= 256.
     assert "max C: 256" in (logs / "oob12.log").read_text()
+
+
+def test_the_cross_control_is_the_plain_check(stubs, tmp_path):
+    # The forward's cross bug (a row's sum taken across two row groups) is wrong values from
+    # well-formed shuffles: no sanitizer reports it, so its control is the check run plainly, which
+    # must count failures. Its line says so, and no tool ran on its binary.
+    out, logs = tmp_path / "objects", tmp_path / "logs"
+    assert script("run_forward_sanitizers.sh", stubs, "build", out).returncode == 0
+    ran = script("run_forward_sanitizers.sh", stubs, "run", out, logs)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert "control cross (plain run): reported: 7 cases, 3 failures (exit 1)" in ran.stdout
+    assert "ERROR SUMMARY" not in (logs / "cross.log").read_text()
 
 
 def test_racecheck_and_the_plain_qk_check_run_in_parts(stubs, tmp_path):
