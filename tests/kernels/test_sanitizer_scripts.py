@@ -5,10 +5,9 @@ tests/cuda/run_*sanitizers.sh compile a standalone check and its positive contro
 nvcc, no GPU) and link and run them under compute-sanitizer (SAN_STEP=run: a GPU). Here stubs
 stand in for nvcc (an "object" names its source; a "binary" prints its check's count line, and
 PLANTED when a control's object is linked in, hangs when it is the mask control's, and fails cases
-when it is the cross control's) and for
-compute-sanitizer (it runs the binary and reports errors where it printed PLANTED), so that a
-script that mixes up its objects, its controls or its status fails here, not in a device call. The tools' own verdicts are the GPU's
-(tools/gpu/gpu_check.sh).
+when it is the cross control's) and for compute-sanitizer (it runs the binary and reports errors
+where it printed PLANTED), so that a script that mixes up its objects, its controls or its status
+fails here, not in a device call. The tools' own verdicts are the GPU's (tools/gpu/gpu_check.sh).
 """
 import os
 import pathlib
